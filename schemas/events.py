@@ -1,0 +1,212 @@
+"""The events of a run, in the order the pipeline produces them.
+
+Step (one model call) and Rollout (one finished episode) come from the arena; RolloutScored
+from the verifier; TrainingRecord from credit assignment; TrainerBatch from the batcher;
+DeadLetter from any service that could not process its input.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar, Literal
+
+from pydantic import Field, JsonValue, model_validator
+
+from schemas.arrays import Logprobs, Mask, TokenIds
+from schemas.envelope import Event, Record
+from schemas.policy import PolicyRef, PolicyRevision
+
+ENV_REF = re.compile(r"^[A-Za-z0-9_.\-/]+@[A-Za-z0-9_.\-+]+$")
+
+
+class ToolCall(Record):
+    id: str
+    name: str
+    arguments: str = Field(description="JSON-encoded arguments, exactly as the model produced them")
+
+
+class ChatMessage(Record):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_call_id: str | None = None
+
+
+class Step(Event):
+    """One model call. Immutable; the Rollout that owns it lists its ``step_id`` in order."""
+
+    EVENT_TYPE: ClassVar[str] = "step"
+
+    step_id: str = Field(min_length=1)
+    rollout_id: str = Field(min_length=1)
+    index: int = Field(ge=0, description="position of this call within its rollout")
+    member_id: str = Field(min_length=1, description="the seat that spoke (a role if trainable)")
+    target: str = Field(min_length=1, description="the GenerationPlan target that served the call")
+    trainable: bool = Field(description="whether this member was the learner for this rollout")
+    policy: PolicyRef | None = Field(description="revision that produced the tokens; None for fixed targets")
+    prompt: list[ChatMessage]
+    completion: list[ChatMessage]
+    prompt_token_ids: TokenIds
+    completion_token_ids: TokenIds
+    completion_logprobs: Logprobs
+    finish_reason: str
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    latency_s: float = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Step:
+        if len(self.completion_token_ids) != len(self.completion_logprobs):
+            raise ValueError(f"completion_token_ids ({len(self.completion_token_ids)}) and completion_logprobs "
+                             f"({len(self.completion_logprobs)}) must have the same length")
+        if self.trainable and self.policy is None:
+            raise ValueError("a trainable step must name the policy revision that produced it")
+        return self
+
+
+RolloutStatus = Literal["completed", "truncated", "failed"]
+
+
+class Rollout(Event):
+    """A finished episode: what was asked, which calls were made, what came out."""
+
+    EVENT_TYPE: ClassVar[str] = "rollout"
+
+    rollout_id: str = Field(min_length=1)
+    episode_type: str = Field(min_length=1)
+    environment: str = Field(pattern=ENV_REF.pattern, description="environment reference name@version")
+    example_id: str = Field(min_length=1, description="dataset example the seed came from")
+    seed: dict[str, JsonValue]
+    step_ids: list[str] = Field(description="the rollout's steps, in call order")
+    members: dict[str, bool] = Field(description="member_id -> trainable in this rollout")
+    artifacts: dict[str, JsonValue] = Field(default_factory=dict, description="Episode.finalize() output")
+    parent_rollout_id: str | None = None
+    child_rollout_ids: list[str] = Field(default_factory=list)
+    group_id: str = Field(min_length=1, description="rollouts of one prompt sampled together")
+    group_size: int = Field(ge=1)
+    policy: PolicyRef | None = Field(description="learner revision current when the episode was admitted")
+    status: RolloutStatus
+    failure_reason: str | None = None
+
+    @model_validator(mode="after")
+    def _status_consistent(self) -> Rollout:
+        if self.status == "failed" and not self.failure_reason:
+            raise ValueError("a failed rollout must say why (failure_reason)")
+        if self.status != "failed" and not self.step_ids and not self.child_rollout_ids:
+            raise ValueError("an empty rollout (no steps, no children) is refused; record it as failed with a reason")
+        if len(set(self.step_ids)) != len(self.step_ids):
+            raise ValueError("step_ids repeat a step")
+        return self
+
+
+class StepTokens(Record):
+    """The trainable part of a Step, carried forward so credit assignment needs no join."""
+
+    step_id: str
+    member_id: str
+    policy: PolicyRef
+    prompt_token_ids: TokenIds
+    completion_token_ids: TokenIds
+    completion_logprobs: Logprobs
+
+
+class RolloutScored(Event):
+    """The verifier's verdict on one rollout. Metrics are logged, never rewarded."""
+
+    EVENT_TYPE: ClassVar[str] = "rollout_scored"
+
+    rollout_id: str
+    group_id: str
+    group_size: int = Field(ge=1)
+    environment: str = Field(pattern=ENV_REF.pattern)
+    example_id: str
+    parent_rollout_id: str | None = None
+    status: RolloutStatus
+    rewards: dict[str, float] = Field(description="member_id -> reward")
+    metrics: dict[str, float] = Field(default_factory=dict)
+    verifier: str = Field(min_length=1)
+    verifier_version: str = Field(min_length=1)
+    trainable_steps: list[StepTokens] = Field(default_factory=list)
+
+
+class TrainingRecord(Event):
+    """The trainer's unit: one trainable step's tokens with its credit."""
+
+    EVENT_TYPE: ClassVar[str] = "training_record"
+
+    record_id: str = Field(min_length=1, description="deterministic from rollout and step, so a retry cannot double it")
+    rollout_id: str
+    step_ids: list[str] = Field(min_length=1)
+    member_id: str
+    group_id: str
+    environment: str = Field(pattern=ENV_REF.pattern)
+    policy: PolicyRef = Field(description="source revision that produced the completion")
+    prompt_token_ids: TokenIds
+    completion_token_ids: TokenIds
+    completion_logprobs: Logprobs
+    loss_mask: Mask = Field(description="1 where the completion token is trained on")
+    reward: float
+    advantage: float
+    credit: str = Field(description="credit strategy that produced the advantage")
+
+    @model_validator(mode="after")
+    def _aligned(self) -> TrainingRecord:
+        n = len(self.completion_token_ids)
+        if len(self.completion_logprobs) != n or len(self.loss_mask) != n:
+            raise ValueError(f"completion_token_ids ({n}), completion_logprobs ({len(self.completion_logprobs)}) "
+                             f"and loss_mask ({len(self.loss_mask)}) must have the same length")
+        if n == 0:
+            raise ValueError("a training record with no completion tokens is refused")
+        return self
+
+
+class RevisionCount(Record):
+    policy: PolicyRef
+    records: int = Field(ge=1)
+
+
+class Aggregates(Record):
+    count: int
+    mean: float
+    std: float
+    min: float
+    max: float
+
+
+class TrainerBatch(Event):
+    """A lineage-stamped batch for one target revision. Build it with ``schemas.batch.assemble_batch``."""
+
+    EVENT_TYPE: ClassVar[str] = "trainer_batch"
+
+    batch_id: str
+    family: str
+    target: PolicyRef
+    max_off_policy_steps: int = Field(ge=0)
+    records: list[TrainingRecord] = Field(min_length=1)
+    source_revisions: list[RevisionCount]
+    reward: Aggregates
+    advantage: Aggregates
+    completion_tokens: int = Field(ge=0)
+    proof_refs: list[str] = Field(description="sorted unique references (rollout ids) the batch rests on")
+    batch_digest: str
+    lineage_digest: str
+
+
+class DeadLetter(Event):
+    """Input a service could not process, kept whole with the reason, so nothing is silently lost."""
+
+    EVENT_TYPE: ClassVar[str] = "dead_letter"
+
+    origin_topic: str
+    origin_partition: int
+    origin_offset: int
+    origin_key: bytes | None = None
+    raw: bytes
+    error_type: str
+    error_message: str
+    service: str
+
+
+ALL_EVENTS: tuple[type[Event], ...] = (
+    PolicyRevision, Step, Rollout, RolloutScored, TrainingRecord, TrainerBatch, DeadLetter)
+EVENTS_BY_TYPE: dict[str, type[Event]] = {cls.EVENT_TYPE: cls for cls in ALL_EVENTS}
