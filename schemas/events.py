@@ -16,6 +16,8 @@ from schemas.arrays import Logprobs, Mask, TokenIds
 from schemas.envelope import Event, Record
 from schemas.policy import PolicyRef, PolicyRevision
 
+ROOT_GROUP_DOC = ("group id of the top-level episode this belongs to (its own group_id when top-level); "
+                  "everything of one root group is co-located, so a group or an episode tree is seen whole")
 ENV_REF = re.compile(r"^[A-Za-z0-9_.\-/]+@[A-Za-z0-9_.\-+]+$")
 
 
@@ -40,6 +42,7 @@ class Step(Event):
 
     step_id: str = Field(min_length=1)
     rollout_id: str = Field(min_length=1)
+    root_group_id: str = Field(min_length=1, description=ROOT_GROUP_DOC)
     index: int = Field(ge=0, description="position of this call within its rollout")
     member_id: str = Field(min_length=1, description="the seat that spoke (a role if trainable)")
     target: str = Field(min_length=1, description="the GenerationPlan target that served the call")
@@ -83,6 +86,7 @@ class Rollout(Event):
     parent_rollout_id: str | None = None
     child_rollout_ids: list[str] = Field(default_factory=list)
     group_id: str = Field(min_length=1, description="rollouts of one prompt sampled together")
+    root_group_id: str = Field(min_length=1, description=ROOT_GROUP_DOC)
     group_size: int = Field(ge=1)
     policy: PolicyRef | None = Field(description="learner revision current when the episode was admitted")
     status: RolloutStatus
@@ -117,6 +121,7 @@ class RolloutScored(Event):
 
     rollout_id: str
     group_id: str
+    root_group_id: str = Field(min_length=1, description=ROOT_GROUP_DOC)
     group_size: int = Field(ge=1)
     environment: str = Field(pattern=ENV_REF.pattern)
     example_id: str
