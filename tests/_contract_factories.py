@@ -1,0 +1,67 @@
+"""Builders of valid events for the contract tests (fixed ids and timestamps where asked)."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, datetime
+
+import numpy as np
+
+from schemas.events import ChatMessage, Rollout, Step, TrainingRecord
+from schemas.policy import CheckpointRef, PolicyRef, PolicyRevision
+
+FAMILY = "tiny-byte-lm"
+T0 = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
+ENV = "arithmetic@1"
+
+
+def ckpt_digest(revision: int, family: str = FAMILY) -> str:
+    return hashlib.sha256(f"{family}:{revision}".encode()).hexdigest()
+
+
+def ref(revision: int, family: str = FAMILY) -> PolicyRef:
+    return PolicyRef(family=family, revision=revision, checkpoint_digest=ckpt_digest(revision, family))
+
+
+def revision(rev: int, family: str = FAMILY, *, checkpoint: bool = True) -> PolicyRevision:
+    return PolicyRevision(
+        event_id=f"rev-{family}-{rev}", run_id="run-1", producer="trainer", created_at=T0,
+        family=family, revision=rev, parent_revision=rev - 1 if rev else None,
+        checkpoint=CheckpointRef(uri=f"file:///ckpt/{family}/r{rev}.pt", digest=ckpt_digest(rev, family))
+        if checkpoint else None)
+
+
+def step(n_tokens: int = 8, *, logprobs: np.ndarray | None = None, token_ids: np.ndarray | None = None,
+         step_id: str = "step-1", trainable: bool = True, rev: int = 0) -> Step:
+    ids = np.arange(n_tokens, dtype="<i4") if token_ids is None else token_ids
+    lps = (-np.linspace(0.0, 3.0, len(ids), dtype="<f4")) if logprobs is None else logprobs
+    return Step(
+        event_id=f"ev-{step_id}", run_id="run-1", producer="arena-0", created_at=T0, causation_id=None,
+        step_id=step_id, rollout_id="rollout-1", root_group_id="group-1", index=0, member_id="solver",
+        target="learner", trainable=trainable, policy=ref(rev) if trainable else None,
+        prompt=[ChatMessage(role="user", content="What is 2+3?")],
+        completion=[ChatMessage(role="assistant", content="5")],
+        prompt_token_ids=np.array([87, 104, 97, 116], dtype="<i4"), completion_token_ids=ids,
+        completion_logprobs=lps, finish_reason="stop", latency_s=0.25)
+
+
+def record(i: int = 0, *, rev: int = 0, family: str = FAMILY, n_tokens: int = 6,
+           logprobs: np.ndarray | None = None, reward: float = 1.0, advantage: float = 0.5) -> TrainingRecord:
+    ids = (np.arange(n_tokens, dtype="<i4") + i) % 256
+    lps = (-np.linspace(0.1, 2.0, n_tokens, dtype="<f4") - np.float32(i) / 100) if logprobs is None else logprobs
+    return TrainingRecord(
+        event_id=f"ev-rec-{i}", run_id="run-1", producer="credit-0", created_at=T0,
+        record_id=f"rec-{i:05d}", rollout_id=f"rollout-{i // 4}", step_ids=[f"step-{i}"], member_id="solver",
+        group_id=f"group-{i // 4}", environment=ENV, policy=ref(rev, family),
+        prompt_token_ids=np.array([1, 2, 3], dtype="<i4"), completion_token_ids=ids,
+        completion_logprobs=lps, loss_mask=np.ones(len(ids), dtype="u1"),
+        reward=reward, advantage=advantage, credit="grpo")
+
+
+def rollout(**kw) -> Rollout:
+    base = dict(event_id="ev-rollout-1", run_id="run-1", producer="arena-0", created_at=T0,
+                rollout_id="rollout-1", episode_type="single_turn", environment=ENV, example_id="ex-1",
+                seed={"question": "2+3"}, step_ids=["step-1"], members={"solver": True},
+                group_id="group-1", root_group_id="group-1", group_size=4, policy=ref(0), status="completed")
+    base.update(kw)
+    return Rollout(**base)
