@@ -1,0 +1,82 @@
+"""Checkpoints of the local policy model, addressed by (family, revision) and verified by SHA-256.
+
+    ref = save_checkpoint(model, "ckpt/", family="tiny", revision=3)   # CheckpointRef(uri, digest)
+    model = load_checkpoint(ref)        # refuses a file whose bytes do not hash to ref.digest
+    model = load_checkpoint("ckpt/tiny-r000003.pt")   # a bare path: loaded, not verified
+
+The file is a ``torch.save`` of ``{"format": 1, "family", "revision", "config", "state_dict"}``;
+the digest is of the file's bytes exactly as written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from policy.model import ModelConfig, PolicyModel
+from schemas.errors import ContractError
+from schemas.policy import CheckpointRef
+
+FORMAT = 1
+
+
+class CheckpointDigestError(ContractError):
+    """The checkpoint's bytes do not hash to the digest its reference names."""
+
+
+def checkpoint_filename(family: str, revision: int) -> str:
+    return f"{family}-r{revision:06d}.pt"
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_checkpoint(model: PolicyModel, directory: str | os.PathLike, family: str, revision: int) -> CheckpointRef:
+    """Write atomically (temp file + rename) and return the reference with the file's SHA-256."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / checkpoint_filename(family, revision)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    torch.save({"format": FORMAT, "family": family, "revision": int(revision),
+                "config": model.config.to_dict(), "state_dict": state}, tmp)
+    os.replace(tmp, path)
+    return CheckpointRef(uri=path.resolve().as_uri(), digest=file_sha256(path))
+
+
+def checkpoint_path(ref_or_path: CheckpointRef | str | os.PathLike) -> Path:
+    uri = ref_or_path.uri if isinstance(ref_or_path, CheckpointRef) else os.fspath(ref_or_path)
+    if uri.startswith("file://"):
+        return Path(urlparse(uri).path)
+    if "://" in uri:
+        raise ValueError(f"only local file checkpoints are supported, got {uri!r}")
+    return Path(uri)
+
+
+def load_checkpoint_info(ref_or_path: CheckpointRef | str | os.PathLike) -> tuple[PolicyModel, dict]:
+    """(model, {"family", "revision", "digest"}); verifies the digest when given a CheckpointRef."""
+    path = checkpoint_path(ref_or_path)
+    digest = file_sha256(path)
+    if isinstance(ref_or_path, CheckpointRef) and digest != ref_or_path.digest:
+        raise CheckpointDigestError(f"checkpoint {path} has sha256 {digest}, but its reference says "
+                                    f"{ref_or_path.digest}: refusing to load different weights")
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    if blob.get("format") != FORMAT:
+        raise ContractError(f"checkpoint {path} has format {blob.get('format')!r}, expected {FORMAT}")
+    model = PolicyModel(ModelConfig(**blob["config"]))
+    model.load_state_dict(blob["state_dict"])
+    model.eval()
+    return model, {"family": blob["family"], "revision": blob["revision"], "digest": digest}
+
+
+def load_checkpoint(ref_or_path: CheckpointRef | str | os.PathLike) -> PolicyModel:
+    return load_checkpoint_info(ref_or_path)[0]
