@@ -1,0 +1,160 @@
+"""The one place where topic names, partition counts, replication factor and topic configs live.
+
+    from streams import topics
+    topics.STEPS.name           # "rollout.steps" (prefix: ROLLOUT_TOPIC_PREFIX, default "rollout.")
+    topics.TOPICS["steps"]      # the same Topic
+    await topics.create_topics(settings.admin_kwargs())   # idempotent
+
+Retention is infinite (-1) by default: the log is the source of truth. Only `steps` (the bulkiest)
+has a configurable retention: ROLLOUT_STEPS_RETENTION_MS (default -1).
+Replication factor: ROLLOUT_TOPIC_REPLICATION_FACTOR (default 1, the local single-node broker; use 3
+on a real cluster). The Kafka protocol's "broker default" (-1) needs CreateTopics v4, which aiokafka
+0.14 does not speak, so it is always explicit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from streams.config import KafkaError
+
+MiB = 1024 * 1024
+INFINITE = "-1"
+TOPIC_ALREADY_EXISTS = 36  # Kafka protocol error code
+
+
+def topic_prefix() -> str:
+    return os.environ.get("ROLLOUT_TOPIC_PREFIX", "rollout.")
+
+
+def replication_factor() -> int:
+    return int(os.environ.get("ROLLOUT_TOPIC_REPLICATION_FACTOR") or 1)
+
+
+@dataclass(frozen=True)
+class Topic:
+    key: str  # name without the prefix, e.g. "steps"
+    partitions: int
+    configs: Mapping[str, str] = field(default_factory=dict)
+    doc: str = ""
+
+    @property
+    def name(self) -> str:
+        return topic_prefix() + self.key
+
+    @property
+    def replication_factor(self) -> int:
+        return replication_factor()
+
+    def topic_configs(self) -> dict[str, str]:
+        cfg = {"cleanup.policy": "delete", "retention.ms": INFINITE, "retention.bytes": INFINITE}
+        cfg.update(self.configs)
+        if self.key == "steps":
+            cfg["retention.ms"] = os.environ.get("ROLLOUT_STEPS_RETENTION_MS") or cfg["retention.ms"]
+        return cfg
+
+    def __str__(self) -> str:
+        return self.name
+
+
+_BIG = {"max.message.bytes": str(8 * MiB)}
+
+POLICY_REVISIONS = Topic("policy-revisions", 1, doc="policy/weights revisions, totally ordered")
+STEPS = Topic("steps", 12, _BIG, doc="environment steps (retention: ROLLOUT_STEPS_RETENTION_MS)")
+ROLLOUTS = Topic("rollouts", 12, _BIG, doc="completed rollouts")
+SCORES = Topic("scores", 12, doc="rewards/scores per rollout")
+TRAINING_RECORDS = Topic("training-records", 12, doc="rollouts joined with scores, ready for training")
+TRAINER_BATCHES = Topic("trainer-batches", 1, doc="batches handed to the trainer; 1 partition keeps batch order")
+DEAD_LETTERS = Topic("dead-letters", 3, doc="records a stage could not process")
+
+TOPICS: dict[str, Topic] = {
+    t.key: t for t in (POLICY_REVISIONS, STEPS, ROLLOUTS, SCORES, TRAINING_RECORDS, TRAINER_BATCHES, DEAD_LETTERS)
+}
+
+# Not part of the pipeline: used by `rollout demo` only (7 days retention).
+DEMO = Topic("demo", 3, {"retention.ms": str(7 * 24 * 3600 * 1000)}, doc="`rollout demo` scratch topic")
+
+
+async def create_topics(
+    admin_kwargs: Mapping[str, Any],
+    topics: Iterable[Topic] | None = None,
+    *,
+    timeout_ms: int = 30000,
+) -> dict[str, str]:
+    """Create the topics (default: all of TOPICS). Idempotent: returns {name: "created" | "exists"}.
+
+    An existing topic is left as it is (partitions/configs are not altered).
+    """
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    wanted = list(TOPICS.values() if topics is None else topics)
+    admin = AIOKafkaAdminClient(**admin_kwargs)
+    await _start(admin, admin_kwargs)
+    try:
+        resp = await admin.create_topics(
+            [NewTopic(t.name, t.partitions, t.replication_factor, topic_configs=t.topic_configs()) for t in wanted],
+            timeout_ms=timeout_ms,
+        )
+    finally:
+        await admin.close()
+    result: dict[str, str] = {}
+    failures = []
+    for err in resp.topic_errors:
+        name, code, message = err[0], err[1], (err[2] if len(err) > 2 else None)
+        if code == 0:
+            result[name] = "created"
+        elif code == TOPIC_ALREADY_EXISTS:
+            result[name] = "exists"
+        else:
+            failures.append(f"{name}: error {code} {message or ''}".strip())
+    if failures:
+        raise KafkaError("creating topics failed: " + "; ".join(failures))
+    return result
+
+
+async def describe_topics(admin_kwargs: Mapping[str, Any], names: Iterable[str] | None = None) -> dict[str, dict]:
+    """{name: {"partitions": n, "replication_factor": r, "configs": {...}}} for existing topics."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    admin = AIOKafkaAdminClient(**admin_kwargs)
+    await _start(admin, admin_kwargs)
+    try:
+        existing = set(await admin.list_topics())
+        names = sorted(existing if names is None else set(names) & existing)
+        names = [n for n in names if not n.startswith("__")]
+        out: dict[str, dict] = {}
+        if not names:
+            return out
+        for t in await admin.describe_topics(names):
+            parts = t["partitions"]
+            out[t["topic"]] = {
+                "partitions": len(parts),
+                "replication_factor": len(parts[0]["replicas"]) if parts else 0,
+                "configs": {},
+            }
+        responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, n) for n in names])
+        for resp in responses:
+            for res in resp.resources:
+                # (error_code, error_message, resource_type, resource_name, config_entries)
+                name, entries = res[3], res[4]
+                if name in out:
+                    out[name]["configs"] = {e[0]: e[1] for e in entries}
+        return out
+    finally:
+        await admin.close()
+
+
+async def _start(admin: Any, admin_kwargs: Mapping[str, Any]) -> None:
+    from aiokafka.errors import KafkaConnectionError, KafkaError as AIOKafkaError
+
+    try:
+        await admin.start()
+    except (KafkaConnectionError, AIOKafkaError, OSError) as e:
+        await admin.close()
+        from streams.config import KafkaUnreachable
+
+        raise KafkaUnreachable(f"cannot reach Kafka at {admin_kwargs.get('bootstrap_servers')}: {e}") from None
