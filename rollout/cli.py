@@ -18,6 +18,7 @@ SUBCOMMANDS: list[str] = [
     "rollout.kafka_cmd",  # rollout kafka up|down|status|logs
     "rollout.topics_cmd",  # rollout topics create|list
     "rollout.demo",  # rollout demo
+    "rollout.serve_cmd",  # rollout serve policy|<service> (services register in serve_cmd.SERVICES)
 ]
 
 

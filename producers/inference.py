@@ -1,0 +1,234 @@
+"""An OpenAI-compatible async chat client for vLLM servers and the local policy server.
+
+    client = InferenceClient(["http://127.0.0.1:8000/v1"], model="tiny-byte-lm")
+    out = await client.chat(messages, sampling={"temperature": 1.0, "max_tokens": 32}, seed=7)
+    out.completion_token_ids, out.logprobs, out.prompt_token_ids, out.policy
+
+Every request asks for ``logprobs: true`` and vLLM's ``return_token_ids: true`` (top-level
+``prompt_token_ids``, ``choices[0].token_ids``) plus ``return_tokens_as_token_ids: true`` (logprob
+entries named ``"token_id:<id>"``): ids come from ``token_ids`` when present, else from the logprob
+entries. ``require_tokens=True`` (trainable calls) refuses a response without ids and logprobs.
+
+Failures: a transport error (connect, read timeout), 429 or 5xx is retried with exponential
+backoff and jitter (``Retry-After`` honoured, capped); after ``max_attempts`` it raises
+``InferenceUnavailable`` with the last reason. Another 4xx raises ``InferenceRequestError`` at once.
+Several ``base_urls`` are used round-robin, and a retry moves on to the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from schemas.events import ChatMessage, ToolCall
+from schemas.policy import PolicyRef
+
+
+class InferenceError(Exception):
+    """A model call that did not produce a usable completion."""
+
+
+class InferenceUnavailable(InferenceError):
+    """The endpoint stayed down (transport errors, 429, 5xx) through every retry."""
+
+
+class InferenceRequestError(InferenceError):
+    """The endpoint refused the request (4xx other than 429) or answered something unusable."""
+
+
+@dataclass
+class Completion:
+    message: ChatMessage
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    policy: PolicyRef | None = None
+    latency_s: float = 0.0
+    attempts: int = 1
+    usage: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return list(self.message.tool_calls)
+
+
+def to_openai_message(m: ChatMessage | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(m, dict):
+        return m
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def from_openai_message(d: dict[str, Any]) -> ChatMessage:
+    calls = [ToolCall(id=str(c.get("id") or f"call_{i}"), name=str(c["function"]["name"]),
+                      arguments=c["function"].get("arguments") if isinstance(c["function"].get("arguments"), str)
+                      else json.dumps(c["function"].get("arguments") or {}))
+             for i, c in enumerate(d.get("tool_calls") or [])]
+    content = d.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ChatMessage(role=d.get("role") or "assistant", content=content, name=d.get("name"), tool_calls=calls,
+                       tool_call_id=d.get("tool_call_id"))
+
+
+def _token_id(entry: dict[str, Any]) -> int | None:
+    tok = entry.get("token")
+    if isinstance(tok, str) and tok.startswith("token_id:"):
+        try:
+            return int(tok.split(":", 1)[1])
+        except ValueError:
+            return None
+    return None
+
+
+SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "stop",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "n"}
+
+
+class InferenceClient:
+    def __init__(self, base_urls: Sequence[str] | str, model: str, *, api_key: str | None = None,
+                 timeout_s: float = 60.0, max_attempts: int = 5, backoff_s: float = 0.25, max_backoff_s: float = 8.0,
+                 http: httpx.AsyncClient | None = None, max_connections: int = 256) -> None:
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise ValueError("InferenceClient needs at least one base_url")
+        self.base_urls = [u.rstrip("/") for u in urls]
+        self.model = model
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.max_attempts = max(1, max_attempts)
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self._own_http = http is None
+        self.http = http or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+        self._rr = itertools.cycle(range(len(self.base_urls)))
+
+    @classmethod
+    def for_target(cls, target: Any, default_base_url: str | None = None, **kw: Any) -> InferenceClient:
+        """A client for a ``schemas.plan.Target`` (empty base_urls: the local policy server's URL)."""
+        urls = list(target.base_urls) or ([default_base_url] if default_base_url else [])
+        if not urls:
+            raise ValueError(f"target {target.name!r} has no base_url and no local policy server was given")
+        key = os.environ.get(target.api_key_var) if getattr(target, "api_key_var", None) else None
+        if target.timeout_s:
+            kw.setdefault("timeout_s", float(target.timeout_s))
+        return cls(urls, target.model, api_key=key, **kw)
+
+    async def aclose(self) -> None:
+        if self._own_http:
+            await self.http.aclose()
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    def _delay(self, attempt: int, retry_after: str | None) -> float:
+        if retry_after:
+            try:
+                return min(float(retry_after), self.max_backoff_s)
+            except ValueError:
+                pass
+        base = min(self.backoff_s * (2 ** (attempt - 1)), self.max_backoff_s)
+        return base * (0.5 + random.random() / 2)
+
+    async def post(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], int, float]:
+        """POST with retries; returns (json, attempts, latency of the successful attempt)."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        last = "no attempt made"
+        for attempt in range(1, self.max_attempts + 1):
+            url = self.base_urls[next(self._rr)] + path
+            t0 = time.perf_counter()
+            retry_after = None
+            try:
+                r = await self.http.post(url, json=body, headers=headers)
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__} from {url}: {e}".strip()
+            else:
+                if r.status_code == 200:
+                    try:
+                        return r.json(), attempt, time.perf_counter() - t0
+                    except ValueError as e:
+                        raise InferenceRequestError(f"{url} returned invalid JSON: {e}") from None
+                snippet = r.text[:300]
+                if r.status_code == 429 or r.status_code >= 500:
+                    last = f"HTTP {r.status_code} from {url}: {snippet}"
+                    retry_after = r.headers.get("retry-after")
+                else:
+                    raise InferenceRequestError(f"HTTP {r.status_code} from {url}: {snippet}")
+            if attempt < self.max_attempts:
+                await asyncio.sleep(self._delay(attempt, retry_after))
+        raise InferenceUnavailable(f"endpoint unavailable after {self.max_attempts} attempts; last: {last}")
+
+    async def chat(self, messages: Sequence[ChatMessage | dict[str, Any]], *, sampling: dict[str, Any] | None = None,
+                   tools: list[dict[str, Any]] | None = None, seed: int | None = None,
+                   require_tokens: bool = True, extra_body: dict[str, Any] | None = None) -> Completion:
+        body: dict[str, Any] = {"model": self.model, "messages": [to_openai_message(m) for m in messages],
+                                "logprobs": True, "top_logprobs": 0, "return_token_ids": True,
+                                "return_tokens_as_token_ids": True}
+        for k, v in (sampling or {}).items():
+            if k in SAMPLING_KEYS and v is not None:
+                body[k] = v
+        if body.get("n", 1) != 1:
+            raise ValueError("one completion per call: a group is n separate calls, each its own Step")
+        if tools:
+            body["tools"] = tools
+        if seed is not None:
+            body["seed"] = int(seed)
+        if extra_body:
+            body.update(extra_body)
+        data, attempts, latency = await self.post("/chat/completions", body)
+        return parse_chat_response(data, require_tokens=require_tokens, latency_s=latency, attempts=attempts)
+
+
+def parse_chat_response(data: dict[str, Any], *, require_tokens: bool = True, latency_s: float = 0.0,
+                        attempts: int = 1) -> Completion:
+    try:
+        choice = data["choices"][0]
+        message = from_openai_message(choice["message"])
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise InferenceRequestError(f"malformed chat completion: {type(e).__name__}: {e}") from None
+    entries = ((choice.get("logprobs") or {}).get("content")) or []
+    logprobs = [float(e["logprob"]) for e in entries]
+    ids = choice.get("token_ids")
+    if ids is None and entries and all(_token_id(e) is not None for e in entries):
+        ids = [_token_id(e) for e in entries]
+    prompt_ids = data.get("prompt_token_ids") or choice.get("prompt_token_ids") or []
+    ids = list(ids or [])
+    if require_tokens:
+        if not ids or not prompt_ids:
+            raise InferenceRequestError("the endpoint returned no token ids (a vLLM server needs return_token_ids "
+                                        "support; an endpoint without it can only serve fixed, untrained members)")
+        if len(logprobs) != len(ids):
+            raise InferenceRequestError(f"{len(ids)} token ids but {len(logprobs)} logprobs in the response")
+    elif len(logprobs) != len(ids):
+        ids, logprobs = [], []  # fixed target without usable token data: keep the text only
+    policy = None
+    if isinstance(data.get("policy_revision"), dict):
+        try:
+            policy = PolicyRef.model_validate(data["policy_revision"])
+        except ValueError:
+            policy = None
+    return Completion(message=message, prompt_token_ids=[int(i) for i in prompt_ids],
+                      completion_token_ids=[int(i) for i in ids], logprobs=logprobs,
+                      finish_reason=str(choice.get("finish_reason") or "stop"), policy=policy,
+                      latency_s=latency_s, attempts=attempts, usage=data.get("usage") or {})
