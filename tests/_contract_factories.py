@@ -65,3 +65,37 @@ def rollout(**kw) -> Rollout:
                 group_id="group-1", root_group_id="group-1", group_size=4, policy=ref(0), status="completed")
     base.update(kw)
     return Rollout(**base)
+
+
+# -- the checked-in event fixtures (tests/fixtures/events/<event_type>.v1.bin) ---------------------
+
+FIXTURE_LOGPROBS = np.array([-0.5, -0.0, np.nan, -np.inf, -1e-30, -12.25], dtype="<f4")
+
+
+def fixture_events() -> dict[str, "Event"]:
+    """One event of each type with fixed ids, timestamps and contents: the frames were written
+    once by ``tests/fixtures/events/make_fixtures.py`` and must keep decoding to these values."""
+    from schemas.batch import assemble_batch
+    from schemas.events import DeadLetter, RolloutScored, StepTokens
+
+    lps = FIXTURE_LOGPROBS
+    ids = np.array([53, 10, 0, 255, 2**31 - 1, 7], dtype="<i4")
+    s = step(len(ids), logprobs=lps, token_ids=ids, step_id="step-1", rev=3)
+    scored = RolloutScored(
+        event_id="ev-scored-1", run_id="run-1", producer="verifier-0", created_at=T0, causation_id="ev-rollout-1",
+        rollout_id="rollout-1", group_id="group-1", root_group_id="group-1", group_size=4, environment=ENV,
+        example_id="ex-1", status="completed", rewards={"solver": 1.0}, metrics={"len": 6.0},
+        verifier="exact_match", verifier_version="1",
+        trainable_steps=[StepTokens(step_id="step-1", member_id="solver", policy=ref(3),
+                                    prompt_token_ids=s.prompt_token_ids, completion_token_ids=ids,
+                                    completion_logprobs=lps)])
+    rec = record(0, rev=3, n_tokens=len(ids), logprobs=lps, reward=1.0, advantage=0.75)
+    batch = assemble_batch([rec, record(1, rev=4)], revision(4), 2, run_id="run-1", producer="batcher-0",
+                           causation_id="ev-rec-0")
+    batch = batch.model_copy(update={"event_id": "ev-batch-1", "created_at": T0})
+    dead = DeadLetter(event_id="ev-dead-1", run_id="run-1", producer="verifier-0", created_at=T0,
+                      origin_topic="rollouts", origin_partition=2, origin_offset=41, origin_key=b"group-1",
+                      raw=b"RLEV\x01\x04junk", error_type="EventDecodeError", error_message="truncated frame",
+                      service="verifier")
+    events = [revision(3), s, rollout(), scored, rec, batch, dead]
+    return {e.EVENT_TYPE: e for e in events}
