@@ -1,0 +1,293 @@
+"""Decoded events -> pyarrow tables, column by column (no per-row inserts).
+
+Token arrays become ListArrays from one concatenation of the events' numpy arrays (which are
+zero-copy views into the Kafka message) plus an offsets vector: no Python lists of numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+from pydantic import TypeAdapter
+
+from replay import tables as T
+from schemas import codec
+from schemas.digests import record_digest
+from schemas.events import ChatMessage, ToolCall
+
+_MESSAGES = TypeAdapter(list[ChatMessage])
+_TOOL_CALLS = TypeAdapter(list[ToolCall])
+
+
+class Meta(NamedTuple):
+    """Where a message sat on the log."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+
+
+def list_array(arrays: Sequence[np.ndarray], dtype: np.dtype) -> pa.ListArray:
+    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
+    if offsets[-1] < 2**31:
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values)).cast(pa.list_(pa.from_numpy_dtype(dtype)))
+
+
+def _str_lists(values: Sequence[Sequence[str]]) -> pa.Array:
+    return pa.array(values, type=T.STR_LIST)
+
+
+def _json(values: Sequence[Any]) -> list[str]:
+    return [json.dumps(v, sort_keys=True, separators=(",", ":")) for v in values]
+
+
+def _envelope(events: Sequence[Any]) -> dict[str, Any]:
+    return {
+        "event_id": [e.event_id for e in events],
+        "run_id": [e.run_id for e in events],
+        "producer": [e.producer for e in events],
+        "created_at": pa.array([e.created_at for e in events], type=T.TS),
+        "causation_id": [e.causation_id for e in events],
+        "schema_version": pa.array([e.schema_version for e in events], type=T.I32),
+    }
+
+
+def _kafka(metas: Sequence[Meta]) -> dict[str, Any]:
+    return {
+        "_topic": [m.topic for m in metas],
+        "_partition": pa.array([m.partition for m in metas], type=T.I32),
+        "_offset": pa.array([m.offset for m in metas], type=T.I64),
+        "_ts": pa.array(np.fromiter((m.timestamp_ms for m in metas), dtype=np.int64, count=len(metas)), type=T.KAFKA_TS),
+    }
+
+
+def _policy(refs: Sequence[Any], prefix: str = "policy") -> dict[str, Any]:
+    return {
+        f"{prefix}_family": [p.family if p is not None else None for p in refs],
+        f"{prefix}_revision": pa.array([p.revision if p is not None else None for p in refs], type=T.I64),
+        f"{prefix}_checkpoint_digest": [p.checkpoint_digest if p is not None else None for p in refs],
+    }
+
+
+def _table(table: T.Table, cols: dict[str, Any]) -> pa.Table:
+    return pa.Table.from_pydict(cols, schema=table.schema)
+
+
+def policy_revisions(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
+    cols = _envelope(events) | {
+        "family": [e.family for e in events],
+        "revision": [e.revision for e in events],
+        "checkpoint_uri": [e.checkpoint.uri if e.checkpoint else None for e in events],
+        "checkpoint_digest": [e.checkpoint.digest if e.checkpoint else None for e in events],
+        "parent_revision": [e.parent_revision for e in events],
+    } | _kafka(metas)
+    return {"policy_revisions": _table(T.POLICY_REVISIONS, cols)}
+
+
+def steps(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
+    prompt_ids = [e.prompt_token_ids for e in events]
+    completion_ids = [e.completion_token_ids for e in events]
+    cols = _envelope(events) | {
+        "step_id": [e.step_id for e in events],
+        "rollout_id": [e.rollout_id for e in events],
+        "root_group_id": [e.root_group_id for e in events],
+        "step_index": [e.index for e in events],
+        "member_id": [e.member_id for e in events],
+        "target": [e.target for e in events],
+        "trainable": [e.trainable for e in events],
+        **_policy([e.policy for e in events]),
+        "prompt": [_MESSAGES.dump_json(e.prompt).decode() for e in events],
+        "completion": [_MESSAGES.dump_json(e.completion).decode() for e in events],
+        "tool_calls": [_TOOL_CALLS.dump_json(e.tool_calls).decode() if e.tool_calls else "[]" for e in events],
+        "prompt_token_ids": list_array(prompt_ids, np.int32),
+        "completion_token_ids": list_array(completion_ids, np.int32),
+        "completion_logprobs": list_array([e.completion_logprobs for e in events], np.float32),
+        "n_prompt_tokens": pa.array([a.shape[0] for a in prompt_ids], type=T.I32),
+        "n_completion_tokens": pa.array([a.shape[0] for a in completion_ids], type=T.I32),
+        "finish_reason": [e.finish_reason for e in events],
+        "latency_s": [e.latency_s for e in events],
+    } | _kafka(metas)
+    return {"steps": _table(T.STEPS, cols)}
+
+
+def rollouts(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
+    cols = _envelope(events) | {
+        "rollout_id": [e.rollout_id for e in events],
+        "episode_type": [e.episode_type for e in events],
+        "environment": [e.environment for e in events],
+        "example_id": [e.example_id for e in events],
+        "seed": _json([e.seed for e in events]),
+        "step_ids": _str_lists([e.step_ids for e in events]),
+        "members": _json([e.members for e in events]),
+        "trainable_members": _str_lists([sorted(m for m, t in e.members.items() if t) for e in events]),
+        "artifacts": _json([e.artifacts for e in events]),
+        "parent_rollout_id": [e.parent_rollout_id for e in events],
+        "child_rollout_ids": _str_lists([e.child_rollout_ids for e in events]),
+        "group_id": [e.group_id for e in events],
+        "root_group_id": [e.root_group_id for e in events],
+        "group_size": [e.group_size for e in events],
+        **_policy([e.policy for e in events]),
+        "status": [e.status for e in events],
+        "failure_reason": [e.failure_reason for e in events],
+    } | _kafka(metas)
+    return {"rollouts": _table(T.ROLLOUTS, cols)}
+
+
+def scores(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
+    cols = _envelope(events) | {
+        "rollout_id": [e.rollout_id for e in events],
+        "group_id": [e.group_id for e in events],
+        "root_group_id": [e.root_group_id for e in events],
+        "group_size": [e.group_size for e in events],
+        "environment": [e.environment for e in events],
+        "example_id": [e.example_id for e in events],
+        "parent_rollout_id": [e.parent_rollout_id for e in events],
+        "status": [e.status for e in events],
+        "rewards": [list(e.rewards.items()) for e in events],
+        "metrics": [list(e.metrics.items()) for e in events],
+        "verifier": [e.verifier for e in events],
+        "verifier_version": [e.verifier_version for e in events],
+        "trainable_step_ids": _str_lists([[s.step_id for s in e.trainable_steps] for e in events]),
+    } | _kafka(metas)
+    rewards = [(e.event_id, e.rollout_id, m, r) for e in events for m, r in e.rewards.items()]
+    long = dict(zip(("score_event_id", "rollout_id", "member_id", "reward"), map(list, zip(*rewards)))) if rewards else {
+        f.name: [] for f in T.SCORE_REWARDS.schema}
+    return {"scores": _table(T.SCORES, cols), "score_rewards": _table(T.SCORE_REWARDS, long)}
+
+
+def training_records(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
+    completion_ids = [e.completion_token_ids for e in events]
+    masks = [e.loss_mask for e in events]
+    cols = _envelope(events) | {
+        "record_id": [e.record_id for e in events],
+        "rollout_id": [e.rollout_id for e in events],
+        "step_ids": _str_lists([e.step_ids for e in events]),
+        "member_id": [e.member_id for e in events],
+        "group_id": [e.group_id for e in events],
+        "environment": [e.environment for e in events],
+        **_policy([e.policy for e in events]),
+        "prompt_token_ids": list_array([e.prompt_token_ids for e in events], np.int32),
+        "completion_token_ids": list_array(completion_ids, np.int32),
+        "completion_logprobs": list_array([e.completion_logprobs for e in events], np.float32),
+        "loss_mask": list_array(masks, np.uint8),
+        "n_completion_tokens": pa.array([a.shape[0] for a in completion_ids], type=T.I32),
+        "n_trained_tokens": pa.array([int(np.count_nonzero(m)) for m in masks], type=T.I32),
+        "reward": [e.reward for e in events],
+        "advantage": [e.advantage for e in events],
+        "credit": [e.credit for e in events],
+        "record_digest": [record_digest(e) for e in events],
+    } | _kafka(metas)
+    return {"training_records": _table(T.TRAINING_RECORDS, cols)}
+
+
+def trainer_batches(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
+    cols = _envelope(events) | {
+        "batch_id": [e.batch_id for e in events],
+        "family": [e.family for e in events],
+        "target_revision": [e.target.revision for e in events],
+        "target_checkpoint_digest": [e.target.checkpoint_digest for e in events],
+        "max_off_policy_steps": [e.max_off_policy_steps for e in events],
+        "n_records": [len(e.records) for e in events],
+        "reward_mean": [e.reward.mean for e in events],
+        "reward_std": [e.reward.std for e in events],
+        "reward_min": [e.reward.min for e in events],
+        "reward_max": [e.reward.max for e in events],
+        "advantage_mean": [e.advantage.mean for e in events],
+        "advantage_std": [e.advantage.std for e in events],
+        "completion_tokens": [e.completion_tokens for e in events],
+        "proof_refs": _str_lists([e.proof_refs for e in events]),
+        "batch_digest": [e.batch_digest for e in events],
+        "lineage_digest": [e.lineage_digest for e in events],
+    } | _kafka(metas)
+    recs = [(e, m, i, r) for e, m in zip(events, metas) for i, r in enumerate(e.records)]
+    records = {
+        "batch_id": [e.batch_id for e, _, _, _ in recs],
+        "batch_offset": pa.array([m.offset for _, m, _, _ in recs], type=T.I64),
+        "position": pa.array([i for _, _, i, _ in recs], type=T.I32),
+        "record_id": [r.record_id for *_, r in recs],
+        "record_digest": [record_digest(r) for *_, r in recs],
+        "record_event_id": [r.event_id for *_, r in recs],
+        "rollout_id": [r.rollout_id for *_, r in recs],
+        "member_id": [r.member_id for *_, r in recs],
+        **_policy([r.policy for *_, r in recs]),
+        "reward": [r.reward for *_, r in recs],
+        "advantage": [r.advantage for *_, r in recs],
+        "n_completion_tokens": pa.array([r.completion_token_ids.shape[0] for *_, r in recs], type=T.I32),
+    }
+    srcs = [(e, m, s) for e, m in zip(events, metas) for s in e.source_revisions]
+    sources = {
+        "batch_id": [e.batch_id for e, _, _ in srcs],
+        "batch_offset": pa.array([m.offset for _, m, _ in srcs], type=T.I64),
+        **_policy([s.policy for *_, s in srcs]),
+        "records": [s.records for *_, s in srcs],
+    }
+    return {"trainer_batches": _table(T.TRAINER_BATCHES, cols), "batch_records": _table(T.BATCH_RECORDS, records),
+            "batch_sources": _table(T.BATCH_SOURCES, sources)}
+
+
+_SUBJECT = ("record_id", "rollout_id", "step_id", "batch_id")
+
+
+def _raw_subject(raw: bytes) -> tuple[str | None, str | None]:
+    try:
+        event = codec.decode(raw)
+    except Exception:  # a dead letter's raw bytes are often exactly what failed to decode
+        try:
+            return codec.peek(raw)[0], None
+        except Exception:
+            return None, None
+    for name in _SUBJECT:
+        if hasattr(event, name):
+            return event.EVENT_TYPE, getattr(event, name)
+    return event.EVENT_TYPE, event.event_id
+
+
+def dead_letters(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
+    subjects = [_raw_subject(e.raw) for e in events]
+    cols = _envelope(events) | {
+        "origin_topic": [e.origin_topic for e in events],
+        "origin_partition": [e.origin_partition for e in events],
+        "origin_offset": [e.origin_offset for e in events],
+        "origin_key": [e.origin_key for e in events],
+        "raw": [e.raw for e in events],
+        "error_type": [e.error_type for e in events],
+        "error_message": [e.error_message for e in events],
+        "service": [e.service for e in events],
+        "raw_event_type": [s[0] for s in subjects],
+        "raw_subject_id": [s[1] for s in subjects],
+    } | _kafka(metas)
+    return {"dead_letters": _table(T.DEAD_LETTERS, cols)}
+
+
+class BadMessage(NamedTuple):
+    meta: Meta
+    key: bytes | None
+    value: bytes | None
+    headers: Sequence[tuple[str, bytes]]
+    error: str
+
+
+def replay_errors(bad: Sequence[BadMessage]) -> dict[str, pa.Table]:
+    cols = {
+        "key": [b.key for b in bad],
+        "value": [b.value for b in bad],
+        "headers": [json.dumps({k: (v.decode(errors="replace") if v is not None else None) for k, v in b.headers})
+                    for b in bad],
+        "error": [b.error for b in bad],
+    } | _kafka([b.meta for b in bad])
+    return {"replay_errors": _table(T.REPLAY_ERRORS, cols)}
+
+
+BUILDERS = {
+    "policy_revision": policy_revisions, "step": steps, "rollout": rollouts, "rollout_scored": scores,
+    "training_record": training_records, "trainer_batch": trainer_batches, "dead_letter": dead_letters,
+}

@@ -1,0 +1,410 @@
+"""Read a run from the log into DuckDB.
+
+The consumer has no group (``group_id=None``): it assigns every partition of every pipeline topic
+by hand, starts at the earliest retained offset (or where the previous replay into this database
+stopped) and reads ``read_committed`` up to the last stable offset seen at start. It never
+commits offsets, so the live services' consumer groups are neither joined nor moved.
+
+Messages of other runs are skipped on their ``run_id`` header, without decoding. Decoded events
+are buffered per event type and flushed as Arrow tables; each flush inserts the data and the
+per-partition next offsets in ONE DuckDB transaction, so a replay killed midway resumes exactly
+where its last flush ended, never doubling a row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from replay import columns as C
+from replay import tables as T
+from schemas import codec
+from schemas.errors import EventDecodeError
+
+FETCH_BYTES = 64 * 1024 * 1024
+
+
+class ReplayError(Exception):
+    """A replay that cannot proceed (wrong run for this database, unknown run, bad --until)."""
+
+
+@dataclass(frozen=True)
+class Until:
+    """Where to stop: a Kafka record timestamp (inclusive, ms since epoch) and/or end offsets per partition."""
+
+    timestamp_ms: int | None = None
+    offsets: Mapping[tuple[str, int], int] = field(default_factory=dict)  # (topic, partition) -> stop before
+
+    @classmethod
+    def parse(cls, text: str | None) -> Until | None:
+        """``2026-11-22T10:00:00Z`` / ``@1795385142636`` (ms) / ``topic:partition:offset[,...]``."""
+        if not text:
+            return None
+        text = text.strip()
+        if text.startswith("@") and text[1:].isdigit():
+            return cls(timestamp_ms=int(text[1:]))
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if all(p.count(":") >= 2 and p.rsplit(":", 2)[1].isdigit() and p.rsplit(":", 2)[2].isdigit() for p in parts):
+            offsets = {}
+            for p in parts:
+                topic, partition, offset = p.rsplit(":", 2)
+                offsets[(topic, int(partition))] = int(offset)
+            return cls(offsets=offsets)
+        try:
+            when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            raise ReplayError(f"--until {text!r}: expected an ISO time (2026-11-22T10:00:00Z), @epoch_ms, "
+                              "or topic:partition:offset[,topic:partition:offset...]") from None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        return cls(timestamp_ms=int(when.timestamp() * 1000))
+
+    def describe(self) -> str:
+        if self.timestamp_ms is not None:
+            return datetime.fromtimestamp(self.timestamp_ms / 1000, UTC).isoformat()
+        return ",".join(f"{t}:{p}:{o}" for (t, p), o in sorted(self.offsets.items()))
+
+
+@dataclass
+class ReplayResult:
+    run_id: str
+    db: str
+    rows: dict[str, int]
+    messages: int = 0
+    bytes: int = 0
+    other_runs: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    partitions: int = 0
+    complete: bool = True
+
+    def summary(self) -> str:
+        added = ", ".join(f"{n} {t}" for t, n in self.rows.items() if n) or "nothing new"
+        rate = self.bytes / self.seconds / 1e6 if self.seconds else 0.0
+        return (f"replayed run {self.run_id} into {self.db}: {added} "
+                f"({self.messages} messages of this run, {self.other_runs} of other runs skipped, "
+                f"{self.errors} undecodable; {self.bytes / 1e6:.1f} MB in {self.seconds:.2f} s, {rate:.1f} MB/s)")
+
+
+def default_topics() -> dict[str, str]:
+    """event table -> topic name, from streams.topics (the one place topic names live)."""
+    from streams import topics
+
+    return {t.key: t.name for t in topics.TOPICS.values()}
+
+
+def consumer_kwargs(settings: Any, **extra: Any) -> dict[str, Any]:
+    kw = settings.client_kwargs()
+    kw["client_id"] = f"{kw.get('client_id', 'rollout-log')}-replay"
+    kw.update(group_id=None, enable_auto_commit=False, isolation_level="read_committed",
+              auto_offset_reset="earliest", fetch_max_bytes=FETCH_BYTES, max_partition_fetch_bytes=FETCH_BYTES,
+              fetch_max_wait_ms=50)
+    kw.update(extra)
+    return kw
+
+
+def _header(headers: Iterable[tuple[str, bytes]], name: str) -> bytes | None:
+    for k, v in headers:
+        if k == name:
+            return v
+    return None
+
+
+async def _assign(consumer: Any, topic_names: Iterable[str]) -> list[Any]:
+    from aiokafka import TopicPartition
+
+    # consumer.topics() fetches fresh metadata but does not keep it; use the cluster it returns.
+    cluster = await consumer._client.fetch_all_metadata()
+    existing = cluster.topics()
+    tps = []
+    for name in topic_names:
+        if name not in existing:
+            continue
+        for p in sorted(cluster.partitions_for_topic(name) or ()):
+            tps.append(TopicPartition(name, p))
+    return tps
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+@dataclass
+class RunInfo:
+    run_id: str
+    first_ts: int
+    last_ts: int
+    messages: dict[str, int]
+
+    @property
+    def first(self) -> datetime:
+        return datetime.fromtimestamp(self.first_ts / 1000, UTC)
+
+    @property
+    def last(self) -> datetime:
+        return datetime.fromtimestamp(self.last_ts / 1000, UTC)
+
+
+async def list_runs(settings: Any, topic_names: Iterable[str] | None = None) -> list[RunInfo]:
+    """Runs found on the given topics (default: the policy-revisions topic, where every run seeds its
+    revision 0; falls back to every topic when that one is empty), most recently started first.
+    Reads headers only."""
+    from aiokafka import AIOKafkaConsumer
+
+    all_topics = list(default_topics().values())
+    if topic_names is None:
+        from streams import topics
+
+        runs = await list_runs(settings, [topics.POLICY_REVISIONS.name])
+        return runs or await list_runs(settings, all_topics)
+    consumer = AIOKafkaConsumer(**consumer_kwargs(settings))
+    await consumer.start()
+    try:
+        tps = await _assign(consumer, topic_names)
+        if not tps:
+            return []
+        consumer.assign(tps)
+        start = await consumer.beginning_offsets(tps)
+        end = await consumer.end_offsets(tps)
+        todo = {tp for tp in tps if end[tp] > start[tp]}
+        for tp in tps:
+            consumer.seek(tp, start[tp])
+        runs: dict[str, RunInfo] = {}
+        while todo:
+            batch = await consumer.getmany(*todo, timeout_ms=500, max_records=10000)
+            for tp, records in batch.items():
+                for r in records:
+                    if r.offset >= end[tp]:
+                        break
+                    raw = _header(r.headers, "run_id")
+                    run = raw.decode(errors="replace") if raw is not None else "?"
+                    info = runs.get(run)
+                    if info is None:
+                        info = runs[run] = RunInfo(run, r.timestamp, r.timestamp, defaultdict(int))
+                    info.first_ts = min(info.first_ts, r.timestamp)
+                    info.last_ts = max(info.last_ts, r.timestamp)
+                    info.messages[tp.topic] += 1
+            for tp in list(todo):
+                if await consumer.position(tp) >= end[tp]:
+                    todo.discard(tp)
+        return sorted(runs.values(), key=lambda r: r.first_ts, reverse=True)
+    finally:
+        await consumer.stop()
+
+
+# ---------------------------------------------------------------------------------------------- replay
+
+class _Buffer:
+    def __init__(self) -> None:
+        self.events: dict[str, list] = defaultdict(list)
+        self.metas: dict[str, list] = defaultdict(list)
+        self.bad: list[C.BadMessage] = []
+        self.count = 0
+        self.nbytes = 0
+
+    def tables(self) -> dict[str, list[pa.Table]]:
+        out: dict[str, list[pa.Table]] = defaultdict(list)
+        for event_type, events in self.events.items():
+            for name, table in C.BUILDERS[event_type](events, self.metas[event_type]).items():
+                out[name].append(table)
+        if self.bad:
+            for name, table in C.replay_errors(self.bad).items():
+                out[name].append(table)
+        return out
+
+
+def open_db(path: str, *, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect(path, read_only=read_only)
+    if not read_only:
+        T.ensure_schema(con)
+    return con
+
+
+def _meta(con: duckdb.DuckDBPyConnection, key: str) -> str | None:
+    row = con.execute("SELECT value FROM _replay_meta WHERE key = ?", [key]).fetchone()
+    return row[0] if row else None
+
+
+def stored_offsets(con: duckdb.DuckDBPyConnection) -> dict[tuple[str, int], int]:
+    return {(t, p): o for t, p, o in con.execute('SELECT topic, "partition", next_offset FROM _replay_offsets').fetchall()}
+
+
+def _max_ts_ms(con: duckdb.DuckDBPyConnection) -> int | None:
+    parts = " UNION ALL ".join(f"SELECT max(_ts) AS t FROM {name}" for name, t in T.TABLES.items()
+                               if "_ts" in t.schema.names)
+    row = con.execute(f"SELECT epoch_ms(max(t)) FROM ({parts})").fetchone()
+    return row[0] if row else None
+
+
+class Replayer:
+    """One replay of one run into one DuckDB file. ``await Replayer(...).run()``."""
+
+    def __init__(self, db: str, settings: Any, *, run_id: str | None = None, until: Until | None = None,
+                 topics: Mapping[str, str] | None = None, flush_messages: int = 20000,
+                 flush_bytes: int = 256 * 1024 * 1024, progress: Callable[[ReplayResult], None] | None = None) -> None:
+        self.db = db
+        self.settings = settings
+        self.run_id = run_id
+        self.until = until
+        self.topics = dict(topics or default_topics())
+        self.flush_messages = flush_messages
+        self.flush_bytes = flush_bytes
+        self.progress = progress
+
+    async def run(self) -> ReplayResult:
+        con = open_db(self.db)
+        try:
+            return await self._run(con)
+        finally:
+            con.close()
+
+    async def _resolve_run(self, con: duckdb.DuckDBPyConnection) -> str:
+        stored = _meta(con, "run_id")
+        if self.run_id and stored and self.run_id != stored:
+            raise ReplayError(f"{self.db} holds run {stored}; replay run {self.run_id} into another --db")
+        if self.run_id or stored:
+            return self.run_id or stored  # type: ignore[return-value]
+        runs = await list_runs(self.settings, None if self.topics == default_topics() else list(self.topics.values()))
+        if not runs:
+            raise ReplayError("no run found on the log (nothing carries a run_id header)")
+        return runs[0].run_id
+
+    async def _run(self, con: duckdb.DuckDBPyConnection) -> ReplayResult:
+        from aiokafka import AIOKafkaConsumer
+
+        t0 = time.perf_counter()
+        run_id = await self._resolve_run(con)
+        run_b = run_id.encode()
+        if self.until and self.until.timestamp_ms is not None:
+            newest = _max_ts_ms(con)
+            if newest is not None and newest > self.until.timestamp_ms:
+                raise ReplayError(f"{self.db} already holds events after --until {self.until.describe()}; "
+                                  "replay into a fresh --db to see an earlier state")
+        result = ReplayResult(run_id=run_id, db=self.db, rows={name: 0 for name in T.TABLES})
+        consumer = AIOKafkaConsumer(**consumer_kwargs(self.settings))
+        await consumer.start()
+        try:
+            tps = await _assign(consumer, self.topics.values())
+            result.partitions = len(tps)
+            if not tps:
+                raise ReplayError(f"none of the topics {sorted(self.topics.values())} exists")
+            stored = stored_offsets(con)
+            begin = await consumer.beginning_offsets(tps)
+            end = await consumer.end_offsets(tps)  # read_committed: the last stable offsets
+            until_ts = self.until.timestamp_ms if self.until else None
+            if self.until and self.until.offsets:
+                for (topic, p), off in self.until.offsets.items():
+                    for tp in tps:
+                        if tp.topic == topic and tp.partition == p:
+                            end[tp] = min(end[tp], off)
+            next_off: dict[Any, int] = {}
+            for tp in tps:
+                start = max(stored.get((tp.topic, tp.partition), 0), begin[tp])
+                next_off[tp] = start
+            consumer.assign(tps)
+            todo = set()
+            for tp in tps:
+                if next_off[tp] < end[tp]:
+                    consumer.seek(tp, next_off[tp])
+                    todo.add(tp)
+            stopped: set[Any] = set()  # partitions stopped by --until TIME (their next offset is exact)
+            buf = _Buffer()
+            decode = codec.decode
+            while todo:
+                batch = await consumer.getmany(*todo, timeout_ms=200)
+                for tp, records in batch.items():
+                    if tp not in todo:
+                        continue
+                    stop = end[tp]
+                    events, metas = buf.events, buf.metas
+                    for r in records:
+                        off = r.offset
+                        if off >= stop:
+                            break
+                        if until_ts is not None and r.timestamp > until_ts:
+                            todo.discard(tp)
+                            stopped.add(tp)
+                            break
+                        next_off[tp] = off + 1
+                        headers = r.headers
+                        hrun = None
+                        for k, v in headers:
+                            if k == "run_id":
+                                hrun = v
+                                break
+                        if hrun is not None and hrun != run_b:
+                            result.other_runs += 1
+                            continue
+                        value = r.value
+                        meta = C.Meta(tp.topic, tp.partition, off, r.timestamp)
+                        buf.count += 1
+                        buf.nbytes += len(value) if value is not None else 0
+                        try:
+                            if value is None:
+                                raise EventDecodeError("message has no value (a tombstone?)")
+                            event = decode(value)
+                            if event.run_id != run_id:
+                                if hrun is None:  # no header: the envelope decides
+                                    buf.count -= 1
+                                    result.other_runs += 1
+                                    continue
+                                raise EventDecodeError(f"header run_id {run_id!r} but envelope run_id {event.run_id!r}")
+                        except EventDecodeError as exc:
+                            buf.bad.append(C.BadMessage(meta, r.key, value, headers, f"{type(exc).__name__}: {exc}"))
+                            continue
+                        et = event.event_type
+                        events[et].append(event)
+                        metas[et].append(meta)
+                for tp in list(todo):
+                    pos = await consumer.position(tp)
+                    if pos >= end[tp]:
+                        next_off[tp] = max(next_off[tp], end[tp])
+                        todo.discard(tp)
+                if buf.count >= self.flush_messages or buf.nbytes >= self.flush_bytes:
+                    self._flush(con, buf, next_off, result)
+                    buf = _Buffer()
+                    if self.progress:
+                        self.progress(result)
+            # Partitions with nothing of this run still advance their stored offsets.
+            self._flush(con, buf, next_off, result)
+            result.complete = not stopped or until_ts is not None
+        finally:
+            await consumer.stop()
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def _flush(self, con: duckdb.DuckDBPyConnection, buf: _Buffer, next_off: Mapping[Any, int],
+               result: ReplayResult) -> None:
+        tables = buf.tables()
+        con.execute("BEGIN TRANSACTION")
+        try:
+            for name, parts in tables.items():
+                for i, table in enumerate(parts):
+                    view = f"_arrow_{name}_{i}"
+                    con.register(view, table)
+                    try:
+                        con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM {view}")
+                    finally:
+                        con.unregister(view)
+                    result.rows[name] += table.num_rows
+            con.executemany(
+                'INSERT OR REPLACE INTO _replay_offsets (topic, "partition", next_offset) VALUES (?, ?, ?)',
+                [[tp.topic, tp.partition, off] for tp, off in next_off.items()])
+            con.execute("INSERT OR REPLACE INTO _replay_meta VALUES ('run_id', ?)", [result.run_id])
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+        result.messages += buf.count
+        result.bytes += buf.nbytes
+        result.errors += len(buf.bad)
+
+
+def replay(db: str, settings: Any, **kwargs: Any) -> ReplayResult:
+    return asyncio.run(Replayer(db, settings, **kwargs).run())

@@ -1,0 +1,267 @@
+"""The replay database: one Arrow schema per table (the DDL is derived from it) and the views.
+
+Every event table carries the envelope (event_id, run_id, producer, created_at, causation_id,
+schema_version) and where the message sat on the log: ``_topic``, ``_partition``, ``_offset``
+and ``_ts`` (the Kafka record timestamp). Rows are appended in log order and never updated, so a
+message re-emitted on the log (a producer retry, a service restarted mid-transaction) shows up as
+two rows with the same id and different ``_offset``; the audit tells a harmless re-emission (same
+content digest) from a conflict.
+
+Token ids, logprobs and loss masks are LIST columns (INTEGER[], FLOAT[], UTINYINT[]); nested
+values without a fixed shape (chat messages, seeds, artifacts, members) are JSON text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+TS = pa.timestamp("us", tz="UTC")
+KAFKA_TS = pa.timestamp("ms", tz="UTC")
+STR = pa.string()
+I32 = pa.int32()
+I64 = pa.int64()
+F64 = pa.float64()
+STR_LIST = pa.list_(STR)
+
+ENVELOPE = [
+    pa.field("event_id", STR), pa.field("run_id", STR), pa.field("producer", STR),
+    pa.field("created_at", TS), pa.field("causation_id", STR), pa.field("schema_version", I32),
+]
+KAFKA = [pa.field("_topic", STR), pa.field("_partition", I32), pa.field("_offset", I64), pa.field("_ts", KAFKA_TS)]
+
+
+def policy_fields(prefix: str = "policy") -> list[pa.Field]:
+    return [pa.field(f"{prefix}_family", STR), pa.field(f"{prefix}_revision", I64),
+            pa.field(f"{prefix}_checkpoint_digest", STR)]
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    schema: pa.Schema
+    doc: str
+
+
+def _table(name: str, fields: list[pa.Field], doc: str, *, envelope: bool = True, kafka: bool = True) -> Table:
+    return Table(name, pa.schema((ENVELOPE if envelope else []) + fields + (KAFKA if kafka else [])), doc)
+
+
+POLICY_REVISIONS = _table("policy_revisions", [
+    pa.field("family", STR), pa.field("revision", I64), pa.field("checkpoint_uri", STR),
+    pa.field("checkpoint_digest", STR), pa.field("parent_revision", I64),
+], "PolicyRevision events: which weights exist (family, revision, checkpoint)")
+
+STEPS = _table("steps", [
+    pa.field("step_id", STR), pa.field("rollout_id", STR), pa.field("root_group_id", STR),
+    pa.field("step_index", I32), pa.field("member_id", STR), pa.field("target", STR),
+    pa.field("trainable", pa.bool_()), *policy_fields(),
+    pa.field("prompt", STR), pa.field("completion", STR), pa.field("tool_calls", STR),
+    pa.field("prompt_token_ids", pa.list_(I32)), pa.field("completion_token_ids", pa.list_(I32)),
+    pa.field("completion_logprobs", pa.list_(pa.float32())),
+    pa.field("n_prompt_tokens", I32), pa.field("n_completion_tokens", I32),
+    pa.field("finish_reason", STR), pa.field("latency_s", F64),
+], "Step events: one model call each; prompt/completion/tool_calls are JSON, token arrays are lists")
+
+ROLLOUTS = _table("rollouts", [
+    pa.field("rollout_id", STR), pa.field("episode_type", STR), pa.field("environment", STR),
+    pa.field("example_id", STR), pa.field("seed", STR), pa.field("step_ids", STR_LIST),
+    pa.field("members", STR), pa.field("trainable_members", STR_LIST), pa.field("artifacts", STR),
+    pa.field("parent_rollout_id", STR), pa.field("child_rollout_ids", STR_LIST),
+    pa.field("group_id", STR), pa.field("root_group_id", STR), pa.field("group_size", I32),
+    *policy_fields(), pa.field("status", STR), pa.field("failure_reason", STR),
+], "Rollout events: finished episodes with their step ids, parent/child rollouts and group")
+
+SCORES = _table("scores", [
+    pa.field("rollout_id", STR), pa.field("group_id", STR), pa.field("root_group_id", STR),
+    pa.field("group_size", I32), pa.field("environment", STR), pa.field("example_id", STR),
+    pa.field("parent_rollout_id", STR), pa.field("status", STR),
+    pa.field("rewards", pa.map_(STR, F64)), pa.field("metrics", pa.map_(STR, F64)),
+    pa.field("verifier", STR), pa.field("verifier_version", STR),
+    pa.field("trainable_step_ids", STR_LIST),
+], "RolloutScored events: the verifier's rewards (member -> reward) and metrics per rollout")
+
+SCORE_REWARDS = _table("score_rewards", [
+    pa.field("score_event_id", STR), pa.field("rollout_id", STR), pa.field("member_id", STR),
+    pa.field("reward", F64),
+], "one row per (scored rollout, member): the rewards of `scores` in long form", envelope=False, kafka=False)
+
+TRAINING_RECORDS = _table("training_records", [
+    pa.field("record_id", STR), pa.field("rollout_id", STR), pa.field("step_ids", STR_LIST),
+    pa.field("member_id", STR), pa.field("group_id", STR), pa.field("environment", STR), *policy_fields(),
+    pa.field("prompt_token_ids", pa.list_(I32)), pa.field("completion_token_ids", pa.list_(I32)),
+    pa.field("completion_logprobs", pa.list_(pa.float32())), pa.field("loss_mask", pa.list_(pa.uint8())),
+    pa.field("n_completion_tokens", I32), pa.field("n_trained_tokens", I32),
+    pa.field("reward", F64), pa.field("advantage", F64), pa.field("credit", STR),
+    pa.field("record_digest", STR),
+], "TrainingRecord events; record_digest is schemas.digests.record_digest of the event as read")
+
+TRAINER_BATCHES = _table("trainer_batches", [
+    pa.field("batch_id", STR), pa.field("family", STR), pa.field("target_revision", I64),
+    pa.field("target_checkpoint_digest", STR), pa.field("max_off_policy_steps", I32), pa.field("n_records", I32),
+    pa.field("reward_mean", F64), pa.field("reward_std", F64), pa.field("reward_min", F64), pa.field("reward_max", F64),
+    pa.field("advantage_mean", F64), pa.field("advantage_std", F64),
+    pa.field("completion_tokens", I64), pa.field("proof_refs", STR_LIST),
+    pa.field("batch_digest", STR), pa.field("lineage_digest", STR),
+], "TrainerBatch events (their records are in batch_records, their source revisions in batch_sources)")
+
+BATCH_RECORDS = _table("batch_records", [
+    pa.field("batch_id", STR), pa.field("batch_offset", I64), pa.field("position", I32),
+    pa.field("record_id", STR), pa.field("record_digest", STR), pa.field("record_event_id", STR),
+    pa.field("rollout_id", STR), pa.field("member_id", STR), *policy_fields(),
+    pa.field("reward", F64), pa.field("advantage", F64), pa.field("n_completion_tokens", I32),
+], "the records embedded in each trainer batch, in batch order; record_digest is computed from the "
+   "embedded copy (batch_offset is the batch message's offset)", envelope=False, kafka=False)
+
+BATCH_SOURCES = _table("batch_sources", [
+    pa.field("batch_id", STR), pa.field("batch_offset", I64), *policy_fields(), pa.field("records", I32),
+], "each batch's declared source revisions with their record counts (the lineage)", envelope=False, kafka=False)
+
+DEAD_LETTERS = _table("dead_letters", [
+    pa.field("origin_topic", STR), pa.field("origin_partition", I32), pa.field("origin_offset", I64),
+    pa.field("origin_key", pa.binary()), pa.field("raw", pa.binary()), pa.field("error_type", STR),
+    pa.field("error_message", STR), pa.field("service", STR),
+    pa.field("raw_event_type", STR), pa.field("raw_subject_id", STR),
+], "DeadLetter events; raw_event_type/raw_subject_id are read from `raw` when it decodes (record_id, rollout_id...)")
+
+REPLAY_ERRORS = _table("replay_errors", [
+    pa.field("key", pa.binary()), pa.field("value", pa.binary()), pa.field("headers", STR), pa.field("error", STR),
+], "messages of this run that could not be decoded (kept whole, with the reason)", envelope=False)
+
+TABLES: dict[str, Table] = {t.name: t for t in (
+    POLICY_REVISIONS, STEPS, ROLLOUTS, SCORES, SCORE_REWARDS, TRAINING_RECORDS, TRAINER_BATCHES,
+    BATCH_RECORDS, BATCH_SOURCES, DEAD_LETTERS, REPLAY_ERRORS)}
+
+# Which table each event type lands in (child tables are written alongside their parent).
+TABLE_FOR_EVENT = {
+    "policy_revision": "policy_revisions", "step": "steps", "rollout": "rollouts", "rollout_scored": "scores",
+    "training_record": "training_records", "trainer_batch": "trainer_batches", "dead_letter": "dead_letters",
+}
+
+_DUCK_TYPES = {
+    pa.string(): "VARCHAR", pa.int32(): "INTEGER", pa.int64(): "BIGINT", pa.float64(): "DOUBLE",
+    pa.float32(): "FLOAT", pa.bool_(): "BOOLEAN", pa.uint8(): "UTINYINT", pa.binary(): "BLOB",
+    TS: "TIMESTAMPTZ", KAFKA_TS: "TIMESTAMPTZ",
+}
+
+
+def duck_type(t: pa.DataType) -> str:
+    if pa.types.is_list(t):
+        return duck_type(t.value_type) + "[]"
+    if pa.types.is_map(t):
+        return f"MAP({duck_type(t.key_type)}, {duck_type(t.item_type)})"
+    return _DUCK_TYPES[t]
+
+
+def create_table_sql(table: Table) -> str:
+    cols = ",\n  ".join(f'"{f.name}" {duck_type(f.type)}' for f in table.schema)
+    return f"CREATE TABLE IF NOT EXISTS {table.name} (\n  {cols}\n)"
+
+
+META_SQL = [
+    """CREATE TABLE IF NOT EXISTS _replay_offsets (
+  topic VARCHAR, "partition" INTEGER, next_offset BIGINT, PRIMARY KEY (topic, "partition"))""",
+    "CREATE TABLE IF NOT EXISTS _replay_meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
+]
+
+# Views a user wants out of the box. Steps are attributed to the revision that produced their
+# tokens; a step earns its rollout's reward for the member that spoke it.
+VIEWS: dict[str, str] = {
+    "v_step_rewards": """
+SELECT s.step_id, s.rollout_id, s.member_id AS role, s.trainable, s.policy_family, s.policy_revision,
+       s.n_prompt_tokens, s.n_completion_tokens, r.reward
+FROM steps s LEFT JOIN score_rewards r ON r.rollout_id = s.rollout_id AND r.member_id = s.member_id""",
+    "v_reward_by_revision": """
+SELECT s.policy_family, s.policy_revision, s.member_id AS role, bool_or(s.trainable) AS trainable,
+       count(*) AS steps, count(r.reward) AS scored_steps, avg(r.reward) AS mean_reward,
+       stddev_pop(r.reward) AS std_reward, min(r.reward) AS min_reward, max(r.reward) AS max_reward,
+       sum(s.n_completion_tokens) AS completion_tokens
+FROM steps s LEFT JOIN score_rewards r ON r.rollout_id = s.rollout_id AND r.member_id = s.member_id
+GROUP BY ALL ORDER BY s.policy_family, s.policy_revision, role""",
+    "v_reward_by_admission_revision": """
+SELECT ro.policy_family, ro.policy_revision, sr.member_id AS role,
+       list_contains(ro.trainable_members, sr.member_id) AS trainable,
+       count(*) AS rollouts, avg(sr.reward) AS mean_reward, stddev_pop(sr.reward) AS std_reward
+FROM score_rewards sr JOIN rollouts ro ON ro.rollout_id = sr.rollout_id
+GROUP BY ALL ORDER BY ro.policy_family, ro.policy_revision, role""",
+    "v_batch_staleness": """
+SELECT b.batch_id, b._offset AS batch_offset, b.family, b.target_revision, b.max_off_policy_steps,
+       br.record_id, br.policy_revision AS source_revision, b.target_revision - br.policy_revision AS staleness,
+       (b.target_revision - br.policy_revision) > b.max_off_policy_steps
+         OR br.policy_revision > b.target_revision OR br.policy_family <> b.family AS breaks_bound
+FROM trainer_batches b JOIN batch_records br ON br.batch_id = b.batch_id AND br.batch_offset = b._offset""",
+    "v_staleness_distribution": """
+SELECT batch_id, batch_offset, target_revision, staleness, count(*) AS records
+FROM v_batch_staleness GROUP BY ALL ORDER BY batch_offset, staleness""",
+    "v_staleness_summary": """
+SELECT batch_id, batch_offset, target_revision, max_off_policy_steps, count(*) AS records,
+       min(staleness) AS min_staleness, avg(staleness) AS mean_staleness, max(staleness) AS max_staleness,
+       histogram(staleness) AS histogram, count(*) FILTER (WHERE breaks_bound) AS out_of_bound
+FROM v_batch_staleness GROUP BY ALL ORDER BY batch_offset""",
+    "v_env_pass_rates": """
+WITH per_rollout AS (
+  SELECT sc.rollout_id, sc.environment, sc.status,
+         avg(sr.reward) FILTER (WHERE list_contains(ro.trainable_members, sr.member_id)) AS trainable_reward,
+         avg(sr.reward) AS any_reward
+  FROM scores sc
+  LEFT JOIN score_rewards sr ON sr.score_event_id = sc.event_id
+  LEFT JOIN (SELECT DISTINCT ON (rollout_id) rollout_id, trainable_members FROM rollouts) ro
+         ON ro.rollout_id = sc.rollout_id
+  GROUP BY ALL)
+SELECT environment, count(*) AS rollouts,
+       avg(CASE WHEN coalesce(trainable_reward, any_reward) > 0 THEN 1.0 ELSE 0.0 END) AS pass_rate,
+       avg(coalesce(trainable_reward, any_reward)) AS mean_reward,
+       avg(CASE WHEN status = 'failed' THEN 1.0 ELSE 0.0 END) AS failed_rate,
+       avg(CASE WHEN status = 'truncated' THEN 1.0 ELSE 0.0 END) AS truncated_rate
+FROM per_rollout GROUP BY environment ORDER BY environment""",
+    "v_token_counts": """
+SELECT ro.environment, s.member_id AS role, s.policy_family, s.policy_revision, count(*) AS steps,
+       sum(s.n_prompt_tokens) AS prompt_tokens, sum(s.n_completion_tokens) AS completion_tokens,
+       avg(s.n_completion_tokens) AS mean_completion_tokens
+FROM steps s LEFT JOIN (SELECT DISTINCT ON (rollout_id) rollout_id, environment FROM rollouts) ro
+  ON ro.rollout_id = s.rollout_id
+GROUP BY ALL ORDER BY ALL""",
+    "v_rollout_links": """
+SELECT rollout_id, group_id, root_group_id, parent_rollout_id, unnest(child_rollout_ids) AS child_rollout_id
+FROM rollouts""",
+    "v_groups": """
+SELECT group_id, root_group_id, any_value(group_size) AS group_size, count(DISTINCT rollout_id) AS rollouts,
+       count(DISTINCT rollout_id) = any_value(group_size) AS complete, list(DISTINCT environment) AS environments
+FROM rollouts GROUP BY group_id, root_group_id""",
+    "v_lineage": """
+SELECT br.batch_id, br.batch_offset, br.position, br.record_id, br.record_digest, tr.record_digest AS replayed_digest,
+       br.rollout_id, st.step_id, st.step_index, st.member_id, st.policy_family AS step_family,
+       st.policy_revision AS step_revision, pr.checkpoint_digest AS step_checkpoint_digest,
+       pr.event_id IS NOT NULL AS revision_known
+FROM batch_records br
+LEFT JOIN (SELECT DISTINCT ON (record_id) record_id, record_digest, step_ids FROM training_records ORDER BY record_id, _offset) tr
+       ON tr.record_id = br.record_id
+LEFT JOIN steps st ON list_contains(tr.step_ids, st.step_id)
+LEFT JOIN (SELECT DISTINCT ON (family, revision) * FROM policy_revisions ORDER BY family, revision, _offset) pr
+       ON pr.family = st.policy_family AND pr.revision = st.policy_revision""",
+    "v_counts": """
+SELECT 'policy_revisions' AS "table", count(*) AS rows FROM policy_revisions UNION ALL
+SELECT 'steps', count(*) FROM steps UNION ALL SELECT 'rollouts', count(*) FROM rollouts UNION ALL
+SELECT 'scores', count(*) FROM scores UNION ALL SELECT 'training_records', count(*) FROM training_records UNION ALL
+SELECT 'trainer_batches', count(*) FROM trainer_batches UNION ALL SELECT 'batch_records', count(*) FROM batch_records UNION ALL
+SELECT 'dead_letters', count(*) FROM dead_letters UNION ALL SELECT 'replay_errors', count(*) FROM replay_errors""",
+}
+
+MACROS = [
+    # SELECT * FROM batch_lineage('batch-id'): batch -> records -> rollouts -> steps -> producing revisions
+    "CREATE OR REPLACE MACRO batch_lineage(b) AS TABLE SELECT * FROM v_lineage WHERE batch_id = b "
+    "ORDER BY batch_offset, position, step_index",
+]
+
+
+def ensure_schema(con) -> None:  # con: duckdb.DuckDBPyConnection
+    for t in TABLES.values():
+        con.execute(create_table_sql(t))
+        con.execute(f"COMMENT ON TABLE {t.name} IS '{t.doc.replace(chr(39), chr(39) * 2)}'")
+    for sql in META_SQL:
+        con.execute(sql)
+    for name, body in VIEWS.items():
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS {body.strip()}")
+    for sql in MACROS:
+        con.execute(sql)
