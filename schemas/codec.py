@@ -50,8 +50,14 @@ def peek(frame: bytes | memoryview) -> tuple[str, int]:
 
 
 def decode(frame: bytes | memoryview, expect: type[Event] | None = None) -> Event:
-    """Decode a frame; raise an ``EventDecodeError`` subclass (never anything else) on bad input."""
+    """Decode a frame; raise an ``EventDecodeError`` subclass (never anything else) on bad input.
+
+    Arrays are zero-copy views of an immutable frame (``bytes``, as Kafka delivers it). A mutable
+    buffer (``bytearray``...) is copied first, so later writes to it cannot change a frozen event.
+    """
     view = memoryview(frame)
+    if not view.readonly:
+        view = memoryview(view.tobytes())
     event_type, version, header, blobs = _split(view)
     cls = EVENTS_BY_TYPE.get(event_type)
     if cls is None:

@@ -168,3 +168,14 @@ def test_misaligned_frame_is_refused_on_decode() -> None:
     frame[start:start + 1] = b"3"
     with pytest.raises(EventDecodeError, match="same length"):
         codec.decode(bytes(frame))
+
+
+def test_decoding_a_mutable_buffer_does_not_alias_it() -> None:
+    """Regression: arrays decoded from a bytearray were writable views of the caller's buffer."""
+    buf = bytearray(codec.encode(step(4)))
+    event = codec.decode(buf)
+    buf[-64:] = b"\xff" * 64
+    assert event.completion_token_ids.tolist() == [0, 1, 2, 3]
+    assert not event.completion_token_ids.flags.writeable
+    frame = bytes(codec.encode(step(4)))
+    assert codec.decode(memoryview(frame)).completion_token_ids.base is not None  # bytes stay zero-copy
