@@ -305,3 +305,36 @@ def test_good_head_itself_compiles(tmp_path: Path) -> None:
                     "members = ['a', 'b']\nunselected = 'opponent'\n")
     plan = compile_plan(path)
     assert plan.members["judge"].target == "opponent" and plan.train_one.members == ["a", "b"]
+
+
+# -- the CLI: rollout plan FILE [--json] ----------------------------------------------------------
+
+
+def test_cli_plan_prints_routes_and_ignored_sections(capsys: pytest.CaptureFixture) -> None:
+    from rollout.cli import main
+
+    assert main(["plan", str(PEER / "rl-debate-external-opponent.toml"), "--rollout", "r-1", "--seed", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "debater_a  learner | opponent  when selected  train_one" in out
+    assert "ignored sections: wandb, ckpt, trainer, inference, orchestrator.renderer, orchestrator.eval" in out
+    plan = peer("rl-debate-external-opponent.toml")
+    chosen = plan.selected_member("r-1", 5)
+    assert f"rollout 'r-1' seed 5: selected '{chosen}'" in out
+    assert f"{chosen:<9}  -> learner (Qwen/Qwen3-4B-Instruct-2507)  trainable" in out
+
+
+def test_cli_plan_json_is_the_plan(capsys: pytest.CaptureFixture) -> None:
+    from rollout.cli import main
+
+    assert main(["plan", str(EXAMPLES / "debate.toml"), "--json"]) == 0
+    assert GenerationPlan.model_validate_json(capsys.readouterr().out) == compile_plan(EXAMPLES / "debate.toml")
+
+
+def test_cli_plan_error_names_field_and_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from rollout.cli import main
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nname = 'm'\n[environment]\nid = 'e'\n[sampling]\ntemprature = 1\n")
+    assert main(["plan", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert str(bad) in err and "sampling.temprature" in err and "did you mean 'temperature'" in err

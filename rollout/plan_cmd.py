@@ -1,0 +1,90 @@
+"""`rollout plan FILE [--json] [--rollout ID --seed N]`: compile a recipe and show its GenerationPlan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="compile a TOML recipe into its GenerationPlan and show routes per member",
+                       description="Compile a recipe (prime-rl formats or ours, see examples/plans/) and print "
+                                   "targets, routes per member and the sections the pipeline ignores.")
+    p.add_argument("file", help="the TOML recipe")
+    p.add_argument("--json", action="store_true", help="print the compiled plan as JSON (GenerationPlan)")
+    p.add_argument("--rollout", metavar="ID", help="also resolve the routes of this rollout id ...")
+    p.add_argument("--seed", type=int, default=0, help="... with this seed (default 0)")
+    p.add_argument("--members", metavar="A,B", help="members to resolve with --rollout (default: those the plan names)")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from schemas.plan import PlanError, compile_plan
+
+    try:
+        plan = compile_plan(args.file)
+    except PlanError as exc:
+        print(f"rollout: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(plan.model_dump_json(indent=2))
+        return 0
+    print(render(plan, args.rollout, args.seed, args.members.split(",") if args.members else None))
+    return 0
+
+
+def _kv(d: dict) -> str:
+    return ", ".join(f"{k}={json.dumps(v)}" for k, v in d.items()) or "-"
+
+
+def render(plan, rollout: str | None = None, seed: int = 0, members: list[str] | None = None) -> str:
+    from schemas.plan import LEARNER
+
+    prov = plan.provenance
+    out = [f"plan {plan.source}",
+           f"  family                {plan.family}",
+           f"  environments          " + "; ".join(
+               f"{e.name or e.id} (id {e.id}{', args ' + _kv(e.args) if e.args else ''})" for e in plan.environments),
+           f"  group_size            {plan.group_size}   ({prov.get('group_size', '?')})",
+           f"  batch_size            {plan.batch_size}   ({prov.get('batch_size', '?')})",
+           f"  max_off_policy_steps  {plan.max_off_policy_steps}   ({prov.get('max_off_policy_steps', '?')})",
+           f"  max_async_level       {plan.max_async_level}   ({prov.get('max_async_level', '?')})",
+           f"  advantage             {plan.advantage.type}" + (f" ({_kv(plan.advantage.params)})"
+                                                               if plan.advantage.params else ""),
+           "", "targets"]
+    width = max(len(n) for n in plan.targets)
+    for name, t in plan.targets.items():
+        where = ", ".join(t.base_urls) if t.base_urls else "(the run's local policy server)"
+        extra = [f"api_key_var={t.api_key_var}"] if t.api_key_var else []
+        if t.timeout_s is not None:
+            extra.append(f"timeout={t.timeout_s:g}s")
+        kind = "trainable" if name == LEARNER else "fixed"
+        out.append(f"  {name:<{width}}  {kind:<9}  model={t.model}  at {where}  mode={t.request_mode}  "
+                   f"sampling: {_kv(t.sampling)}" + (f"  {' '.join(extra)}" if extra else ""))
+
+    out += ["", "routes"]
+    rows = plan.route_table()
+    w = [max(len(str(r[k])) for r in rows + [{"member": "member", "target": "target", "trainable": "trainable"}])
+         for k in ("member", "target", "trainable")]
+    out.append(f"  {'member':<{w[0]}}  {'target':<{w[1]}}  {'trainable':<{w[2]}}  rule")
+    for r in rows:
+        trainable = {True: "yes", False: "no"}.get(r["trainable"], r["trainable"])
+        out.append(f"  {r['member']:<{w[0]}}  {r['target']:<{w[1]}}  {trainable:<{w[2]}}  {r['rule']}")
+    if plan.train_one is not None:
+        out.append(f"  train_one: one of {', '.join(plan.train_one.members)} is the learner per rollout "
+                   f"(sha256(f\"{{seed}}:{{rollout_id}}\") mod {len(plan.train_one.members)}); "
+                   f"the other seat(s) go to {plan.train_one.unselected!r}")
+
+    if rollout is not None:
+        names = members or sorted({*plan.members, *(plan.train_one.members if plan.train_one else []),
+                                   *plan.untrained_members}) or ["*"]
+        out += ["", f"rollout {rollout!r} seed {seed}" + (f": selected {plan.selected_member(rollout, seed)!r}"
+                                                          if plan.train_one else "")]
+        for m in names:
+            target, trainable = plan.route(m, rollout, seed)
+            out.append(f"  {m:<{w[0]}}  -> {target.name} ({target.model}){'  trainable' if trainable else ''}")
+
+    out += ["", "ignored sections: " + (", ".join(plan.ignored_sections) or "none"),
+            "ignored keys:     " + (", ".join(plan.ignored_keys) or "none")]
+    return "\n".join(out)
