@@ -1,0 +1,122 @@
+"""Batching: TrainingRecords -> TrainerBatches for a target revision. Pure (no Kafka; time is passed in).
+
+* size: ``batch_records`` records, or ``batch_tokens`` completion tokens (whichever is configured);
+  a partial batch is flushed once its oldest record waited ``flush_after_s``.
+* off-policy bound: a record more than ``max_off_policy_steps`` revisions behind the target is
+  refused with its reason and counted (never silently dropped); a record *ahead* of the known target
+  waits until its revision is announced.
+* a record of another family is refused on arrival (``CrossFamilyMixError``); an empty batch is never
+  emitted (counted as ``empty_batch``). Batches are built by ``schemas.batch.assemble_batch``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from schemas.batch import assemble_batch, staleness, stale_reason
+from schemas.events import TrainerBatch, TrainingRecord
+from schemas.policy import PolicyRevision
+
+T = TypeVar("T")
+
+
+@dataclass
+class Item(Generic[T]):
+    record: TrainingRecord
+    arrived: float
+    tag: T = None  # the service keeps the input offset and raw bytes here
+
+
+@dataclass
+class Refusal(Generic[T]):
+    item: Item[T]
+    error_type: str
+    reason: str
+
+
+@dataclass
+class BatchPolicy:
+    family: str
+    max_off_policy_steps: int = 1
+    batch_records: int | None = 64
+    batch_tokens: int | None = None
+    flush_after_s: float = 5.0
+
+
+@dataclass
+class Batcher(Generic[T]):
+    policy: BatchPolicy
+    run_id: str = "run"
+    producer: str = "batcher"
+    items: list[Item[T]] = field(default_factory=list)
+    refused: Counter = field(default_factory=Counter)
+    emitted_records: int = 0
+
+    def add(self, record: TrainingRecord, now: float, tag: T = None) -> Refusal[T] | None:
+        item = Item(record, now, tag)
+        if record.policy.family != self.policy.family:
+            self.refused["cross_family"] += 1
+            return Refusal(item, "CrossFamilyMixError",
+                           f"record {record.record_id} is from family {record.policy.family!r}; this batcher "
+                           f"builds {self.policy.family!r} batches")
+        if record.record_id in {it.record.record_id for it in self.items}:
+            self.refused["duplicate"] += 1
+            return Refusal(item, "DuplicateRecord", f"record {record.record_id} is already waiting for a batch")
+        self.items.append(item)
+        return None
+
+    def _full(self, items: list[Item[T]]) -> int:
+        """How many leading items make one full batch (0 if not enough)."""
+        if self.policy.batch_tokens:
+            tot = 0
+            for i, it in enumerate(items):
+                tot += len(it.record.completion_token_ids)
+                if tot >= self.policy.batch_tokens:
+                    return i + 1
+            return 0
+        n = self.policy.batch_records or 1
+        return n if len(items) >= n else 0
+
+    def poll(self, target: PolicyRevision | None, now: float, *, flush: bool = False
+             ) -> tuple[list[tuple[TrainerBatch, list[Item[T]]]], list[Refusal[T]]]:
+        """Batches ready for ``target`` and records refused as stale. ``flush`` empties what is eligible."""
+        if target is None:
+            return [], []
+        refusals: list[Refusal[T]] = []
+        keep: list[Item[T]] = []
+        for it in self.items:
+            lag = staleness(it.record, target)
+            if lag > self.policy.max_off_policy_steps:
+                self.refused["stale"] += 1
+                refusals.append(Refusal(it, "StaleRecordError",
+                                        stale_reason(it.record, target, self.policy.max_off_policy_steps) or "stale"))
+            else:
+                keep.append(it)
+        self.items = keep
+        eligible = [it for it in self.items if staleness(it.record, target) >= 0]
+        batches: list[tuple[TrainerBatch, list[Item[T]]]] = []
+        while eligible:
+            n = self._full(eligible)
+            if n == 0:
+                due = flush or (now - min(it.arrived for it in eligible) >= self.policy.flush_after_s)
+                if not due:
+                    break
+                n = len(eligible)
+            chosen, eligible = eligible[:n], eligible[n:]
+            batches.append((self._assemble([it.record for it in chosen], target), chosen))
+        if batches:
+            taken = {id(it) for _, its in batches for it in its}
+            self.items = [it for it in self.items if id(it) not in taken]
+            self.emitted_records += sum(len(its) for _, its in batches)
+        elif flush and not self.items:
+            self.refused["empty_batch"] += 1
+        return batches, refusals
+
+    def _assemble(self, records: list[TrainingRecord], target: PolicyRevision) -> TrainerBatch:
+        return assemble_batch(records, target, self.policy.max_off_policy_steps, run_id=self.run_id,
+                              producer=self.producer, causation_id=records[0].event_id)
+
+    def stats(self) -> dict[str, Any]:
+        return {"buffered": len(self.items), "emitted_records": self.emitted_records, "refused": dict(self.refused)}

@@ -1,0 +1,338 @@
+"""Verifiers: score one rollout (with its steps) according to its ScoringSpec. Pure, async, no Kafka.
+
+Kinds (schemas.scoring.ScoringSpec):
+
+* ``exact_match``     ExactMatchVerifier: each member's final answer == spec.answer -> 1.0 / 0.0
+* ``rubric``          weighted sum of reward functions (sync or async) + metrics that are logged, not rewarded
+* ``llm_judge``       LLMJudgeVerifier: the plan's fixed ``judge_target`` grades the transcript (score in [0, 1])
+* ``zero_sum_judge``  ZeroSumJudgeVerifier: the judge names a winner among two players: +1 / -1, 0 on a tie
+* ``monte_carlo``     MonteCarloVerifier: a parent (proposer) scored from its children's (solvers') outcomes
+
+A reward function that raises or times out raises ``ScoringError``; the verifier service dead-letters the
+rollout with that reason and goes on. The judge is called through a ``Judge`` callable bound to a fixed
+plan target; its output only ever becomes a number in ``rewards``, never a training record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping, Sequence
+
+from schemas.events import Rollout, RolloutScored, Step, StepTokens
+from schemas.scoring import SCORING_ARTIFACT, ScoringSpec, WeightedFunc
+
+VERIFIER_VERSION = "1"
+Judge = Callable[[str, list[dict[str, Any]]], Awaitable[str]]
+"""async judge(target_name, chat_messages) -> the judge model's reply text."""
+
+
+class ScoringError(Exception):
+    """A rollout that cannot be scored: the reason goes to the dead-letter topic."""
+
+
+@dataclass
+class Verdict:
+    rewards: dict[str, float]
+    metrics: dict[str, float] = field(default_factory=dict)
+    verifier: str = ""
+
+
+# -- answers -------------------------------------------------------------------------------------------
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_HASHES = re.compile(r"####\s*(.+)")
+_ANSWER = re.compile(r"answer\s*(?:is|:)\s*(.+)", re.I)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def final_answer(text: str) -> str:
+    """The final answer in a completion: \\boxed{..}, '#### ..', 'answer: ..', else the last number, else the text."""
+    for pat in (_BOXED, _HASHES, _ANSWER):
+        found = pat.findall(text)
+        if found:
+            return normalize(found[-1])
+    nums = _NUMBER.findall(text)
+    if nums:
+        return normalize(nums[-1])
+    return normalize(text)
+
+
+def normalize(s: str) -> str:
+    s = s.strip().strip(".").strip().replace(",", "")
+    try:
+        f = float(s)
+        if math.isfinite(f) and f == int(f):
+            return str(int(f))
+        return repr(f)
+    except ValueError:
+        return " ".join(s.lower().split())
+
+
+# -- transcript helpers --------------------------------------------------------------------------------
+def _text(messages) -> str:
+    return "".join(m.content or "" for m in messages)
+
+
+def member_steps(steps: Sequence[Step], member: str) -> list[Step]:
+    return sorted((s for s in steps if s.member_id == member), key=lambda s: s.index)
+
+
+def spec_of(rollout: Rollout) -> ScoringSpec:
+    raw = rollout.artifacts.get(SCORING_ARTIFACT)
+    if raw is None:
+        raise ScoringError(f"rollout {rollout.rollout_id} carries no artifacts[{SCORING_ARTIFACT!r}] scoring spec")
+    try:
+        return ScoringSpec.model_validate(raw)
+    except Exception as e:  # noqa: BLE001
+        raise ScoringError(f"rollout {rollout.rollout_id}: invalid scoring spec: {e}") from None
+
+
+def scored_members(rollout: Rollout) -> list[str]:
+    """Members that get a reward: the trainable ones, or all of them if none is trainable (eval runs)."""
+    trainable = [m for m, t in rollout.members.items() if t]
+    return trainable or list(rollout.members)
+
+
+# -- verifiers -----------------------------------------------------------------------------------------
+def exact_match(rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec) -> Verdict:
+    want = normalize(spec.answer or "")
+    rewards, metrics = {}, {}
+    for m in scored_members(rollout):
+        ms = member_steps(steps, m)
+        got = final_answer(_text(ms[-1].completion)) if ms else ""
+        rewards[m] = 1.0 if got == want else 0.0
+        metrics[f"{m}/completion_tokens"] = float(sum(len(s.completion_token_ids) for s in ms))
+    return Verdict(rewards, metrics, "exact_match")
+
+
+def load_func(path: str) -> Callable[..., Any]:
+    mod, _, attr = path.partition(":")
+    obj: Any = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+async def call_func(fn: Callable[..., Any], kwargs: Mapping[str, Any], timeout_s: float) -> float:
+    """Call a reward function with the keyword arguments it declares (all of them if it takes **kwargs)."""
+    sig = inspect.signature(fn)
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        args = dict(kwargs)
+    else:
+        args = {k: v for k, v in kwargs.items() if k in sig.parameters}
+    if inspect.iscoroutinefunction(fn):
+        value = await asyncio.wait_for(fn(**args), timeout_s)
+    else:
+        value = await asyncio.wait_for(asyncio.to_thread(fn, **args), timeout_s)
+        if inspect.isawaitable(value):
+            value = await asyncio.wait_for(value, timeout_s)
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"returned {value!r}")
+    return out
+
+
+async def _weighted(funcs: Sequence[WeightedFunc], kwargs: Mapping[str, Any], timeout_s: float,
+                    what: str) -> dict[str, tuple[float, float]]:
+    results: dict[str, tuple[float, float]] = {}
+    for wf in funcs:
+        try:
+            fn = load_func(wf.fn)
+            results[wf.fn] = (await call_func(fn, kwargs, timeout_s), wf.weight)
+        except asyncio.TimeoutError:
+            raise ScoringError(f"{what} {wf.fn} timed out after {timeout_s}s") from None
+        except ScoringError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise ScoringError(f"{what} {wf.fn} raised {type(e).__name__}: {e}") from None
+    return results
+
+
+async def rubric(rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec) -> Verdict:
+    timeout_s = float(spec.params.get("timeout_s", 10.0))  # type: ignore[arg-type]
+    rewards: dict[str, float] = {}
+    metrics: dict[str, float] = {}
+    for m in scored_members(rollout):
+        ms = member_steps(steps, m)
+        kwargs = {
+            "prompt": [x.model_dump(mode="json") for x in (ms[0].prompt if ms else [])],
+            "completion": [x.model_dump(mode="json") for s in ms for x in s.completion],
+            "answer": spec.answer,
+            "state": {"artifacts": rollout.artifacts, "seed": rollout.seed, "member": m,
+                      "environment": rollout.environment, "status": rollout.status},
+        }
+        scored = await _weighted(spec.funcs, kwargs, timeout_s, "reward function")
+        rewards[m] = sum(v * w for v, w in scored.values())
+        for name, (v, _) in scored.items():
+            metrics[f"{m}/reward/{name.rsplit(':', 1)[-1]}"] = v
+        for name, (v, _) in (await _weighted(spec.metrics, kwargs, timeout_s, "metric")).items():
+            metrics[f"{m}/metric/{name.rsplit(':', 1)[-1]}"] = v
+    return Verdict(rewards, metrics, "rubric")
+
+
+def transcript(steps: Sequence[Step]) -> str:
+    lines = []
+    for s in sorted(steps, key=lambda s: s.index):
+        lines.append(f"[{s.member_id}] {_text(s.completion)}")
+    return "\n".join(lines)
+
+
+_SCORE = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.I)
+
+
+def parse_judge_score(reply: str) -> float:
+    found = _SCORE.findall(reply) or _NUMBER.findall(reply)
+    if not found:
+        raise ScoringError(f"judge reply has no score: {reply[:200]!r}")
+    return min(1.0, max(0.0, float(found[-1])))
+
+
+async def llm_judge(rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec, judge: Judge | None) -> Verdict:
+    if "judge_score" in rollout.artifacts:  # the arena already asked the judge (a fixed target)
+        score = float(rollout.artifacts["judge_score"])  # type: ignore[arg-type]
+    else:
+        if judge is None:
+            raise ScoringError(f"llm_judge needs a judge client for target {spec.judge_target!r}")
+        question = _text(steps[0].prompt) if steps else str(rollout.seed)
+        msgs = [{"role": "system", "content": str(spec.params.get("rubric", "Grade the answer from 0 to 1. "
+                                                                          "Reply 'SCORE: <number>'."))},
+                {"role": "user", "content": f"Question:\n{question}\n\nReference answer: {spec.answer}\n\n"
+                                            f"Transcript:\n{transcript(steps)}"}]
+        score = await _ask(judge, spec, msgs, parse_judge_score)
+    return Verdict({m: score for m in scored_members(rollout)}, {"judge_score": score}, f"llm_judge:{spec.judge_target}")
+
+
+async def _ask(judge: Judge, spec: ScoringSpec, msgs, parse):
+    timeout_s = float(spec.params.get("timeout_s", 60.0))  # type: ignore[arg-type]
+    try:
+        reply = await asyncio.wait_for(judge(spec.judge_target or "", msgs), timeout_s)
+    except asyncio.TimeoutError:
+        raise ScoringError(f"judge {spec.judge_target} timed out after {timeout_s}s") from None
+    except ScoringError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise ScoringError(f"judge {spec.judge_target} failed: {type(e).__name__}: {e}") from None
+    return parse(reply)
+
+
+def zero_sum_rewards(players: Sequence[str], winner: str | None) -> dict[str, float]:
+    a, b = players
+    if winner in (None, "", "tie", "draw"):
+        return {a: 0.0, b: 0.0}
+    if winner not in (a, b):
+        raise ScoringError(f"judge named {winner!r}, not one of the players {list(players)}")
+    return {a: 1.0 if winner == a else -1.0, b: 1.0 if winner == b else -1.0}
+
+
+async def zero_sum_judge(rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec, judge: Judge | None) -> Verdict:
+    players = list(spec.players)
+    verdict = rollout.artifacts.get("winner", rollout.artifacts.get("judge_verdict", ...))
+    if verdict is ...:
+        if judge is None:
+            raise ScoringError(f"zero_sum_judge needs a judge client for target {spec.judge_target!r}")
+        msgs = [{"role": "system", "content": f"You judge a contest between {players[0]} and {players[1]}. "
+                                              f"Reply 'WINNER: <name>' or 'WINNER: tie'."},
+                {"role": "user", "content": transcript(steps)}]
+
+        def parse(reply: str) -> str:
+            m = re.search(r"winner\s*[:=]\s*([\w\-]+)", reply, re.I)
+            return m.group(1) if m else reply.strip()
+
+        verdict = await _ask(judge, spec, msgs, parse)
+    rewards = zero_sum_rewards(players, None if verdict is None else str(verdict))
+    return Verdict(rewards, {"tie": float(all(v == 0 for v in rewards.values()))}, f"zero_sum_judge:{spec.judge_target}")
+
+
+def monte_carlo_reward(outcomes: Sequence[float], params: Mapping[str, Any]) -> float:
+    """Proposer's reward from its solvers' outcomes (each in [0, 1]).
+
+    mode ``mean`` (default): the solve rate; ``inverse``: 1 - solve rate (an adversarial proposer);
+    ``band``: 1.0 when low <= solve rate <= high (a problem neither trivial nor impossible), else 0.0.
+    """
+    if not outcomes:
+        raise ScoringError("monte_carlo: no child outcomes")
+    rate = sum(outcomes) / len(outcomes)
+    mode = params.get("mode", "mean")
+    if mode == "mean":
+        return rate
+    if mode == "inverse":
+        return 1.0 - rate
+    if mode == "band":
+        return 1.0 if float(params.get("low", 0.2)) <= rate <= float(params.get("high", 0.8)) else 0.0
+    raise ScoringError(f"monte_carlo: unknown mode {mode!r}")
+
+
+def child_outcome(scored: RolloutScored, member: str | None = None) -> float:
+    """A child rollout's outcome: its ``member``'s reward, or the mean over its members."""
+    if member is not None and member in scored.rewards:
+        return scored.rewards[member]
+    vals = list(scored.rewards.values())
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def monte_carlo(rollout: Rollout, spec: ScoringSpec, outcomes: Sequence[float]) -> Verdict:
+    r = monte_carlo_reward(outcomes, spec.params)
+    rate = sum(outcomes) / len(outcomes)
+    return Verdict({m: r for m in scored_members(rollout)}, {"children": float(len(outcomes)), "solve_rate": rate},
+                   "monte_carlo")
+
+
+async def score(rollout: Rollout, steps: Sequence[Step], *, judge: Judge | None = None,
+                child_outcomes: Sequence[float] | None = None) -> Verdict:
+    """Score a rollout with the spec it carries. Failed rollouts score 0 for every member, without scoring."""
+    if rollout.status == "failed":
+        return Verdict({m: 0.0 for m in rollout.members}, {"failed": 1.0}, "failed")
+    spec = spec_of(rollout)
+    if spec.kind == "exact_match":
+        return exact_match(rollout, steps, spec)
+    if spec.kind == "rubric":
+        return await rubric(rollout, steps, spec)
+    if spec.kind == "llm_judge":
+        return await llm_judge(rollout, steps, spec, judge)
+    if spec.kind == "zero_sum_judge":
+        return await zero_sum_judge(rollout, steps, spec, judge)
+    if spec.kind == "monte_carlo":
+        if child_outcomes is None:
+            raise ScoringError("monte_carlo scoring needs the children's outcomes")
+        return monte_carlo(rollout, spec, child_outcomes)
+    raise ScoringError(f"unknown scoring kind {spec.kind!r}")
+
+
+def trainable_steps(steps: Sequence[Step]) -> list[StepTokens]:
+    """Tokens of the trainable steps only: a fixed opponent's or the judge's never become training data."""
+    return [StepTokens(step_id=s.step_id, member_id=s.member_id, policy=s.policy, prompt_token_ids=s.prompt_token_ids,
+                       completion_token_ids=s.completion_token_ids, completion_logprobs=s.completion_logprobs)
+            for s in sorted(steps, key=lambda s: s.index) if s.trainable and s.policy is not None]
+
+
+def to_scored(rollout: Rollout, steps: Sequence[Step], verdict: Verdict, *, producer: str,
+              causation_id: str | None = None) -> RolloutScored:
+    return RolloutScored(
+        run_id=rollout.run_id, producer=producer, causation_id=causation_id or rollout.event_id,
+        rollout_id=rollout.rollout_id, group_id=rollout.group_id, root_group_id=rollout.root_group_id,
+        group_size=rollout.group_size, environment=rollout.environment, example_id=rollout.example_id,
+        parent_rollout_id=rollout.parent_rollout_id, status=rollout.status, rewards=verdict.rewards,
+        metrics=verdict.metrics, verifier=verdict.verifier or "verifier", verifier_version=VERIFIER_VERSION,
+        trainable_steps=trainable_steps(steps) if rollout.status != "failed" else [])
+
+
+def http_judge(targets: Mapping[str, Any], *, timeout_s: float = 60.0) -> Judge:
+    """A Judge over OpenAI-compatible chat endpoints: ``targets[name]`` has ``model`` and ``base_urls``."""
+    import httpx
+
+    client = httpx.AsyncClient(timeout=timeout_s)
+
+    async def judge(target: str, messages: list[dict[str, Any]]) -> str:
+        t = targets[target]
+        model = getattr(t, "model", None) or t["model"]
+        urls = getattr(t, "base_urls", None) or t["base_urls"]
+        resp = await client.post(f"{urls[0].rstrip('/')}/chat/completions",
+                                 json={"model": model, "messages": messages, "temperature": 0.0})
+        resp.raise_for_status()
+        return resp.json()["choices"][0]["message"]["content"]
+
+    return judge

@@ -1,0 +1,391 @@
+"""The transactional read-process-write loop every service runs (exactly-once, Kafka Streams EOS-alpha style).
+
+Why this shape (see README "Services and exactly-once"):
+
+* aiokafka does not implement KIP-447 group-metadata fencing (``send_offsets_to_transaction`` takes a
+  group id only), so a zombie that lost its partitions could still commit. Zombies are fenced the way
+  Kafka Streams' first exactly-once mode did it: **one transactional producer per input partition
+  number**, with the stable ``transactional.id = f"{prefix}{service}-{partition}"``. A new owner's
+  ``init_transactions`` aborts the old owner's open transaction and fences its producer (its next
+  commit raises ``ProducerFenced``), and only then does the new owner read the committed offsets.
+* Co-partitioned inputs (steps + rollouts) are owned together: a consumer group with the range
+  assignor hands out the same partition number of every input topic to one member.
+* State is never ahead of the log. A task may buffer input (a GRPO group, steps awaiting their
+  rollout); each transaction writes, atomically with its outputs and input offsets, a snapshot of
+  that state to a compacted changelog topic (key = partition number): which input offsets are still
+  buffered plus small JSON state (EMA baselines, Monte Carlo child outcomes). A new owner restores the
+  last committed snapshot and re-reads exactly the buffered offsets. Input offsets always commit at
+  the consumer position, so nothing is re-processed and nothing buffered is lost.
+* A failed transaction (anything but a fence) is aborted and that partition's task is rebuilt from
+  the changelog and the committed offsets; a fenced one is dropped (someone else owns it now).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Protocol
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+from aiokafka.errors import KafkaError, ProducerFenced
+
+from schemas.envelope import Event
+from streams import serde
+from streams.topics import Topic, topic_prefix
+
+log = logging.getLogger("rollout.eos")
+
+MAX_MESSAGE = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Out:
+    """One output message of a transaction."""
+
+    topic: str
+    event: Event
+
+
+@dataclass
+class TaskResult:
+    outputs: list[Out] = field(default_factory=list)
+
+
+class PartitionTask(Protocol):
+    """Per-partition-number processing state. Pure with respect to Kafka: the processor owns I/O."""
+
+    async def process(self, record: Any) -> list[Out]:
+        """Handle one input record (aiokafka ConsumerRecord); may buffer it instead of emitting."""
+
+    def restore(self, record: Any) -> None:
+        """Re-buffer a record listed in the snapshot (no outputs: it was processed before)."""
+
+    def tick(self, now: float) -> list[Out]:
+        """Time-based work (timeouts, partial-batch flushes)."""
+
+    def buffered(self) -> dict[str, list[int]]:
+        """Input offsets still held in memory, by topic name."""
+
+    def state(self) -> dict[str, Any]:
+        """Small JSON state that must survive a crash."""
+
+    def load_state(self, state: dict[str, Any]) -> None: ...
+
+
+def _ranges(offsets: Iterable[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for o in sorted(set(offsets)):
+        if out and out[-1][1] == o - 1:
+            out[-1][1] = o
+        else:
+            out.append([o, o])
+    return out
+
+
+def _unranges(ranges: list[list[int]]) -> set[int]:
+    s: set[int] = set()
+    for a, b in ranges:
+        s.update(range(a, b + 1))
+    return s
+
+
+def encode_snapshot(buffered: dict[str, list[int]], state: dict[str, Any]) -> bytes:
+    return json.dumps({"v": 1, "buffered": {t: _ranges(o) for t, o in buffered.items() if o}, "state": state},
+                      sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_snapshot(raw: bytes | None) -> tuple[dict[str, set[int]], dict[str, Any]]:
+    if not raw:
+        return {}, {}
+    d = json.loads(raw)
+    return {t: _unranges(r) for t, r in d.get("buffered", {}).items()}, d.get("state", {})
+
+
+def changelog_topic(service: str, partitions: int) -> Topic:
+    return Topic(f"{service}-changelog", partitions,
+                 {"cleanup.policy": "compact", "segment.ms": "60000", "min.cleanable.dirty.ratio": "0.1",
+                  "retention.ms": "-1", "max.message.bytes": str(MAX_MESSAGE)},
+                 doc=f"{service}: per-partition snapshot of buffered input offsets and small state")
+
+
+@dataclass
+class Stats:
+    records_in: int = 0
+    records_out: int = 0
+    transactions: int = 0
+    aborted: int = 0
+    fenced: int = 0
+    rebuilt: int = 0
+    by_type: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+class TransactionalProcessor:
+    """Consume ``inputs`` (co-partitioned) in group ``group_id`` and run one ``PartitionTask`` per partition.
+
+    ``make_task(partition)`` builds a fresh task. ``client_kwargs`` are aiokafka connection kwargs.
+    """
+
+    def __init__(self, service: str, inputs: list[str], partitions: int, make_task: Callable[[int], PartitionTask],
+                 client_kwargs: dict[str, Any], *, group_id: str | None = None, tick_s: float = 0.5,
+                 max_records: int = 2000, instance: str = "", linger_ms: int = 5,
+                 on_start: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.service = service
+        self.inputs = inputs
+        self.partitions = partitions
+        self.make_task = make_task
+        self.kw = dict(client_kwargs)
+        self.group_id = group_id or f"{topic_prefix()}{service}"
+        self.changelog = changelog_topic(service, partitions).name
+        self.tick_s = tick_s
+        self.max_records = max_records
+        self.instance = instance
+        self.linger_ms = linger_ms
+        self.on_start = on_start
+        self.tasks: dict[int, PartitionTask] = {}
+        self.producers: dict[int, AIOKafkaProducer] = {}
+        self.committed: dict[int, dict[str, int]] = {}
+        self.snap_written: dict[int, bytes] = {}
+        self.stats = Stats()
+        self.lock = asyncio.Lock()
+        self.restore_lock = asyncio.Lock()
+        self.stopping = asyncio.Event()
+        self.consumer: AIOKafkaConsumer | None = None
+        self.restorer: AIOKafkaConsumer | None = None
+        self._last_tick = 0.0
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def txn_id(self, p: int) -> str:
+        return f"{topic_prefix()}{self.service}-{p}"
+
+    async def start(self) -> None:
+        self.restorer = AIOKafkaConsumer(**self.kw, group_id=None, enable_auto_commit=False,
+                                         isolation_level="read_committed", auto_offset_reset="earliest",
+                                         max_partition_fetch_bytes=MAX_MESSAGE)
+        await self.restorer.start()
+        self.consumer = AIOKafkaConsumer(
+            **self.kw, group_id=self.group_id, enable_auto_commit=False, isolation_level="read_committed",
+            auto_offset_reset="earliest", partition_assignment_strategy=(RangePartitionAssignor,),
+            max_partition_fetch_bytes=MAX_MESSAGE, fetch_max_bytes=64 * 1024 * 1024,
+            session_timeout_ms=10000, heartbeat_interval_ms=1000, rebalance_timeout_ms=30000,
+            max_poll_interval_ms=120000)
+        await self.consumer.start()
+        self.consumer.subscribe(self.inputs, listener=_Listener(self))
+        if self.on_start:
+            await self.on_start()
+
+    async def stop(self) -> None:
+        """Graceful: finish the open transaction (lock), then leave the group and close producers."""
+        self.stopping.set()
+        async with self.lock:
+            if self.consumer is not None:
+                try:
+                    await self.consumer.stop()  # leaves the group
+                except Exception as e:  # noqa: BLE001
+                    log.warning("consumer stop: %s", e)
+            for p in list(self.producers):
+                await self._drop(p)
+            if self.restorer is not None:
+                await self.restorer.stop()
+
+    async def run(self, *, until: Callable[[], bool] | None = None) -> None:
+        await self.start()
+        try:
+            while not self.stopping.is_set() and not (until and until()):
+                await self.step()
+        finally:
+            await self.stop()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+
+    # -- rebalance -------------------------------------------------------------------------------------
+    async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
+        async with self.lock:  # waits for the in-flight transaction to commit or abort
+            ps = {tp.partition for tp in revoked}
+            log.info("%s%s revoked %s", self.service, self.instance, sorted(ps))
+            # Keep producers and state: if the partition comes back to us, they are still valid (fencing
+            # would tell us otherwise); if it goes elsewhere, the new owner fences this producer.
+
+    async def _on_assigned(self, assigned: list[TopicPartition]) -> None:
+        async with self.lock:
+            ps = sorted({tp.partition for tp in assigned})
+            for p in list(self.tasks):
+                if p not in ps:
+                    await self._drop(p)
+            log.info("%s%s assigned %s", self.service, self.instance, ps)
+            await asyncio.gather(*(self._own(p) for p in ps))
+
+    async def _own(self, p: int) -> None:
+        assert self.consumer is not None
+        if p in self.tasks and p in self.producers:
+            for topic, off in self.committed[p].items():
+                self.consumer.seek(TopicPartition(topic, p), off)
+            return
+        await self._drop(p)
+        prod = AIOKafkaProducer(**self.kw, transactional_id=self.txn_id(p), enable_idempotence=True, acks="all",
+                                linger_ms=self.linger_ms, max_request_size=MAX_MESSAGE, max_batch_size=1024 * 1024)
+        await prod.start()
+        # init_transactions (InitProducerId): completes/aborts the previous owner's open transaction and
+        # fences its producer. Only after this are the committed offsets and the changelog stable.
+        await asyncio.shield(prod._txn_manager.wait_for_pid())
+        self.producers[p] = prod
+        await self._rebuild(p)
+
+    async def _drop(self, p: int) -> None:
+        self.tasks.pop(p, None)
+        self.committed.pop(p, None)
+        self.snap_written.pop(p, None)
+        prod = self.producers.pop(p, None)
+        if prod is not None:
+            try:
+                await prod.stop()
+            except Exception as e:  # noqa: BLE001 - a fenced producer may complain on close
+                log.debug("producer %s stop: %s", p, e)
+
+    async def _rebuild(self, p: int) -> None:
+        """Fresh task for ``p`` from the last committed snapshot and committed input offsets."""
+        assert self.consumer is not None and self.restorer is not None
+        async with self.restore_lock:
+            await self._rebuild_locked(p)
+
+    async def _rebuild_locked(self, p: int) -> None:
+        self.stats.rebuilt += 1
+        task = self.make_task(p)
+        tps = [TopicPartition(t, p) for t in self.inputs]
+        committed: dict[str, int] = {}
+        for tp in tps:
+            c = await self.consumer.committed(tp)
+            if c is None:
+                c = (await self.restorer.beginning_offsets([tp]))[tp]
+            committed[tp.topic] = c
+        raw = await self._read_snapshot(p)
+        buffered, state = decode_snapshot(raw)
+        task.load_state(state)
+        for tp in tps:
+            want = {o for o in buffered.get(tp.topic, ()) if o < committed[tp.topic]}
+            if want:
+                async for rec in self._read_range(tp, min(want), committed[tp.topic]):
+                    if rec.offset in want:
+                        task.restore(rec)
+        self.tasks[p] = task
+        self.committed[p] = committed
+        self.snap_written[p] = raw or b""
+        for tp in tps:
+            self.consumer.seek(tp, committed[tp.topic])
+
+    async def _read_snapshot(self, p: int) -> bytes | None:
+        tp = TopicPartition(self.changelog, p)
+        end = (await self.restorer.end_offsets([tp]))[tp]
+        start = (await self.restorer.beginning_offsets([tp]))[tp]
+        last = None
+        if end > start:
+            async for rec in self._read_range(tp, start, end):
+                last = rec.value
+        return last
+
+    async def _read_range(self, tp: TopicPartition, start: int, end: int):
+        r = self.restorer
+        r.assign([tp])
+        r.seek(tp, start)
+        while True:
+            pos = await r.position(tp)
+            if pos >= end:
+                break
+            got = await r.getmany(tp, timeout_ms=1000, max_records=5000)
+            for rec in got.get(tp, []):
+                if rec.offset >= end:
+                    return
+                yield rec
+
+    # -- the loop --------------------------------------------------------------------------------------
+    async def step(self) -> None:
+        assert self.consumer is not None
+        batch = await self.consumer.getmany(timeout_ms=int(self.tick_s * 1000), max_records=self.max_records)
+        async with self.lock:
+            by_p: dict[int, list] = defaultdict(list)
+            for tp, recs in batch.items():
+                if tp.partition in self.tasks:
+                    by_p[tp.partition].extend(recs)
+            now = time.monotonic()
+            tick = now - self._last_tick >= self.tick_s
+            if tick:
+                self._last_tick = now
+            ps = set(by_p) | (set(self.tasks) if tick else set())
+            if ps:
+                await asyncio.gather(*(self._transact(p, by_p.get(p, []), tick) for p in ps))
+
+    async def _transact(self, p: int, recs: list, tick: bool) -> None:
+        task, prod = self.tasks.get(p), self.producers.get(p)
+        if task is None or prod is None:
+            return
+        outs: list[Out] = []
+        next_off: dict[str, int] = {}
+        try:
+            for rec in recs:
+                outs.extend(await task.process(rec))
+                next_off[rec.topic] = rec.offset + 1
+            if tick:
+                outs.extend(task.tick(time.monotonic()))
+            snap = encode_snapshot(task.buffered(), task.state())
+            if not outs and not next_off and snap == self.snap_written.get(p):
+                return
+            await prod.begin_transaction()
+            futs = []
+            for o in outs:
+                key, value, headers = serde.to_message(o.event)
+                futs.append(await prod.send(o.topic, value=value, key=key, headers=headers))
+            if snap != self.snap_written.get(p):
+                futs.append(await prod.send(self.changelog, value=snap, key=str(p).encode(), partition=p))
+            if next_off:
+                await prod.send_offsets_to_transaction(
+                    {TopicPartition(t, p): o for t, o in next_off.items()}, self.group_id)
+            await asyncio.gather(*futs)
+            await prod.commit_transaction()
+        except ProducerFenced:
+            self.stats.fenced += 1
+            log.warning("%s partition %d: fenced by a newer owner; dropping it", self.service, p)
+            await self._drop(p)
+            return
+        except Exception as e:  # noqa: BLE001 - abort, rebuild the partition from the log, keep serving
+            self.stats.aborted += 1
+            log.warning("%s partition %d: transaction failed (%s: %s); aborting and rebuilding",
+                        self.service, p, type(e).__name__, e)
+            try:
+                if prod._txn_manager is not None and prod._txn_manager.is_in_transaction():
+                    await prod.abort_transaction()
+            except ProducerFenced:
+                await self._drop(p)
+                return
+            except Exception as e2:  # noqa: BLE001
+                log.warning("abort failed (%s); recreating producer", e2)
+                await self._drop(p)
+                await self._own(p)
+                return
+            await self._rebuild(p)
+            return
+        self.snap_written[p] = snap
+        self.committed[p].update(next_off)
+        self.stats.transactions += 1
+        self.stats.records_in += len(recs)
+        self.stats.records_out += len(outs)
+        for o in outs:
+            self.stats.by_type[o.event.EVENT_TYPE] += 1
+
+
+class _Listener(ConsumerRebalanceListener):
+    def __init__(self, proc: TransactionalProcessor) -> None:
+        self.proc = proc
+
+    async def on_partitions_revoked(self, revoked):
+        await self.proc._on_revoked(list(revoked))
+
+    async def on_partitions_assigned(self, assigned):
+        await self.proc._on_assigned(list(assigned))

@@ -1,0 +1,168 @@
+"""Exactly-once through verifier -> credit -> batcher on a real broker (in-process services).
+
+Also: malformed / unknown-version events injected into every input topic land in the dead-letter
+topic with their reason while everything else flows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+
+import pytest
+
+from consumers import testing
+from consumers.services import ServiceConfig, build_processor, ensure_topics
+from schemas import codec
+from schemas.batch import verify_batch
+from schemas.events import DeadLetter, TrainerBatch
+from streams import serde, topics
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def prefix(monkeypatch):
+    p = f"t{uuid.uuid4().hex[:8]}."
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", p)
+    return p
+
+
+async def seed_groups(kw, groups: int, size: int = 4, *, start: int = 0, extra: list | None = None) -> set[str]:
+    """Write `groups` arithmetic groups (steps then rollout, one transaction per 50 groups); return record ids."""
+    from aiokafka import AIOKafkaProducer
+
+    from consumers.credit import record_id
+
+    prod = AIOKafkaProducer(**kw, transactional_id=f"seed-{uuid.uuid4().hex[:6]}", enable_idempotence=True,
+                            max_request_size=8 * 1024 * 1024)
+    await prod.start()
+    expected: set[str] = set()
+    try:
+        for chunk in range(start, start + groups, 50):
+            async with prod.transaction():
+                futs = []
+                for g in range(chunk, min(chunk + 50, start + groups)):
+                    for steps, ro in testing.arithmetic_group(f"g{g:06d}", size):
+                        for st in steps:
+                            k, v, h = serde.to_message(st)
+                            futs.append(await prod.send(topics.STEPS.name, v, key=k, headers=h))
+                            expected.add(record_id(ro.rollout_id, st.step_id))
+                        k, v, h = serde.to_message(ro)
+                        futs.append(await prod.send(topics.ROLLOUTS.name, v, key=k, headers=h))
+                for topic, key, value in extra or []:
+                    futs.append(await prod.send(topic, value, key=key))
+                extra = None
+                await asyncio.gather(*futs)
+    finally:
+        await prod.stop()
+    return expected
+
+
+async def publish_revision(kw, rev: int = 0) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    prod = AIOKafkaProducer(**kw)
+    await prod.start()
+    try:
+        k, v, h = serde.to_message(testing.revision(rev))
+        await prod.send_and_wait(topics.POLICY_REVISIONS.name, v, key=k, headers=h)
+    finally:
+        await prod.stop()
+
+
+async def read_all(kw, topic: str, *, until=None, timeout_s: float = 60.0, idle_s: float = 3.0) -> list:
+    """Read a topic read_committed from the beginning until `until(values)` or idle/timeout."""
+    from aiokafka import AIOKafkaConsumer
+
+    cons = AIOKafkaConsumer(topic, **kw, group_id=None, isolation_level="read_committed",
+                            auto_offset_reset="earliest", max_partition_fetch_bytes=16 * 1024 * 1024)
+    await cons.start()
+    out = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        last = time.monotonic()
+        while time.monotonic() < deadline:
+            got = await cons.getmany(timeout_ms=500)
+            for recs in got.values():
+                out.extend(recs)
+                if recs:
+                    last = time.monotonic()
+            if until is not None and until(out):
+                break
+            if until is None and time.monotonic() - last > idle_s:
+                break
+    finally:
+        await cons.stop()
+    return out
+
+
+def batch_record_ids(recs) -> Counter:
+    c: Counter = Counter()
+    for r in recs:
+        b = codec.decode(r.value, TrainerBatch)
+        assert verify_batch(b) == []
+        c.update(x.record_id for x in b.records)
+    return c
+
+
+class Services:
+    def __init__(self, kw, cfg: ServiceConfig, names=("verifier", "credit", "batcher")):
+        self.kw, self.cfg, self.names = kw, cfg, names
+        self.procs, self.tasks = [], []
+
+    async def __aenter__(self):
+        for n in self.names:
+            await ensure_topics(n, self.kw)
+        for n in self.names:
+            proc = build_processor(n, self.cfg, self.kw)
+            self.procs.append(proc)
+            self.tasks.append(asyncio.create_task(proc.run()))
+        return self
+
+    async def __aexit__(self, *exc):
+        for p in self.procs:
+            p.stopping.set()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for p in self.procs:
+            side = getattr(p, "side", None)
+            if side is not None:
+                await side.stop()
+
+
+async def test_three_services_exactly_once(kafka_settings, prefix):
+    kw = kafka_settings.client_kwargs()
+    cfg = ServiceConfig(batch_records=32, flush_after_s=1.0)
+    async with Services(kw, cfg):
+        await publish_revision(kw, 0)
+        expected = await seed_groups(kw, 100)
+        recs = await read_all(kw, topics.TRAINER_BATCHES.name,
+                              until=lambda rs: sum(batch_record_ids(rs).values()) >= len(expected), timeout_s=90)
+    got = batch_record_ids(recs)
+    assert set(got) == expected
+    assert max(got.values()) == 1
+
+
+async def test_malformed_events_dead_lettered_everything_else_flows(kafka_settings, prefix):
+    kw = kafka_settings.client_kwargs()
+    cfg = ServiceConfig(batch_records=16, flush_after_s=1.0)
+    future = codec.encode(testing.revision(0))
+    future = future[:4] + future[4:6] + future[6:6 + len("policy_revision")] + b"\x09\x00" + future[8 + len("policy_revision"):]
+    bad_frames = [b"garbage", b"RLEV\x01\x04rollxxxxxxxx", future]
+    extra = [(t.name, b"k", v) for t in (topics.STEPS, topics.ROLLOUTS, topics.SCORES, topics.TRAINING_RECORDS)
+             for v in bad_frames]
+    async with Services(kw, cfg):
+        await publish_revision(kw, 0)
+        expected = await seed_groups(kw, 20, extra=extra)
+        recs = await read_all(kw, topics.TRAINER_BATCHES.name,
+                              until=lambda rs: sum(batch_record_ids(rs).values()) >= len(expected), timeout_s=60)
+        dls = await read_all(kw, topics.DEAD_LETTERS.name, until=lambda rs: len(rs) >= len(extra), timeout_s=30)
+    got = batch_record_ids(recs)
+    assert set(got) == expected and max(got.values()) == 1
+    letters = [codec.decode(r.value, DeadLetter) for r in dls]
+    assert sorted((d.origin_topic, d.raw) for d in letters) == sorted((t, v) for t, _, v in extra)
+    assert all(d.error_type.endswith("Error") and d.error_message for d in letters)
+    by_topic = Counter(d.origin_topic for d in letters)
+    assert set(by_topic) == {t.name for t in (topics.STEPS, topics.ROLLOUTS, topics.SCORES, topics.TRAINING_RECORDS)}
