@@ -1,0 +1,263 @@
+"""`rollout report`: one self-contained HTML page (inline SVG, no scripts, no downloads) of a replayed run.
+
+Reward curves by policy revision and role, the trainer's batch reward over batches, staleness
+histograms (overall and per batch), pass rates per environment, token counts and the audit verdict.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+import duckdb
+
+PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"]
+W, H = 640, 300
+M = {"l": 56, "r": 150, "t": 34, "b": 44}
+
+
+def _esc(x: object) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    if not math.isfinite(lo) or not math.isfinite(hi):
+        return [0.0]
+    if hi == lo:
+        hi, lo = hi + 1, lo - 1 if lo != 0 else 0
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = min((m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw), default=raw)
+    start = math.floor(lo / step) * step
+    out, v = [], start
+    while v <= hi + step * 1e-9:
+        out.append(round(v, 10))
+        v += step
+    return out
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def _frame(title: str, xlabel: str, ylabel: str, xt: list[tuple[float, str]], yt: list[float],
+           sx, sy) -> list[str]:
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
+             f'font-family="system-ui, sans-serif" font-size="11">',
+             f'<text x="{M["l"]}" y="18" font-size="14" font-weight="600">{_esc(title)}</text>']
+    x0, x1, y0, y1 = M["l"], W - M["r"], H - M["b"], M["t"]
+    for v in yt:
+        y = sy(v)
+        parts.append(f'<line x1="{x0}" x2="{x1}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e5e5"/>')
+        parts.append(f'<text x="{x0 - 6}" y="{y + 4:.1f}" text-anchor="end" fill="#555">{_fmt(v)}</text>')
+    for v, label in xt:
+        x = sx(v)
+        parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0}" y2="{y0 + 4}" stroke="#555"/>')
+        parts.append(f'<text x="{x:.1f}" y="{y0 + 16}" text-anchor="middle" fill="#555">{_esc(label)}</text>')
+    parts.append(f'<line x1="{x0}" x2="{x1}" y1="{y0}" y2="{y0}" stroke="#555"/>')
+    parts.append(f'<line x1="{x0}" x2="{x0}" y1="{y0}" y2="{y1}" stroke="#555"/>')
+    parts.append(f'<text x="{(x0 + x1) / 2}" y="{H - 8}" text-anchor="middle" fill="#333">{_esc(xlabel)}</text>')
+    parts.append(f'<text transform="translate(14 {(y0 + y1) / 2}) rotate(-90)" text-anchor="middle" '
+                 f'fill="#333">{_esc(ylabel)}</text>')
+    return parts
+
+
+def _legend(names: Sequence[str]) -> list[str]:
+    out = []
+    for i, name in enumerate(names):
+        y = M["t"] + 6 + i * 16
+        out.append(f'<rect x="{W - M["r"] + 12}" y="{y - 8}" width="10" height="10" fill="{PALETTE[i % len(PALETTE)]}"/>')
+        out.append(f'<text x="{W - M["r"] + 27}" y="{y + 1}">{_esc(name)}</text>')
+    return out
+
+
+def _empty(title: str, why: str) -> str:
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="80" font-family="system-ui, sans-serif">'
+            f'<text x="10" y="20" font-size="14" font-weight="600">{_esc(title)}</text>'
+            f'<text x="10" y="50" fill="#777">{_esc(why)}</text></svg>')
+
+
+def line_chart(title: str, series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str,
+               xlabels: dict[float, str] | None = None) -> str:
+    pts = [p for s in series.values() for p in s if p[1] is not None and math.isfinite(p[1])]
+    if not pts:
+        return _empty(title, "no data")
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    xlo, xhi = min(xs), max(xs)
+    if xlo == xhi:
+        xlo, xhi = xlo - 1, xhi + 1
+    yt = _ticks(min(ys + [0.0]), max(ys))
+    ylo, yhi = min(yt), max(yt)
+    sx = lambda v: M["l"] + 10 + (v - xlo) / (xhi - xlo) * (W - M["l"] - M["r"] - 20)  # noqa: E731
+    sy = lambda v: H - M["b"] - (v - ylo) / ((yhi - ylo) or 1) * (H - M["t"] - M["b"])  # noqa: E731
+    distinct = sorted(set(xs))
+    step = max(1, len(distinct) // 12)
+    xt = [(v, (xlabels or {}).get(v, _fmt(v))) for v in distinct[::step]]
+    parts = _frame(title, xlabel, ylabel, xt, yt, sx, sy)
+    for i, (name, s) in enumerate(series.items()):
+        color = PALETTE[i % len(PALETTE)]
+        s = sorted((x, y) for x, y in s if y is not None and math.isfinite(y))
+        if len(s) > 1:
+            d = " ".join(f"{'M' if j == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for j, (x, y) in enumerate(s))
+            parts.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="2"/>')
+        for x, y in s:
+            parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}">'
+                         f'<title>{_esc(name)}: {(xlabels or {}).get(x, _fmt(x))} → {_fmt(y)}</title></circle>')
+    parts += _legend(list(series))
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def bar_chart(title: str, labels: Sequence[str], stacks: dict[str, Sequence[float]], xlabel: str, ylabel: str) -> str:
+    """Bars at each label; several stacks are drawn on top of each other (a stacked histogram)."""
+    if not labels:
+        return _empty(title, "no data")
+    totals = [sum(s[i] for s in stacks.values()) for i in range(len(labels))]
+    yt = _ticks(0.0, max(totals) or 1.0)
+    yhi = max(yt) or 1.0
+    n = len(labels)
+    band = (W - M["l"] - M["r"]) / n
+    sx = lambda i: M["l"] + band * (i + 0.5)  # noqa: E731
+    sy = lambda v: H - M["b"] - v / yhi * (H - M["t"] - M["b"])  # noqa: E731
+    step = max(1, n // 16)
+    parts = _frame(title, xlabel, ylabel, [(i, labels[i]) for i in range(0, n, step)], yt, sx, sy)
+    bw = max(1.0, band * 0.8)
+    base = [0.0] * n
+    for k, (name, values) in enumerate(stacks.items()):
+        color = PALETTE[k % len(PALETTE)]
+        for i, v in enumerate(values):
+            if not v:
+                continue
+            top, bottom = sy(base[i] + v), sy(base[i])
+            parts.append(f'<rect x="{sx(i) - bw / 2:.1f}" y="{top:.1f}" width="{bw:.1f}" height="{bottom - top:.1f}" '
+                         f'fill="{color}"><title>{_esc(labels[i])} {_esc(name)}: {_fmt(v)}</title></rect>')
+            base[i] += v
+    if len(stacks) > 1:
+        parts += _legend(list(stacks))
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def _table(con: duckdb.DuckDBPyConnection, sql: str, limit: int = 50) -> str:
+    from replay.query import cell
+
+    rel = con.sql(sql)
+    rows = rel.limit(limit).fetchall()
+    head = "".join(f"<th>{_esc(c)}</th>" for c in rel.columns)
+    body = "".join("<tr>" + "".join(f"<td>{_esc(cell(v))}</td>" for v in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+CSS = """body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1320px;color:#222}
+h1{font-size:22px}h2{font-size:16px;margin-top:28px}.grid{display:flex;flex-wrap:wrap;gap:16px}
+.card{border:1px solid #ddd;border-radius:6px;padding:8px;background:#fff}
+table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}
+th{background:#f4f4f4}.ok{color:#1a7f37;font-weight:600}.bad{color:#cf222e;font-weight:600}.dim{color:#777}"""
+
+
+def build_report(con: duckdb.DuckDBPyConnection, *, audit_summary: str | None = None, audit_ok: bool | None = None) -> str:
+    run = con.execute("SELECT value FROM _replay_meta WHERE key='run_id'").fetchone()
+    run_id = run[0] if run else "?"
+    charts: list[str] = []
+
+    # reward by revision and role (steps attributed to the revision that produced them)
+    series: dict[str, list[tuple[float, float]]] = {}
+    for fam, rev, role, trainable, mean in con.execute(
+            "SELECT policy_family, policy_revision, role, trainable, mean_reward FROM v_reward_by_revision "
+            "WHERE policy_revision IS NOT NULL ORDER BY ALL").fetchall():
+        series.setdefault(f"{role} ({fam})" + ("" if trainable else " fixed"), []).append((rev, mean))
+    charts.append(line_chart("Mean reward by policy revision and role", series, "policy revision (of the step's tokens)",
+                             "mean reward"))
+    series = {}
+    for fam, rev, role, trainable, mean in con.execute(
+            "SELECT policy_family, policy_revision, role, trainable, mean_reward FROM v_reward_by_admission_revision "
+            "WHERE policy_revision IS NOT NULL ORDER BY ALL").fetchall():
+        series.setdefault(f"{role}" + ("" if trainable else " (fixed)"), []).append((rev, mean))
+    charts.append(line_chart("Mean reward by learner revision at admission", series, "learner revision", "mean reward"))
+
+    # the trainer's view: reward per batch, in log order
+    rows = con.execute("SELECT row_number() OVER (ORDER BY _partition, _offset) - 1, target_revision, reward_mean, "
+                       "advantage_mean FROM trainer_batches ORDER BY _partition, _offset").fetchall()
+    labels = {float(i): f"#{i} r{t}" for i, t, _, _ in rows}
+    charts.append(line_chart("Trainer batches: mean reward and advantage", {
+        "reward": [(float(i), m) for i, _, m, _ in rows], "advantage": [(float(i), a) for i, _, _, a in rows]},
+        "batch (in log order, target revision)", "mean", xlabels=labels))
+
+    # staleness: overall histogram and per batch
+    hist = con.execute("SELECT staleness, count(*) FROM v_batch_staleness GROUP BY 1 ORDER BY 1").fetchall()
+    charts.append(bar_chart("Staleness of batched records (target − source revision)", [str(s) for s, _ in hist],
+                            {"records": [n for _, n in hist]}, "staleness (revisions behind)", "records"))
+    per = con.execute("SELECT batch_offset, target_revision, staleness, records FROM v_staleness_distribution").fetchall()
+    batches = sorted({(b, t) for b, t, _, _ in per})
+    lags = sorted({s for _, _, s, _ in per})
+    idx = {b: i for i, (b, _) in enumerate(batches)}
+    stacks = {f"lag {lag}": [0.0] * len(batches) for lag in lags}
+    for b, _, s, n in per:
+        stacks[f"lag {s}"][idx[b]] = n
+    charts.append(bar_chart("Staleness per batch", [f"r{t}" for _, t in batches], stacks,
+                            "batch (target revision)", "records"))
+
+    envs = con.execute("SELECT environment, pass_rate, rollouts FROM v_env_pass_rates").fetchall()
+    charts.append(bar_chart("Pass rate per environment", [e for e, _, _ in envs], {"pass rate": [p or 0 for _, p, _ in envs]},
+                            "environment", "pass rate"))
+
+    verdict = ""
+    if audit_summary is not None:
+        cls = "ok" if audit_ok else "bad"
+        verdict = f'<h2>Audit</h2><p class="{cls}">{_esc(audit_summary)}</p>'
+    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>rollout-log run {_esc(run_id)}</title>
+<style>{CSS}</style></head><body>
+<h1>Run {_esc(run_id)}</h1><p class="dim">replayed from the log; report generated {now}</p>
+{verdict}
+<h2>Rewards and staleness</h2><div class="grid">{"".join(f'<div class="card">{c}</div>' for c in charts)}</div>
+<h2>Counts</h2>{_table(con, "SELECT * FROM v_counts")}
+<h2>Reward by revision and role</h2>{_table(con, "SELECT * FROM v_reward_by_revision")}
+<h2>Staleness per batch</h2>{_table(con, "SELECT batch_id, target_revision, max_off_policy_steps, records, min_staleness, "
+                                      "mean_staleness, max_staleness, out_of_bound FROM v_staleness_summary", 200)}
+<h2>Pass rates per environment</h2>{_table(con, "SELECT * FROM v_env_pass_rates")}
+<h2>Token counts</h2>{_table(con, "SELECT * FROM v_token_counts", 100)}
+</body></html>"""
+
+
+def write_report(db: str, out: str, *, with_audit: bool = True) -> str:
+    con = duckdb.connect(db, read_only=True)
+    try:
+        summary = ok = None
+        if with_audit:
+            from replay.audit import audit
+
+            rep = audit(con)
+            summary, ok = rep.summary(), rep.ok
+        page = build_report(con, audit_summary=summary, audit_ok=ok)
+    finally:
+        con.close()
+    if out.endswith(".png"):
+        _png(page, out)
+    else:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(page)
+    return out
+
+
+def _png(page: str, out: str) -> None:
+    """PNG through a headless Chromium when one is installed (the HTML is the primary output)."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome", "chrome")
+                    if shutil.which(b)), None)
+    if browser is None:
+        raise RuntimeError("PNG output needs a headless Chromium on PATH; write --out report.html instead")
+    with tempfile.NamedTemporaryFile("w", suffix=".html", delete=False, encoding="utf-8") as f:
+        f.write(page)
+    try:
+        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                        f"--screenshot={os.path.abspath(out)}", "--window-size=1360,2400", f"file://{f.name}"],
+                       check=True, capture_output=True, timeout=120)
+    finally:
+        os.unlink(f.name)

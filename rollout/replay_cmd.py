@@ -1,0 +1,168 @@
+"""`rollout runs | replay | audit | sql | export | report`: a run from the log, in DuckDB.
+
+    rollout runs                                   runs on the log, most recent first
+    rollout replay --db run.duckdb [--run ID] [--until TIME|TOPIC:PART:OFFSET,...]
+    rollout audit  --db run.duckdb [--format text|json]      exit 1 on any violation
+    rollout sql    --db run.duckdb "SELECT * FROM v_reward_by_revision" [--format table|csv|json|parquet --out F]
+    rollout sql    --db run.duckdb                 an interactive prompt
+    rollout export --db run.duckdb --out DIR       every table and view as Parquet
+    rollout report --db run.duckdb --out report.html
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("runs", help="list the runs on the log (most recent first)")
+    p.add_argument("--all-topics", action="store_true",
+                   help="count every topic's messages per run (reads every topic's headers)")
+    p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("replay", help="replay a run from the log into a DuckDB database (incremental)")
+    p.add_argument("--db", required=True, help="DuckDB file (created if missing; a second replay appends what is new)")
+    p.add_argument("--run", dest="run_id", help="run id (default: the run already in --db, else the most recent run)")
+    p.add_argument("--until", help="stop at a Kafka record time (ISO 8601, or @epoch_ms; inclusive) or before "
+                                   "offsets topic:partition:offset[,...]")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("audit", help="recompute digests and check lineage of a replayed run; exit 1 on any violation")
+    p.add_argument("--db", required=True)
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--limit", type=int, default=20, help="findings shown per kind in text format (default 20)")
+    p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("sql", help="query a replayed run (no query: an interactive prompt)")
+    p.add_argument("--db", required=True)
+    p.add_argument("query", nargs="?", help="SQL; tables, views and batch_lineage(id): `rollout sql --db F` then .tables")
+    p.add_argument("--format", choices=("table", "csv", "json", "parquet"), default="table")
+    p.add_argument("--out", help="write the result to this file (needed for parquet)")
+    p.add_argument("--max-rows", type=int, default=200, help="rows shown in table format (default 200)")
+    p.add_argument("--write", action="store_true", help="open the database writable (to create your own views)")
+    p.set_defaults(func=cmd_sql)
+
+    p = sub.add_parser("export", help="export every table and view of a replayed run to files (Parquet by default)")
+    p.add_argument("--db", required=True)
+    p.add_argument("--out", required=True, help="directory")
+    p.add_argument("--format", choices=("parquet", "csv", "json"), default="parquet")
+    p.add_argument("--no-views", action="store_true")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("report", help="an HTML report of a replayed run (reward curves, staleness histograms)")
+    p.add_argument("--db", required=True)
+    p.add_argument("--out", default="report.html", help="report.html (self-contained) or report.png (needs Chromium)")
+    p.add_argument("--no-audit", action="store_true", help="leave the audit verdict out")
+    p.set_defaults(func=cmd_report)
+
+
+def _settings():
+    from streams.config import KafkaSettings, ensure_broker
+
+    settings = KafkaSettings.from_env()
+    if not settings.external:
+        settings = settings.with_bootstrap(ensure_broker(settings))
+    return settings
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from replay.ingest import default_topics, list_runs
+    from replay.query import print_table
+
+    runs = asyncio.run(list_runs(_settings(), list(default_topics().values()) if args.all_topics else None))
+    if not runs:
+        print("no runs on the log")
+        return 0
+    rows = [(r.run_id, r.first.isoformat(timespec="seconds"), r.last.isoformat(timespec="seconds"),
+             ", ".join(f"{t}: {n}" for t, n in sorted(r.messages.items()))) for r in runs]
+    print_table(["run_id", "first", "last", "messages"], rows)
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from replay.ingest import ReplayError, Replayer, Until
+
+    import asyncio
+
+    try:
+        until = Until.parse(args.until)
+        progress = None
+        if not args.quiet and sys.stderr.isatty():
+            progress = lambda r: print(f"\r{r.messages} messages, {r.bytes / 1e6:.0f} MB", end="",  # noqa: E731
+                                       file=sys.stderr, flush=True)
+        result = asyncio.run(Replayer(args.db, _settings(), run_id=args.run_id, until=until, progress=progress).run())
+    except ReplayError as e:
+        print(f"rollout replay: error: {e}", file=sys.stderr)
+        return 2
+    if progress:
+        print(file=sys.stderr)
+    if not args.quiet:
+        print(result.summary())
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from replay.audit import run_audit, to_rows
+    from replay.query import print_table
+
+    report = run_audit(args.db)
+    if args.format == "json":
+        print(report.to_json())
+    else:
+        if report.findings:
+            rows = [(r["severity"], r["kind"], r["message"]) for r in to_rows(report, args.limit)]
+            print_table(["severity", "kind", "finding"], rows, max_rows=len(rows))
+            hidden = len(report.findings) - len(rows)
+            if hidden:
+                print(f"({hidden} more findings; --limit or --format json for all)")
+        print(report.summary())
+    return 0 if report.ok else 1
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    import duckdb
+
+    from replay.query import interactive, run_query
+
+    con = duckdb.connect(args.db, read_only=not args.write)
+    try:
+        if args.query:
+            try:
+                run_query(con, args.query, fmt=args.format, out=args.out, max_rows=args.max_rows)
+            except (duckdb.Error, ValueError) as e:
+                print(f"rollout sql: error: {e}", file=sys.stderr)
+                return 1
+            return 0
+        return interactive(con, fmt=args.format if args.format != "parquet" else "table", max_rows=args.max_rows)
+    finally:
+        con.close()
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import duckdb
+
+    from replay.query import export
+
+    con = duckdb.connect(args.db, read_only=True)
+    try:
+        for path in export(con, args.out, fmt=args.format, views=not args.no_views):
+            print(path)
+    finally:
+        con.close()
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from replay.report import write_report
+
+    try:
+        out = write_report(args.db, args.out, with_audit=not args.no_audit)
+    except RuntimeError as e:
+        print(f"rollout report: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
