@@ -38,7 +38,9 @@ def test_checked_in_json_schemas_match_the_models() -> None:
     """Fails on any unintended contract change. If the change is intended: run
     ``python -m schemas.export_jsonschema`` and commit the diff (with a version bump and an
     upcaster when old readers or old frames are affected)."""
-    assert export_jsonschema.differences() == []
+    diffs = export_jsonschema.differences()
+    assert diffs == [], (f"{diffs}: the event models changed. If intended, run `python -m schemas.export_jsonschema` "
+                         "and commit the JSON Schema diff (bump SCHEMA_VERSION + add an upcaster if old frames break)")
     on_disk = {p.name for p in export_jsonschema.SCHEMA_DIR.glob("*.json")}
     assert {export_jsonschema.filename(cls) for cls in ALL_EVENTS} <= on_disk
 
@@ -62,7 +64,10 @@ def test_export_check_mode_reports_a_drift(tmp_path: Path) -> None:
 
 
 def test_every_event_type_has_a_checked_in_frame() -> None:
-    assert {f"{cls.EVENT_TYPE}.v1.bin" for cls in ALL_EVENTS} <= {p.name for p in FIXTURES.glob("*.bin")}
+    missing = {f"{cls.EVENT_TYPE}.v{cls.SCHEMA_VERSION}.bin" for cls in ALL_EVENTS} - {
+        p.name for p in FIXTURES.glob("*.bin")}
+    assert not missing, (f"no checked-in frame for {sorted(missing)}: add the event to fixture_events() in "
+                         "tests/_contract_factories.py and run `python tests/fixtures/events/make_fixtures.py`")
 
 
 @pytest.mark.parametrize("path", sorted(FIXTURES.glob("*.bin")), ids=lambda p: p.name)
