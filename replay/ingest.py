@@ -373,7 +373,7 @@ class Replayer:
                         self.progress(result)
             # Partitions with nothing of this run still advance their stored offsets.
             self._flush(con, buf, next_off, result)
-            result.complete = not stopped or until_ts is not None
+            result.complete = not stopped and not (self.until and self.until.offsets)
         finally:
             await consumer.stop()
         result.seconds = time.perf_counter() - t0
@@ -381,29 +381,49 @@ class Replayer:
 
     def _flush(self, con: duckdb.DuckDBPyConnection, buf: _Buffer, next_off: Mapping[Any, int],
                result: ReplayResult) -> None:
-        tables = buf.tables()
-        con.execute("BEGIN TRANSACTION")
-        try:
-            for name, parts in tables.items():
-                for i, table in enumerate(parts):
-                    view = f"_arrow_{name}_{i}"
-                    con.register(view, table)
-                    try:
-                        con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM {view}")
-                    finally:
-                        con.unregister(view)
-                    result.rows[name] += table.num_rows
+        write(con, buf, {(tp.topic, tp.partition): off for tp, off in next_off.items()}, result)
+
+
+def write(con: duckdb.DuckDBPyConnection, buf: _Buffer, next_offsets: Mapping[tuple[str, int], int],
+          result: ReplayResult) -> None:
+    """Insert the buffered events and the next offsets in one transaction."""
+    tables = buf.tables()
+    con.execute("BEGIN TRANSACTION")
+    try:
+        for name, parts in tables.items():
+            for i, table in enumerate(parts):
+                view = f"_arrow_{name}_{i}"
+                con.register(view, table)
+                try:
+                    con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM {view}")
+                finally:
+                    con.unregister(view)
+                result.rows[name] += table.num_rows
+        if next_offsets:
             con.executemany(
                 'INSERT OR REPLACE INTO _replay_offsets (topic, "partition", next_offset) VALUES (?, ?, ?)',
-                [[tp.topic, tp.partition, off] for tp, off in next_off.items()])
-            con.execute("INSERT OR REPLACE INTO _replay_meta VALUES ('run_id', ?)", [result.run_id])
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
-        result.messages += buf.count
-        result.bytes += buf.nbytes
-        result.errors += len(buf.bad)
+                [[t, p, off] for (t, p), off in next_offsets.items()])
+        con.execute("INSERT OR REPLACE INTO _replay_meta VALUES ('run_id', ?)", [result.run_id])
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    result.messages += buf.count
+    result.bytes += buf.nbytes
+    result.errors += len(buf.bad)
+
+
+def load_events(con: duckdb.DuckDBPyConnection, run_id: str, items: Iterable[tuple[C.Meta, Any]]) -> ReplayResult:
+    """Load already-decoded events (with where they sat on the log) without Kafka: tests, fixtures, tools."""
+    T.ensure_schema(con)
+    buf = _Buffer()
+    for meta, event in items:
+        buf.events[event.event_type].append(event)
+        buf.metas[event.event_type].append(meta)
+        buf.count += 1
+    result = ReplayResult(run_id=run_id, db="", rows={name: 0 for name in T.TABLES})
+    write(con, buf, {}, result)
+    return result
 
 
 def replay(db: str, settings: Any, **kwargs: Any) -> ReplayResult:

@@ -1,0 +1,278 @@
+"""Replay without a broker: Arrow columns, views, the audit's findings, SQL output, the report.
+
+Events are loaded with replay.ingest.load_events (the same Arrow path the Kafka replay flushes
+through), each with a made-up place on the log. The Kafka path is in tests/test_replay.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import defaultdict
+from datetime import UTC, datetime
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from replay import columns as C
+from replay.audit import audit
+from replay.ingest import ReplayError, Until, load_events
+from replay.query import export, interactive, run_query
+from replay.report import build_report
+from replay.synthetic import generate_run
+from schemas import codec
+from schemas.batch import assemble_batch
+from schemas.events import DeadLetter, TrainerBatch, TrainingRecord
+from schemas.policy import PolicyRef
+
+TOPIC_TABLE = {"policy-revisions": "policy_revisions", "steps": "steps", "rollouts": "rollouts", "scores": "scores",
+               "training-records": "training_records", "trainer-batches": "trainer_batches",
+               "dead-letters": "dead_letters"}
+
+
+def placed(events_by_topic):
+    """[(topic key, event)] -> [(Meta, event)] with per-topic offsets and increasing timestamps."""
+    offsets = defaultdict(int)
+    out = []
+    for i, (key, event) in enumerate(events_by_topic):
+        out.append((C.Meta(f"t.{key}", 0, offsets[key], 1_700_000_000_000 + i), event))
+        offsets[key] += 1
+    return out
+
+
+def flat(run):
+    return [(k, e) for tx in run.transactions for k, e in tx]
+
+
+@pytest.fixture(scope="module")
+def run():
+    return generate_run("unit-run-0001", rounds=3, groups=3, group_size=3)
+
+
+def load(items, run_id="unit-run-0001"):
+    con = duckdb.connect()
+    load_events(con, run_id, placed(items))
+    return con
+
+
+def kinds(con):
+    return {f.kind for f in audit(con).violations}
+
+
+def test_counts_match_and_clean_run_audits_ok(run):
+    con = load(flat(run))
+    for key, n in run.counts().items():
+        assert con.execute(f"SELECT count(*) FROM {TOPIC_TABLE[key]}").fetchone()[0] == n
+    batches = run.events("trainer-batches")
+    assert con.execute("SELECT count(*) FROM batch_records").fetchone()[0] == sum(len(b.records) for b in batches)
+    report = audit(con)
+    assert report.ok, report.findings
+    assert report.checked["record_digests"] == run.counts()["training-records"]
+    assert report.checked["batch_digests"] == len(batches)
+    assert "audit OK" in report.summary()
+
+
+def test_token_arrays_are_list_columns_bit_exact(run):
+    con = load(flat(run))
+    steps = {s.step_id: s for s in run.events("steps")}
+    table = con.sql("SELECT step_id, prompt_token_ids, completion_token_ids, completion_logprobs FROM steps").to_arrow_table()
+    assert pa.types.is_list(table.schema.field("completion_token_ids").type)
+    for sid, p, c, lp in zip(*(table.column(i).to_pylist() for i in range(4))):
+        s = steps[sid]
+        assert np.array_equal(np.array(p, dtype=np.int32), s.prompt_token_ids)
+        assert np.array_equal(np.array(c, dtype=np.int32), s.completion_token_ids)
+        assert np.array_equal(np.array(lp, dtype=np.float32).view(np.uint32), s.completion_logprobs.view(np.uint32))
+
+
+def test_list_array_offsets_and_empty():
+    arrs = [np.arange(3, dtype=np.int32), np.empty(0, dtype=np.int32), np.arange(5, dtype=np.int32)]
+    la = C.list_array(arrs, np.int32)
+    assert la.to_pylist() == [[0, 1, 2], [], [0, 1, 2, 3, 4]]
+    assert C.list_array([], np.float32).to_pylist() == []
+
+
+def test_views_match_the_events(run):
+    con = load(flat(run))
+    # reward by (step revision, role), computed from the events
+    rewards = {s.rollout_id: s.rewards for s in run.events("scores")}
+    want = defaultdict(list)
+    for s in run.events("steps"):
+        if s.policy is not None:
+            want[(s.policy.revision, s.member_id)].append(rewards[s.rollout_id][s.member_id])
+    got = {(rev, role): (steps, mean) for rev, role, steps, mean in con.execute(
+        "SELECT policy_revision, role, steps, mean_reward FROM v_reward_by_revision WHERE policy_revision IS NOT NULL")
+        .fetchall()}
+    assert set(got) == set(want)
+    for k, vals in want.items():
+        assert got[k][0] == len(vals) and got[k][1] == pytest.approx(np.mean(vals))
+    # staleness per batch
+    for b in run.events("trainer-batches"):
+        hist = dict(con.execute("SELECT staleness, records FROM v_staleness_distribution WHERE batch_id = ?",
+                                [b.batch_id]).fetchall())
+        want_h = defaultdict(int)
+        for r in b.records:
+            want_h[b.target.revision - r.policy.revision] += 1
+        assert hist == dict(want_h)
+    # one batch's full lineage: every record reaches its steps and their (known) revisions
+    b = run.events("trainer-batches")[1]
+    rows = con.execute("SELECT record_id, step_id, step_revision, revision_known, replayed_digest = record_digest "
+                       "FROM batch_lineage(?)", [b.batch_id]).fetchall()
+    assert {r[0] for r in rows} == {r.record_id for r in b.records}
+    assert all(r[3] and r[4] for r in rows)
+    assert {r[1] for r in rows} == {sid for r in b.records for sid in r.step_ids}
+    envs = {e for (e,) in con.execute("SELECT environment FROM v_env_pass_rates").fetchall()}
+    assert envs == {r.environment for r in run.events("rollouts")}
+    links = con.execute("SELECT count(*) FROM v_rollout_links").fetchone()[0]
+    assert links == sum(len(r.child_rollout_ids) for r in run.events("rollouts"))
+    assert con.execute("SELECT sum(completion_tokens) FROM v_token_counts").fetchone()[0] == \
+        sum(len(s.completion_token_ids) for s in run.events("steps"))
+
+
+def _tamper_reward(r: TrainingRecord) -> TrainingRecord:
+    return r.model_copy(update={"reward": r.reward + 1.0, "event_id": "tampered"})
+
+
+def test_audit_catches_a_conflicting_record(run):
+    rec = run.events("training-records")[0]
+    con = load(flat(run) + [("training-records", _tamper_reward(rec))])
+    assert kinds(con) == {"record_conflict"}
+    # the same record only in its tampered form: the batch digest recomputed from the log breaks
+    items = [(k, _tamper_reward(e) if k == "training-records" and e.record_id == rec.record_id else e)
+             for k, e in flat(run)]
+    report = audit(load(items))
+    assert {f.kind for f in report.violations} == {"record_mismatch"}
+    assert {f.subject for f in report.violations} == {rec.record_id, run.events("trainer-batches")[0].batch_id}
+
+
+def test_audit_catches_a_batch_altered_after_assembly(run):
+    items = flat(run)
+    i, b = next((i, e) for i, (k, e) in enumerate(items) if k == "trainer-batches")
+    altered = b.model_copy(update={"records": [_tamper_reward(b.records[0])] + b.records[1:]})
+    items[i] = ("trainer-batches", altered)
+    found = kinds(load(items))
+    assert "batch_digest" in found and "record_mismatch" in found
+
+
+def test_audit_catches_off_policy_unknown_revision_and_checkpoint(run):
+    items = flat(run)
+    last = [(i, e) for i, (k, e) in enumerate(items) if k == "trainer-batches"][-1]
+    assert any(last[1].target.revision - r.policy.revision == 1 for r in last[1].records)
+    items[last[0]] = ("trainer-batches", last[1].model_copy(update={"max_off_policy_steps": 0}))
+    step = run.events("steps")[0]
+    ghost = step.model_copy(update={"step_id": "ghost", "policy": PolicyRef(family="toy", revision=99)})
+    bad_ckpt = step.model_copy(update={"step_id": "bad-ckpt", "policy": step.policy.model_copy(
+        update={"checkpoint_digest": "0" * 64})})
+    con = load(items + [("steps", ghost), ("steps", bad_ckpt)])
+    report = audit(con)
+    assert {"off_policy", "unknown_revision", "checkpoint_mismatch"} <= {f.kind for f in report.violations}
+    assert any(f.subject == "ghost" for f in report.violations if f.kind == "unknown_revision")
+    assert all(f.subject == last[1].batch_id for f in report.violations if f.kind == "off_policy")
+
+
+def test_audit_catches_unbatched_and_twice_batched_records_but_not_dead_lettered(run):
+    records = run.events("training-records")
+    revisions = run.events("policy-revisions")
+    orphan = records[0].model_copy(update={"record_id": "orphan"})
+    dead = records[1].model_copy(update={"record_id": "dead"})
+    twice = assemble_batch([records[0]], revisions[0], 1, run_id=run.run_id, producer="batcher")
+    letter = DeadLetter(run_id=run.run_id, producer="batcher", origin_topic="t.training-records", origin_partition=0,
+                        origin_offset=999, raw=codec.encode(dead), error_type="StaleRecordError", error_message="stale",
+                        service="batcher")
+    con = load(flat(run) + [("training-records", orphan), ("training-records", dead), ("trainer-batches", twice),
+                            ("dead-letters", letter)])
+    report = audit(con)
+    by = defaultdict(set)
+    for f in report.findings:
+        by[f.kind].add(f.subject)
+    assert by["record_unbatched"] == {"orphan"}
+    assert by["record_multi_batch"] == {records[0].record_id}
+    assert "dead_letter" in by and not any(f.kind == "dead_letter" for f in report.violations)
+
+
+def test_audit_catches_a_database_row_edited_after_replay(run):
+    con = load(flat(run))
+    rid = run.events("training-records")[2].record_id
+    con.execute("UPDATE training_records SET completion_logprobs = list_transform(completion_logprobs, lambda x: x + 1) "
+                "WHERE record_id = ?", [rid])
+    found = {(f.kind, f.subject) for f in audit(con).violations}
+    assert ("record_digest", rid) in found and ("record_mismatch", rid) in found
+
+
+def test_audit_catches_a_batch_naming_a_record_not_on_the_log(run):
+    rid = run.events("training-records")[3].record_id
+    items = [(k, e) for k, e in flat(run) if not (k == "training-records" and e.record_id == rid)]
+    assert ("batch_record_missing", rid) in {(f.kind, f.subject) for f in audit(load(items)).violations}
+
+
+def test_until_parse():
+    assert Until.parse(None) is None
+    assert Until.parse("@1795385142636").timestamp_ms == 1795385142636
+    t = Until.parse("2026-11-22T10:00:00Z").timestamp_ms
+    assert t == int(datetime(2026, 11, 22, 10, tzinfo=UTC).timestamp() * 1000)
+    u = Until.parse("rollout.steps:3:100,rollout.trainer-batches:0:7")
+    assert u.offsets == {("rollout.steps", 3): 100, ("rollout.trainer-batches", 0): 7}
+    with pytest.raises(ReplayError):
+        Until.parse("yesterday")
+
+
+def test_sql_formats_prompt_export_and_report(run, tmp_path):
+    con = load(flat(run))
+    out = io.StringIO()
+    assert run_query(con, "SELECT * FROM v_reward_by_revision", stream=out) > 0
+    assert "mean_reward" in out.getvalue()
+    out = io.StringIO()
+    n = run_query(con, "SELECT step_id, completion_token_ids FROM steps ORDER BY step_id", fmt="json", stream=out)
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert len(lines) == n == run.counts()["steps"] and isinstance(lines[0]["completion_token_ids"], list)
+    out = io.StringIO()
+    run_query(con, "SELECT batch_id, n_records FROM trainer_batches", fmt="csv", stream=out)
+    assert out.getvalue().splitlines()[0] == "batch_id,n_records"
+    pq = tmp_path / "steps.parquet"
+    assert run_query(con, "SELECT * FROM steps", fmt="parquet", out=str(pq)) == run.counts()["steps"]
+    assert duckdb.sql(f"SELECT count(*) FROM '{pq}'").fetchall()[0][0] == run.counts()["steps"]
+    out = io.StringIO()
+    interactive(con, lines=[".tables", "SELECT count(*) AS n", "FROM steps;", ".format json",
+                            "SELECT 1 AS one;", "SELEC oops;", ".quit"], stream=out)
+    text = out.getvalue()
+    assert "v_reward_by_revision" in text and '{"one": 1}' in text and "error:" in text
+    files = export(con, str(tmp_path / "export"))
+    assert any(f.endswith("steps.parquet") for f in files)
+    assert duckdb.sql(f"SELECT count(*) FROM '{tmp_path / 'export' / 'training_records.parquet'}'").fetchall()[0][0] == \
+        run.counts()["training-records"]
+    page = build_report(con, audit_summary="audit OK", audit_ok=True)
+    assert page.count("<svg") >= 5 and "<script" not in page and "http://" not in page.replace(
+        'xmlns="http://www.w3.org/2000/svg"', "")
+
+
+def test_cli_audit_exit_codes_and_sql(run, tmp_path, capsys):
+    from rollout.cli import main
+
+    clean, bad = str(tmp_path / "clean.duckdb"), str(tmp_path / "bad.duckdb")
+    for path, extra in ((clean, []), (bad, [("training-records", _tamper_reward(run.events("training-records")[0]))])):
+        con = duckdb.connect(path)
+        load_events(con, run.run_id, placed(flat(run) + extra))
+        con.close()
+    assert main(["audit", "--db", clean]) == 0
+    assert "audit OK" in capsys.readouterr().out
+    assert main(["audit", "--db", bad]) == 1
+    assert "audit FAILED" in capsys.readouterr().out
+    assert main(["audit", "--db", bad, "--format", "json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False and doc["by_kind"]["record_conflict"] == 1
+    assert main(["sql", "--db", clean, "SELECT count(*) AS n FROM steps", "--format", "csv"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["n", str(run.counts()["steps"])]
+    assert main(["sql", "--db", clean, "SELECT nope FROM steps"]) == 1
+    assert main(["report", "--db", clean, "--out", str(tmp_path / "r.html")]) == 0
+    assert (tmp_path / "r.html").read_text().count("<svg") >= 5
+    assert main(["export", "--db", clean, "--out", str(tmp_path / "pq")]) == 0
+    assert (tmp_path / "pq" / "trainer_batches.parquet").exists()
+
+
+def test_trainer_batch_is_assembled_like_the_pipeline(run):
+    for b in run.events("trainer-batches"):
+        assert isinstance(b, TrainerBatch)
+        from schemas.batch import verify_batch
+
+        assert verify_batch(b) == []
