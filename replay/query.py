@@ -59,6 +59,21 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def fetch(rel: duckdb.DuckDBPyRelation, limit: int | None = None) -> tuple[list[str], list[str], list[tuple]]:
+    """(columns, types, rows) through Arrow (no pytz needed for TIMESTAMPTZ; MAPs come back as dicts)."""
+    import pyarrow as pa
+
+    types = [str(t) for t in rel.types]
+    table = (rel.limit(limit) if limit is not None else rel).to_arrow_table()
+    cols = []
+    for col in table.columns:
+        values = col.to_pylist()
+        if pa.types.is_map(col.type):
+            values = [dict(v) if v is not None else None for v in values]
+        cols.append(values)
+    return list(table.column_names), types, list(zip(*cols)) if cols else []
+
+
 def run_query(con: duckdb.DuckDBPyConnection, sql: str, *, fmt: str = "table", out: str | None = None,
               max_rows: int = 200, stream: TextIO | None = None) -> int:
     """Run ``sql`` and print (or write to ``out``) its result; returns the number of rows."""
@@ -77,8 +92,7 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str, *, fmt: str = "table", o
     if rel is None:  # a statement without a result (CREATE VIEW ...)
         print("ok", file=stream)
         return 0
-    columns = rel.columns
-    rows = rel.fetchall()
+    columns, types, rows = fetch(rel)
     if fmt == "csv":
         w = csv.writer(stream)
         w.writerow(columns)
@@ -88,7 +102,7 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str, *, fmt: str = "table", o
         for r in rows:
             stream.write(json.dumps({c: _jsonable(v) for c, v in zip(columns, r)}) + "\n")
     else:
-        print_table(columns, rows, types=[str(t) for t in rel.types], max_rows=max_rows, stream=stream)
+        print_table(columns, rows, types=types, max_rows=max_rows, stream=stream)
     return len(rows)
 
 

@@ -141,11 +141,10 @@ def bar_chart(title: str, labels: Sequence[str], stacks: dict[str, Sequence[floa
 
 
 def _table(con: duckdb.DuckDBPyConnection, sql: str, limit: int = 50) -> str:
-    from replay.query import cell
+    from replay.query import cell, fetch
 
-    rel = con.sql(sql)
-    rows = rel.limit(limit).fetchall()
-    head = "".join(f"<th>{_esc(c)}</th>" for c in rel.columns)
+    columns, _, rows = fetch(con.sql(sql), limit)
+    head = "".join(f"<th>{_esc(c)}</th>" for c in columns)
     body = "".join("<tr>" + "".join(f"<td>{_esc(cell(v))}</td>" for v in r) + "</tr>" for r in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 

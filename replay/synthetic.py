@@ -55,7 +55,9 @@ def _revision(run_id: str, rev: int) -> PolicyRevision:
 
 def generate_run(run_id: str, *, rounds: int = 3, groups: int = 3, group_size: int = 4, prompt_tokens: int = 32,
                  completion_tokens: int = 48, max_off_policy_steps: int = 1, seed: int = 0,
-                 environments: Sequence[str] = ("arithmetic", "debate", "proposer_solver")) -> SyntheticRun:
+                 environments: Sequence[str] = ("arithmetic", "debate", "proposer_solver"),
+                 tag: str | None = None) -> SyntheticRun:
+    """``tag`` (default: the run id's first 8 characters) goes into every generated id."""
     rng = np.random.default_rng(seed)
     run = SyntheticRun(run_id)
     revisions = [_revision(run_id, 0)]
@@ -65,7 +67,7 @@ def generate_run(run_id: str, *, rounds: int = 3, groups: int = 3, group_size: i
     def ids(prefix: str) -> str:
         nonlocal counter
         counter += 1
-        return f"{prefix}-{run_id[:8]}-{counter:06d}"
+        return f"{prefix}-{tag or run_id[:8]}-{counter:06d}"
 
     def step(rollout_id: str, root: str, index: int, member: str, rev: PolicyRevision | None, text: str) -> Step:
         n = int(rng.integers(max(1, completion_tokens // 2), completion_tokens + 1))

@@ -1,0 +1,249 @@
+"""Replay against a real broker (testcontainers): runs produced through transactional producers with
+streams.serde.to_message, as the pipeline's stages commit them; then replayed, audited, re-replayed.
+
+Each test uses its own topic prefix (ROLLOUT_TOPIC_PREFIX), so streams.topics names are used as-is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import duckdb
+import numpy as np
+import pytest
+
+from replay.audit import audit, run_audit
+from replay.ingest import Replayer, Until, default_topics, list_runs
+from replay.synthetic import generate_run, produce
+from schemas import codec
+from schemas.events import TrainingRecord
+from streams import topics
+from streams.serde import to_message
+
+pytestmark = pytest.mark.integration
+
+TABLE = {"policy-revisions": "policy_revisions", "steps": "steps", "rollouts": "rollouts", "scores": "scores",
+         "training-records": "training_records", "trainer-batches": "trainer_batches", "dead-letters": "dead_letters"}
+
+
+@pytest.fixture
+async def log(kafka_settings, monkeypatch):
+    """Kafka settings with this test's own set of pipeline topics (and the env the CLI reads)."""
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", f"test.replay.{uuid.uuid4().hex[:8]}.")
+    monkeypatch.setenv("ROLLOUT_BOOTSTRAP_SERVERS", kafka_settings.bootstrap)
+    await topics.create_topics(kafka_settings.admin_kwargs())
+    return kafka_settings
+
+
+async def produce_run(settings, run, transactions=None):
+    return await produce(run.transactions if transactions is None else transactions, settings.client_kwargs(),
+                         default_topics(), transactional_id=f"test-{uuid.uuid4().hex[:8]}")
+
+
+def table_digest(db: str) -> dict[str, list]:
+    """Every table's rows, sorted: what 'the same database' means."""
+    con = duckdb.connect(db, read_only=True)
+    try:
+        out = {}
+        for (name,) in con.execute("SELECT table_name FROM duckdb_tables() ORDER BY 1").fetchall():
+            out[name] = sorted(r[0] for r in con.execute(f"SELECT t::VARCHAR FROM {name} t").fetchall())
+        return out
+    finally:
+        con.close()
+
+
+def counts(db: str) -> dict[str, int]:
+    con = duckdb.connect(db, read_only=True)
+    try:
+        return {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLE.values()}
+    finally:
+        con.close()
+
+
+async def test_replay_counts_match_and_audit_is_clean(log, tmp_path):
+    run = generate_run(uuid.uuid4().hex, rounds=3, groups=3, group_size=4)
+    other = generate_run(uuid.uuid4().hex, rounds=1, seed=7)  # another run interleaved on the same topics
+    await produce_run(log, other, other.transactions[:3])
+    await produce_run(log, run)
+    await produce_run(log, other, other.transactions[3:])
+    db = str(tmp_path / "run.duckdb")
+    result = await Replayer(db, log, run_id=run.run_id).run()
+    assert result.other_runs == sum(other.counts().values())
+    want = {TABLE[k]: n for k, n in run.counts().items()}
+    assert {t: n for t, n in counts(db).items() if n} == want
+    con = duckdb.connect(db, read_only=True)
+    assert con.execute("SELECT count(DISTINCT run_id), any_value(run_id) FROM steps").fetchone() == (1, run.run_id)
+    # the token arrays made it through Kafka bit for bit
+    step = run.events("steps")[5]
+    ids, lps = con.execute("SELECT completion_token_ids, completion_logprobs FROM steps WHERE step_id = ?",
+                           [step.step_id]).fetchone()
+    assert np.array_equal(np.array(ids, dtype=np.int32), step.completion_token_ids)
+    assert np.array_equal(np.array(lps, dtype=np.float32), step.completion_logprobs)
+    report = audit(con)
+    con.close()
+    assert report.ok, report.findings
+    assert report.checked["batch_digests"] == len(run.events("trainer-batches"))
+    # the CLI says so and exits 0
+    from rollout.cli import main
+
+    assert await asyncio.to_thread(main, ["audit", "--db", db]) == 0
+
+
+async def test_tampered_record_written_to_the_topic_is_caught(log, tmp_path):
+    run = generate_run(uuid.uuid4().hex, rounds=2)
+    await produce_run(log, run)
+    # Someone writes a record straight to the training-records topic: the frame of a batched record
+    # with one logprob's bits flipped (still a valid frame), and a frame that is not an event at all.
+    rec = run.events("training-records")[3]
+    key, value, headers = to_message(rec)
+    frame = bytearray(value)
+    lp = rec.completion_logprobs.tobytes()
+    at = bytes(frame).rindex(lp)
+    frame[at] ^= 0x01
+    tampered = codec.decode(bytes(frame))
+    assert isinstance(tampered, TrainingRecord) and tampered.record_id == rec.record_id
+    from aiokafka import AIOKafkaProducer
+
+    producer = AIOKafkaProducer(**log.client_kwargs())
+    await producer.start()
+    try:
+        name = topics.TRAINING_RECORDS.name
+        await producer.send_and_wait(name, value=bytes(frame), key=key, headers=headers)
+        await producer.send_and_wait(name, value=b"RLEV garbage", key=b"x", headers=headers)
+    finally:
+        await producer.stop()
+    db = str(tmp_path / "run.duckdb")
+    result = await Replayer(db, log, run_id=run.run_id).run()
+    assert result.errors == 1
+    report = run_audit(db)
+    assert not report.ok
+    found = {(f.kind, f.subject) for f in report.violations}
+    assert ("record_conflict", rec.record_id) in found
+    assert any(k == "undecodable" for k, _ in found)
+    from rollout.cli import main
+
+    assert await asyncio.to_thread(main, ["audit", "--db", db]) == 1
+
+
+async def test_replay_is_idempotent_and_incremental(log, tmp_path):
+    run = generate_run(uuid.uuid4().hex, rounds=4, seed=3)
+    first, rest = run.transactions[:6], run.transactions[6:]
+    await produce_run(log, run, first)
+    a, fresh = str(tmp_path / "a.duckdb"), str(tmp_path / "fresh.duckdb")
+    r1 = await Replayer(a, log, run_id=run.run_id).run()
+    snap = table_digest(a)
+    r2 = await Replayer(a, log).run()  # the run already in the database; nothing new on the log
+    assert r2.messages == 0 and sum(r2.rows.values()) == 0
+    assert table_digest(a) == snap
+    await produce_run(log, run, rest)
+    r3 = await Replayer(a, log).run()
+    assert r3.messages == sum(len(tx) for tx in rest)  # appended only what is new
+    assert r1.messages + r3.messages == sum(run.counts().values())
+    await Replayer(fresh, log, run_id=run.run_id).run()
+    assert table_digest(a) == table_digest(fresh)
+    con = duckdb.connect(a, read_only=True)
+    assert con.execute("SELECT count(*) - count(DISTINCT event_id) FROM steps").fetchone()[0] == 0
+    con.close()
+    assert run_audit(a).ok
+
+
+async def test_replay_until_reproduces_what_the_trainer_saw(log, tmp_path):
+    run = generate_run(uuid.uuid4().hex, rounds=4, seed=5)
+    await produce_run(log, run)
+    full = str(tmp_path / "full.duckdb")
+    await Replayer(full, log, run_id=run.run_id).run()
+    con = duckdb.connect(full, read_only=True)
+    batches = con.execute("SELECT batch_id, epoch_ms(_ts), _partition, _offset FROM trainer_batches "
+                          "ORDER BY _offset").fetchall()
+    revs_before = con.execute("SELECT epoch_ms(_ts), revision FROM policy_revisions ORDER BY _offset").fetchall()
+    con.close()
+    assert len(batches) == 4
+    b1_id, b1_ts, part, b2_off = batches[1][0], batches[1][1], batches[2][2], batches[2][3]
+    # by time: the state right when batch #1 reached the trainer
+    at = str(tmp_path / "at.duckdb")
+    await Replayer(at, log, run_id=run.run_id, until=Until(timestamp_ms=b1_ts)).run()
+    con = duckdb.connect(at, read_only=True)
+    assert [r[0] for r in con.execute("SELECT batch_id FROM trainer_batches ORDER BY _offset").fetchall()] == \
+        [b[0] for b in batches[:2]]
+    assert con.execute("SELECT max(revision) FROM policy_revisions").fetchone()[0] == \
+        max(r for ts, r in revs_before if ts <= b1_ts)
+    assert con.execute("SELECT epoch_ms(max(_ts)) FROM trainer_batches").fetchone()[0] <= b1_ts
+    assert b1_id in {r[0] for r in con.execute("SELECT batch_id FROM trainer_batches").fetchall()}
+    con.close()
+    assert run_audit(at).ok  # every record the trainer had was in a batch it had
+    # by offsets: trainer-batches before batch #2
+    upto = str(tmp_path / "upto.duckdb")
+    until = Until.parse(f"{topics.TRAINER_BATCHES.name}:{part}:{b2_off}")
+    await Replayer(upto, log, run_id=run.run_id, until=until).run()
+    assert counts(upto)["trainer_batches"] == 2
+    # an incremental replay past the point reaches the full state
+    await Replayer(at, log).run()
+    assert table_digest(at) == table_digest(full)
+
+
+async def test_runs_are_listed_and_the_latest_is_the_default(log, tmp_path):
+    older = generate_run("a" + uuid.uuid4().hex[1:], rounds=1)
+    newer = generate_run("b" + uuid.uuid4().hex[1:], rounds=1, seed=1)
+    await produce_run(log, older)
+    await asyncio.sleep(0.05)
+    await produce_run(log, newer)
+    runs = await list_runs(log)
+    assert [r.run_id for r in runs] == [newer.run_id, older.run_id]
+    db = str(tmp_path / "latest.duckdb")
+    result = await Replayer(db, log).run()
+    assert result.run_id == newer.run_id
+    from rollout.cli import main
+
+    assert await asyncio.to_thread(main, ["runs"]) == 0
+
+
+async def test_replay_while_services_are_live_leaves_their_groups_alone(log, tmp_path):
+    """A live service's consumer group (committed offsets, members, generation) is untouched by a
+    replay, and a transaction still open on the log is neither read nor waited for."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    run = generate_run(uuid.uuid4().hex, rounds=2, seed=9)
+    await produce_run(log, run)
+    group = f"live-verifier-{uuid.uuid4().hex[:6]}"
+    service = AIOKafkaConsumer(topics.ROLLOUTS.name, **log.client_kwargs(
+        group_id=group, enable_auto_commit=False, auto_offset_reset="earliest", isolation_level="read_committed"))
+    await service.start()
+    admin = AIOKafkaAdminClient(**log.admin_kwargs())
+    await admin.start()
+    # a live producer in the middle of a transaction
+    live = AIOKafkaProducer(**log.client_kwargs(), transactional_id=f"live-arena-{uuid.uuid4().hex[:6]}")
+    await live.start()
+    try:
+        got = 0
+        while got < 10:
+            batch = await service.getmany(timeout_ms=1000, max_records=10 - got)
+            got += sum(len(v) for v in batch.values())
+        await service.commit()
+        assignment = set(service.assignment())
+        committed = await admin.list_consumer_group_offsets(group)
+        groups_before = {g[0] for g in await admin.list_consumer_groups()}
+        extra = generate_run(run.run_id, rounds=1, seed=11, tag="extra")  # same run id: more steps of this run, uncommitted
+        await live.begin_transaction()
+        for key, event in extra.transactions[1]:
+            k, v, h = to_message(event)
+            await live.send_and_wait(default_topics()[key], value=v, key=k, headers=h)
+
+        db = str(tmp_path / "live.duckdb")
+        result = await asyncio.wait_for(Replayer(db, log, run_id=run.run_id).run(), timeout=60)
+        assert result.messages == sum(run.counts().values())  # the open transaction is not read
+        assert await admin.list_consumer_group_offsets(group) == committed
+        assert {g[0] for g in await admin.list_consumer_groups()} == groups_before
+        assert set(service.assignment()) == assignment
+        # the service goes on from where it was
+        more = await service.getmany(timeout_ms=1000)
+        assert sum(len(v) for v in more.values()) > 0
+        await live.commit_transaction()
+        r2 = await Replayer(db, log).run()
+        assert r2.messages == len(extra.transactions[1])
+        assert run_audit(db).ok
+    finally:
+        await live.stop()
+        await admin.close()
+        await service.stop()
