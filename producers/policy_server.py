@@ -32,6 +32,7 @@ with the arena's concurrency. Generation runs in a worker thread; the event loop
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 import time
@@ -62,11 +63,12 @@ class _Job:
 class PolicyServer:
     def __init__(self, model: PolicyModel | None = None, *, family: str = DEFAULT_FAMILY, revision: int = 0,
                  checkpoint_digest: str | None = None, host: str = "127.0.0.1", port: int = 0,
-                 max_batch: int = 64, model_name: str | None = None) -> None:
+                 max_batch: int = 64, model_name: str | None = None, torch_threads: int | None = 1) -> None:
         self.model = model or PolicyModel.from_seed(0)
         self.policy = PolicyRef(family=family, revision=revision, checkpoint_digest=checkpoint_digest)
         self.model_name = model_name or family
         self.max_batch = max_batch
+        self.torch_threads = torch_threads
         self.http = JsonHttpServer(host, port)
         self.http.route("GET", "/v1/models", self._models)
         self.http.route("POST", "/v1/chat/completions", self._chat)
@@ -75,6 +77,9 @@ class PolicyServer:
         self.http.route("GET", "/health", self._health)
         self._queue: asyncio.Queue[_Job] | None = None
         self._worker: asyncio.Task | None = None
+        # One long-lived generation thread: a fresh thread's first torch call costs ~1 s, and batches
+        # run one at a time anyway.
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.requests_served = 0
         self.batches_run = 0
 
@@ -86,6 +91,15 @@ class PolicyServer:
 
     async def start(self) -> PolicyServer:
         self._queue = asyncio.Queue()
+        if self.torch_threads:
+            # Tiny matrices: intra-op parallelism only adds synchronisation, and on a busy machine it
+            # costs seconds per batch. This sets torch's process-wide setting.
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="policy-generate")
+        await asyncio.get_running_loop().run_in_executor(  # warm the thread up
+            self._executor, generate_batch, self.model, [[0]], 1, 1.0, [0])
         self._worker = asyncio.create_task(self._batch_loop(), name="policy-server-batcher")
         await self.http.start()
         return self
@@ -96,6 +110,9 @@ class PolicyServer:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
             self._worker = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
 
     async def __aenter__(self) -> PolicyServer:
         return await self.start()
@@ -128,8 +145,8 @@ class PolicyServer:
                 jobs.append(self._queue.get_nowait())
             model, policy = self.model, self.policy
             try:
-                results = await asyncio.to_thread(
-                    generate_batch, model, [j.prompt_ids for j in jobs], [j.max_tokens for j in jobs],
+                results = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, generate_batch, model, [j.prompt_ids for j in jobs], [j.max_tokens for j in jobs],
                     [j.temperature for j in jobs], [j.seed for j in jobs])
             except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
                 for j in jobs:

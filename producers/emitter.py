@@ -1,0 +1,218 @@
+"""Transactional emission: every Step of an episode and its Rollout (a whole episode tree for
+hierarchical episodes) are written in ONE Kafka transaction.
+
+A crash mid-episode (or mid-transaction) leaves nothing visible to ``read_committed`` readers: the
+broker aborts the open transaction when the next producer with the same ``transactional_id``
+initialises (or when ``transaction.timeout.ms`` expires).
+
+    async with KafkaEmitter(settings.client_kwargs(), transactional_id="arena-<run>-0") as em:
+        await em.emit(result)        # returns once the transaction holding it has committed
+
+Group commit: aiokafka allows one open transaction per producer, so transactions are serialized;
+episodes finishing while one commits queue up and the next transaction carries all of them (up to
+``max_episodes_per_txn``). An episode is never split across transactions. ``emit`` raises when the
+transaction carrying its episode fails (``EmissionError``): nothing is dropped silently.
+
+Keys (``streams.serde``): Steps and Rollouts by ``root_group_id``, so an episode tree and its group
+land on the same partition number of the steps and rollouts topics, in call order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from producers.episodes import GenerateResult
+from schemas.envelope import Event
+from schemas.events import Rollout, Step
+from streams import serde, topics
+
+MAX_REQUEST = 8 * 1024 * 1024
+
+
+class EmissionError(Exception):
+    """A transaction carrying an episode could not be committed (the episode is NOT on the log)."""
+
+
+def messages_for(result: GenerateResult) -> list[Event]:
+    """Steps then Rollout for every rollout of the tree (children before their parent)."""
+    out: list[Event] = []
+    for r in result.walk():
+        out.extend(r.steps)
+        out.append(r.rollout)
+    return out
+
+
+@dataclass
+class EmitterStats:
+    transactions: int = 0
+    episodes: int = 0
+    messages: int = 0
+    bytes: int = 0
+    commit_s: float = 0.0
+    aborted: int = 0
+    by_topic: dict[str, int] = field(default_factory=dict)
+
+
+class Emitter:
+    """Interface: ``await emit(result)`` returns when the episode is durably on the log."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def emit(self, result: GenerateResult) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
+
+
+class MemoryEmitter(Emitter):
+    """Keeps the episode trees in memory (unit tests, dry runs). No Kafka."""
+
+    def __init__(self) -> None:
+        self.results: list[GenerateResult] = []
+        self.events: list[Event] = []
+
+    async def emit(self, result: GenerateResult) -> None:
+        self.results.append(result)
+        self.events.extend(messages_for(result))
+
+    @property
+    def rollouts(self) -> list[Rollout]:
+        return [e for e in self.events if isinstance(e, Rollout)]
+
+    @property
+    def steps(self) -> list[Step]:
+        return [e for e in self.events if isinstance(e, Step)]
+
+
+class KafkaEmitter(Emitter):
+    def __init__(self, client_kwargs: dict[str, Any], transactional_id: str, *, steps_topic: str | None = None,
+                 rollouts_topic: str | None = None, max_episodes_per_txn: int = 64,
+                 transaction_timeout_ms: int = 60000, linger_ms: int = 0,
+                 before_commit: Callable[[list[GenerateResult]], Awaitable[None]] | None = None) -> None:
+        self.client_kwargs = dict(client_kwargs)
+        self.transactional_id = transactional_id
+        self.steps_topic = steps_topic or topics.STEPS.name
+        self.rollouts_topic = rollouts_topic or topics.ROLLOUTS.name
+        self.max_episodes_per_txn = max(1, max_episodes_per_txn)
+        self.transaction_timeout_ms = transaction_timeout_ms
+        self.linger_ms = linger_ms
+        self.before_commit = before_commit  # test hook: runs inside the open transaction
+        self.stats = EmitterStats()
+        self._producer: Any = None
+        self._queue: asyncio.Queue[tuple[GenerateResult, asyncio.Future]] | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._failed: BaseException | None = None
+
+    def topic_for(self, event: Event) -> str:
+        if isinstance(event, Step):
+            return self.steps_topic
+        if isinstance(event, Rollout):
+            return self.rollouts_topic
+        raise TypeError(f"the arena emits Steps and Rollouts only, not {type(event).__name__}")
+
+    async def start(self) -> None:
+        from aiokafka import AIOKafkaProducer
+
+        self._producer = AIOKafkaProducer(
+            **self.client_kwargs, transactional_id=self.transactional_id, enable_idempotence=True, acks="all",
+            transaction_timeout_ms=self.transaction_timeout_ms, max_request_size=MAX_REQUEST,
+            linger_ms=self.linger_ms)
+        await self._producer.start()  # init_transactions: fences and aborts a predecessor's open transaction
+        self._queue = asyncio.Queue()
+        self._loop_task = asyncio.create_task(self._commit_loop(), name=f"emitter-{self.transactional_id}")
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            if self._queue is not None:
+                await self._queue.join()
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            self._loop_task = None
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    async def emit(self, result: GenerateResult) -> None:
+        if self._failed is not None:
+            raise EmissionError(f"emitter {self.transactional_id} is broken: {self._failed!r}")
+        if self._queue is None:
+            raise RuntimeError("KafkaEmitter.start() first")
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        await self._queue.put((result, fut))
+        await fut
+
+    async def emit_many(self, results: Iterable[GenerateResult]) -> None:
+        await asyncio.gather(*(self.emit(r) for r in results))
+
+    async def _commit_loop(self) -> None:
+        assert self._queue is not None
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self.max_episodes_per_txn and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            try:
+                await self._transaction([r for r, _ in batch])
+            except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
+                err = e if isinstance(e, EmissionError) else EmissionError(
+                    f"transaction of {len(batch)} episode(s) failed: {type(e).__name__}: {e}")
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(err)
+                if not isinstance(e, Exception):
+                    raise
+            else:
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_result(None)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    async def _transaction(self, results: list[GenerateResult]) -> None:
+        from aiokafka.errors import ProducerFenced
+
+        producer = self._producer
+        t0 = time.perf_counter()
+        await producer.begin_transaction()
+        try:
+            futures = []
+            n_bytes = 0
+            n_msgs = 0
+            for result in results:
+                for event in messages_for(result):
+                    key, value, headers = serde.to_message(event)
+                    topic = self.topic_for(event)
+                    futures.append(await producer.send(topic, value=value, key=key, headers=headers))
+                    n_bytes += len(value) + len(key)
+                    n_msgs += 1
+                    self.stats.by_topic[topic] = self.stats.by_topic.get(topic, 0) + 1
+            await asyncio.gather(*futures)  # a delivery error surfaces here, before commit
+            if self.before_commit is not None:
+                await self.before_commit(results)
+            await producer.commit_transaction()
+        except ProducerFenced as e:
+            self._failed = e
+            raise EmissionError(f"producer {self.transactional_id} was fenced by a newer instance: {e}") from e
+        except BaseException:
+            self.stats.aborted += 1
+            try:
+                await producer.abort_transaction()
+            except Exception as abort_err:  # noqa: BLE001
+                self._failed = abort_err
+            raise
+        self.stats.transactions += 1
+        self.stats.episodes += len(results)
+        self.stats.messages += n_msgs
+        self.stats.bytes += n_bytes
+        self.stats.commit_s += time.perf_counter() - t0

@@ -1,0 +1,150 @@
+"""Environments: a dataset of examples, an episode (the harness) and a scoring spec, under ``name@version``.
+
+    env = load_environment("producers.examples.arithmetic:load_environment", num_examples=50)
+    env.ref          # "arithmetic@1.0.0", recorded in every Rollout this environment produces
+    env.store        # ArtifactStore of the examples (weighted seed sampling)
+    env.scoring_for(example, state)   # schemas.scoring.ScoringSpec written to Rollout.artifacts["scoring"]
+
+A plan's ``[[orchestrator.train.env]] id`` names the environment: ``"pkg.mod:load_environment"`` (or
+``"pkg.mod"``, whose ``load_environment`` is used), or a short name resolved to
+``producers.examples.<name>`` (dashes become underscores); the env's ``args`` are passed as keyword
+arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from schemas.events import ENV_REF
+from schemas.scoring import ScoringSpec
+
+if TYPE_CHECKING:
+    from producers.episodes import Episode, EpisodeState
+
+
+@dataclass(frozen=True)
+class Example:
+    """One dataset row: a prompt (text, or chat messages), an optional answer, free metadata."""
+
+    id: str
+    prompt: str | list[dict[str, Any]]
+    answer: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def seed_dict(self) -> dict[str, Any]:
+        return {"example_id": self.id, "prompt": self.prompt, "answer": self.answer, "info": dict(self.info)}
+
+
+class ArtifactStore:
+    """A weighted sampling buffer of seeds (examples, proposed problems, few-shot items).
+
+    ``sample(rng)`` draws an item with probability proportional to its weight; weights can be
+    changed (``set_weight``) and items added while the arena runs (e.g. to up-weight hard ones).
+    """
+
+    def __init__(self, items: Iterable[Example] = (), weights: Iterable[float] | None = None) -> None:
+        self._items: list[Example] = []
+        self._weights: list[float] = []
+        self._index: dict[str, int] = {}
+        ws = list(weights) if weights is not None else None
+        for i, item in enumerate(items):
+            self.add(item, 1.0 if ws is None else ws[i])
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def add(self, item: Example, weight: float = 1.0) -> None:
+        if weight < 0:
+            raise ValueError("weights must be >= 0")
+        if item.id in self._index:
+            self._weights[self._index[item.id]] = weight
+            self._items[self._index[item.id]] = item
+            return
+        self._index[item.id] = len(self._items)
+        self._items.append(item)
+        self._weights.append(float(weight))
+
+    def set_weight(self, item_id: str, weight: float) -> None:
+        if weight < 0:
+            raise ValueError("weights must be >= 0")
+        self._weights[self._index[item_id]] = float(weight)
+
+    def weight(self, item_id: str) -> float:
+        return self._weights[self._index[item_id]]
+
+    def get(self, item_id: str) -> Example:
+        return self._items[self._index[item_id]]
+
+    def sample(self, rng: random.Random) -> Example:
+        if not self._items or sum(self._weights) <= 0:
+            raise ValueError("cannot sample from an empty artifact store (or one whose weights are all 0)")
+        return rng.choices(self._items, weights=self._weights, k=1)[0]
+
+
+ScoringFor = ScoringSpec | Callable[[Example, "EpisodeState"], ScoringSpec]
+
+
+@dataclass
+class Environment:
+    name: str
+    version: str
+    dataset: Sequence[Example] | ArtifactStore
+    episode: Episode
+    scoring: ScoringFor
+    sampling: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+    store: ArtifactStore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.store = self.dataset if isinstance(self.dataset, ArtifactStore) else ArtifactStore(self.dataset)
+        if not ENV_REF.match(self.ref):
+            raise ValueError(f"environment reference {self.ref!r} must look like name@version")
+        if len(self.store) == 0:
+            raise ValueError(f"environment {self.ref} has an empty dataset")
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def scoring_for(self, example: Example, state: EpisodeState) -> ScoringSpec:
+        return self.scoring(example, state) if callable(self.scoring) else self.scoring
+
+
+def _resolve(path: str) -> Callable[..., Environment]:
+    module_name, _, attr = path.partition(":")
+    module = importlib.import_module(module_name)
+    fn = getattr(module, attr or "load_environment", None)
+    if fn is None:
+        raise ImportError(f"{module_name} has no {attr or 'load_environment'}")
+    return fn
+
+
+def load_environment(path: str, **args: Any) -> Environment:
+    """Load ``package.module:load_environment`` (or a short example name) with keyword arguments."""
+    candidates = [path]
+    if ":" not in path and "." not in path:
+        candidates.insert(0, f"producers.examples.{path.replace('-', '_')}:load_environment")
+    errors = []
+    for cand in candidates:
+        try:
+            fn = _resolve(cand)
+        except ImportError as e:
+            errors.append(f"{cand}: {e}")
+            continue
+        env = fn(**args)
+        if not isinstance(env, Environment):
+            raise TypeError(f"{cand} returned {type(env).__name__}, not an Environment")
+        return env
+    raise ImportError(f"cannot load environment {path!r}: " + "; ".join(errors))
+
+
+def environment_from_spec(spec: Any) -> Environment:
+    """An Environment from a plan's EnvSpec (``id`` + ``args``)."""
+    return load_environment(spec.id, **dict(spec.args or {}))

@@ -1,0 +1,395 @@
+"""producers/ without a broker: tool schemas, the HTTP client against real local servers (retries,
+real logprobs from the local policy server), every episode kind run by the arena, pacing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Literal
+
+import pytest
+import torch
+
+from policy import PolicyModel, save_checkpoint, token_logprobs
+from policy.tokenizer import TOKENIZER
+from producers.arena import AdmissionPacer, Arena, EpisodeRequest
+from producers.echo_server import EchoServer, FlakyServer, ScriptedServer, tool_call
+from producers.emitter import MemoryEmitter
+from producers.environment import ArtifactStore, Environment, Example, load_environment
+from producers.episodes import (AlternatingRolesEpisode, MultiTurnEpisode, StatefulToolEpisode, ToolEpisode, stop,
+                                user)
+from producers.http_server import free_port
+from producers.inference import InferenceClient, InferenceRequestError, InferenceUnavailable
+from producers.policy_server import PolicyServer
+from producers.tools import ToolRegistry, tool_schema
+from schemas.plan import GenerationPlan, compile_plan
+from schemas.scoring import ScoringSpec
+
+
+# -- tools ---------------------------------------------------------------------------------------------
+
+def lookup(city: str, units: Literal["metric", "imperial"] = "metric", days: int | None = None) -> str:
+    """Look up the weather.
+
+    Args:
+        city: name of the city
+        units: unit system
+            for temperatures
+        days (int): forecast length
+    """
+    return f"{city}:{units}:{days}"
+
+
+def sandbox_write(key: str, value: str, sandbox: dict) -> str:
+    """Store a value in the rollout's sandbox.
+
+    :param key: where to store it
+    :param value: what to store
+    """
+    sandbox["items"][key] = value
+    return "ok"
+
+
+def test_tool_schema_from_hints_and_docstring():
+    s = tool_schema(lookup)["function"]
+    assert s["name"] == "lookup" and s["description"] == "Look up the weather."
+    props = s["parameters"]["properties"]
+    assert props["city"] == {"type": "string", "description": "name of the city"}
+    assert props["units"]["enum"] == ["metric", "imperial"] and props["units"]["default"] == "metric"
+    assert props["units"]["description"] == "unit system for temperatures"
+    assert {"type": "integer"} in props["days"]["anyOf"] and props["days"]["description"] == "forecast length"
+    assert s["parameters"]["required"] == ["city"]
+    hidden = tool_schema(sandbox_write, hidden={"sandbox"})["function"]["parameters"]
+    assert set(hidden["properties"]) == {"key", "value"} and hidden["required"] == ["key", "value"]
+    assert hidden["properties"]["key"]["description"] == "where to store it"
+
+
+async def test_tool_registry_dispatch_and_errors():
+    reg = ToolRegistry([lookup])
+    assert await reg.call("lookup", reg.parse_arguments("lookup", '{"city": "Oslo", "days": 2}')) == "Oslo:metric:2"
+    with pytest.raises(Exception, match="unknown tool"):
+        reg.parse_arguments("nope", "{}")
+    with pytest.raises(Exception, match="not valid JSON"):
+        reg.parse_arguments("lookup", "{oops")
+    with pytest.raises(Exception, match="bad arguments"):
+        await reg.call("lookup", {"town": "x"})
+
+
+# -- inference client ----------------------------------------------------------------------------------
+
+MSG = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+async def test_client_against_policy_server_returns_the_models_logprobs():
+    async with PolicyServer(PolicyModel.from_seed(3), family="tiny") as server:
+        async with InferenceClient(server.base_url, "tiny") as client:
+            out = await client.chat(MSG, sampling={"temperature": 0.8, "max_tokens": 24}, seed=11)
+            assert out.prompt_token_ids == TOKENIZER.encode_chat(MSG)
+            assert 1 <= len(out.completion_token_ids) <= 24 and len(out.logprobs) == len(out.completion_token_ids)
+            recomputed = token_logprobs(server.model, out.prompt_token_ids, out.completion_token_ids, 0.8).detach()
+            assert torch.allclose(recomputed, torch.tensor(out.logprobs), atol=1e-4)
+            assert out.policy is not None and (out.policy.family, out.policy.revision) == ("tiny", 0)
+            # same seed, same sample; ids also parse from "token_id:N" logprob entries alone
+            raw, _, _ = await client.post("/chat/completions", {"messages": MSG, "max_tokens": 24, "temperature": 0.8,
+                                                                "seed": 11, "logprobs": True,
+                                                                "return_tokens_as_token_ids": True})
+            assert "token_ids" not in raw["choices"][0]
+            ids = [int(e["token"].split(":")[1]) for e in raw["choices"][0]["logprobs"]["content"]]
+            assert ids == out.completion_token_ids
+
+
+async def test_policy_server_loads_a_revision_and_reports_it(tmp_path):
+    new = PolicyModel.from_seed(99)
+    ref = save_checkpoint(new, tmp_path, "tiny", 1)
+    async with PolicyServer(PolicyModel.from_seed(3), family="tiny") as server:
+        async with InferenceClient(server.base_url, "tiny") as client:
+            loaded, _, _ = await client.post("/load_weights", {"family": "tiny", "revision": 1,
+                                                               "checkpoint": ref.model_dump()})
+            assert loaded == {"family": "tiny", "revision": 1, "checkpoint_digest": ref.digest}
+            out = await client.chat(MSG, sampling={"max_tokens": 16}, seed=1)
+            assert out.policy.revision == 1 and out.policy.checkpoint_digest == ref.digest
+            lp = token_logprobs(new, out.prompt_token_ids, out.completion_token_ids).detach()
+            assert torch.allclose(lp, torch.tensor(out.logprobs), atol=1e-4)
+            with pytest.raises(InferenceRequestError, match="400"):
+                await client.post("/load_weights", {"family": "tiny", "revision": 2,
+                                                    "checkpoint": {"uri": ref.uri, "digest": "0" * 64}})
+
+
+async def test_client_retries_503_then_succeeds():
+    async with FlakyServer(fail_first=2, status=503) as server:
+        async with InferenceClient(server.base_url, "m", backoff_s=0.01) as client:
+            out = await client.chat(MSG, sampling={"max_tokens": 64})
+            assert out.attempts == 3 and server.calls == 3
+            assert TOKENIZER.decode(out.completion_token_ids) == "What is 2 + 2?"
+
+
+async def test_client_honours_retry_after_on_429():
+    async with FlakyServer(fail_first=1, status=429, retry_after="0.3") as server:
+        async with InferenceClient(server.base_url, "m", backoff_s=0.01) as client:
+            t0 = asyncio.get_running_loop().time()
+            out = await client.chat(MSG)
+            assert out.attempts == 2 and asyncio.get_running_loop().time() - t0 >= 0.29
+
+
+async def test_client_gives_up_with_a_typed_error():
+    async with FlakyServer(fail_first=100, status=502) as server:
+        async with InferenceClient(server.base_url, "m", max_attempts=3, backoff_s=0.01) as client:
+            with pytest.raises(InferenceUnavailable, match="after 3 attempts; last: HTTP 502"):
+                await client.chat(MSG)
+    async with InferenceClient(f"http://127.0.0.1:{free_port()}/v1", "m", max_attempts=2, backoff_s=0.01) as client:
+        with pytest.raises(InferenceUnavailable, match="ConnectError"):
+            await client.chat(MSG)
+    async with FlakyServer(fail_first=5, status=400) as server:
+        async with InferenceClient(server.base_url, "m", backoff_s=0.01) as client:
+            with pytest.raises(InferenceRequestError):
+                await client.chat(MSG)
+            assert server.calls == 1  # a 4xx is not retried
+
+
+# -- episodes through the arena ------------------------------------------------------------------------
+
+def _plan(name: str, url: str) -> GenerationPlan:
+    plan = compile_plan(f"examples/plans/{name}.toml")
+    targets = {k: t.model_copy(update={"base_urls": [url]}) if t.base_urls else t for k, t in plan.targets.items()}
+    return plan.model_copy(update={"targets": targets})
+
+
+def single_plan(group_size: int = 2, batch_size: int = 4, max_off_policy_steps: int = 1) -> GenerationPlan:
+    plan = compile_plan("examples/plans/arithmetic.toml")
+    return plan.model_copy(update={"group_size": group_size, "batch_size": batch_size,
+                                   "max_off_policy_steps": max_off_policy_steps})
+
+
+@pytest.fixture(scope="module")
+async def policy_server():
+    async with PolicyServer(PolicyModel.from_seed(0), family="tiny-byte-lm") as server:
+        yield server
+
+
+async def test_single_turn_arithmetic_rollouts(policy_server):
+    em = MemoryEmitter()
+    async with Arena(_plan("arithmetic", policy_server.base_url), emitter=em,
+                     policy_base_url=policy_server.base_url) as arena:
+        stats = await arena.run(num_groups=2)
+    assert stats.rollouts == 16 and stats.failed == 0
+    by_group: dict[str, list] = {}
+    for r in em.rollouts:
+        by_group.setdefault(r.group_id, []).append(r)
+        assert r.environment == "arithmetic@1.0.0" and r.episode_type == "single_turn"
+        assert r.members == {"solver": True} and len(r.step_ids) == 1 and r.root_group_id == r.group_id
+        assert r.artifacts["scoring"]["kind"] == "exact_match" and r.artifacts["scoring"]["answer"] == r.seed["answer"]
+        assert r.policy.family == "tiny-byte-lm"
+    assert sorted(len(v) for v in by_group.values()) == [8, 8]
+    assert all(len({r.example_id for r in v}) == 1 for v in by_group.values())
+    for s in em.steps:
+        assert s.trainable and s.policy.revision == 0 and len(s.completion_token_ids) == len(s.completion_logprobs)
+        assert s.prompt[-1].role == "user" and s.completion[0].name == "solver"
+
+
+async def test_debate_alternates_and_routes_train_one(policy_server):
+    em = MemoryEmitter()
+    async with Arena(_plan("debate", policy_server.base_url), emitter=em, policy_base_url=policy_server.base_url,
+                     seed=5) as arena:
+        await arena.run(num_groups=2)
+    assert len(em.rollouts) == 8
+    for r in em.rollouts:
+        assert sorted(r.members) == ["debater_a", "debater_b"] and sum(r.members.values()) == 1
+        assert r.artifacts["scoring"]["kind"] == "zero_sum_judge" and r.artifacts["scoring"]["judge_target"] == "judge"
+        steps = [s for s in em.steps if s.rollout_id == r.rollout_id]
+        assert [s.member_id for s in steps] == ["debater_a", "debater_b"] * 2
+        for s in steps:
+            assert s.trainable == r.members[s.member_id]
+            assert s.target == ("learner" if s.trainable else "opponent")
+            assert (s.policy is None) == (not s.trainable)
+        # each debater sees its own turns as assistant, the other's as user
+        last_a = steps[2]
+        assert [m.role for m in last_a.prompt][-2:] == ["assistant", "user"]
+        assert last_a.prompt[-1].content.startswith("debater_b: ")
+
+
+async def test_proposer_solver_hierarchy_links(policy_server):
+    em = MemoryEmitter()
+    async with Arena(_plan("proposer_solver", policy_server.base_url), emitter=em,
+                     policy_base_url=policy_server.base_url) as arena:
+        await arena.run(num_groups=1)
+    parents = [r for r in em.rollouts if r.parent_rollout_id is None]
+    children = [r for r in em.rollouts if r.parent_rollout_id is not None]
+    assert len(parents) == 4 and len(children) == 16
+    for p in parents:
+        kids = [c for c in children if c.parent_rollout_id == p.rollout_id]
+        assert sorted(p.child_rollout_ids) == sorted(c.rollout_id for c in kids) and len(kids) == 4
+        assert {c.root_group_id for c in kids} == {p.root_group_id} and len({c.group_id for c in kids}) == 1
+        assert kids[0].group_id != p.group_id and all(c.group_size == 4 for c in kids)
+        assert p.artifacts["scoring"]["kind"] == "monte_carlo" and p.members == {"proposer": True}
+        assert all(c.artifacts["scoring"]["kind"] == "exact_match" and c.members == {"solver": True} for c in kids)
+    # a tree is emitted as one unit: children then the parent
+    assert all(len(list(res.walk())) == 5 for res in em.results)
+
+
+class CountdownEpisode(MultiTurnEpisode):
+    episode_type = "countdown"
+
+    async def env_response(self, messages, state):
+        state.data["env_calls"] = state.data.get("env_calls", 0) + 1
+        return [user(f"turn {state.turn} done")]
+
+    @stop
+    def enough(self, state) -> bool:
+        return state.data.get("env_calls", 0) >= 2
+
+
+def _env(episode, n=4, scoring=None) -> Environment:
+    return Environment(name="unit", version="0", dataset=[Example(id=f"e{i}", prompt=f"token-{i}") for i in range(n)],
+                       episode=episode, scoring=scoring or ScoringSpec(kind="rubric", funcs=[{"fn": "m:f"}]),
+                       sampling={"max_tokens": 256})
+
+
+async def test_multi_turn_env_response_and_stop_condition(policy_server):
+    em = MemoryEmitter()
+    env = _env(CountdownEpisode(max_turns=10))
+    async with Arena(single_plan(), {"unit": env}, emitter=em, policy_base_url=policy_server.base_url) as arena:
+        await arena.run(num_groups=1)
+    for r in em.rollouts:
+        assert r.status == "completed" and r.artifacts["stop_reason"] == "enough" and len(r.step_ids) == 2
+    env2 = _env(CountdownEpisode(max_turns=1))
+    em2 = MemoryEmitter()
+    async with Arena(single_plan(), {"unit": env2}, emitter=em2, policy_base_url=policy_server.base_url) as arena:
+        await arena.run(num_groups=1)
+    assert all(r.artifacts["stop_reason"] == "max_turns" and len(r.step_ids) == 1 for r in em2.rollouts)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: first
+        b: second
+    """
+    return a + b
+
+
+def _tool_script(body):
+    msgs = body["messages"]
+    assert body["tools"][0]["function"]["name"] in ("add", "sandbox_write")
+    if msgs[-1]["role"] == "tool":
+        return {"content": f"the answer is {msgs[-1]['content']}"}
+    return {"content": None, "tool_calls": [tool_call("add", {"a": 2, "b": 3})]}
+
+
+async def test_tool_episode_dispatches_and_feeds_results_back():
+    em = MemoryEmitter()
+    async with ScriptedServer(_tool_script) as server:
+        env = _env(ToolEpisode([add], max_turns=4))
+        async with Arena(single_plan(), {"unit": env}, emitter=em, policy_base_url=server.base_url) as arena:
+            await arena.run(num_groups=1)
+    for r in em.rollouts:
+        assert r.status == "completed" and r.episode_type == "tool_use" and r.artifacts["tool_calls_made"] == 1
+        steps = [s for s in em.steps if s.rollout_id == r.rollout_id]
+        assert steps[0].tool_calls[0].name == "add" and steps[0].finish_reason == "tool_calls"
+        assert steps[1].prompt[-1].role == "tool" and steps[1].prompt[-1].content == "5"
+        assert steps[1].prompt[-1].tool_call_id == steps[0].tool_calls[0].id
+        assert r.artifacts["final_text"] == "the answer is 5"
+
+
+async def test_tool_episode_truncates_at_max_turns():
+    em = MemoryEmitter()
+    always = lambda body: {"content": None, "tool_calls": [tool_call("add", {"a": 1, "b": 1})]}  # noqa: E731
+    async with ScriptedServer(always) as server:
+        async with Arena(single_plan(), {"unit": _env(ToolEpisode([add], max_turns=3))}, emitter=em,
+                         policy_base_url=server.base_url) as arena:
+            await arena.run(num_groups=1)
+    assert all(r.status == "truncated" and len(r.step_ids) == 3 for r in em.rollouts)
+
+
+def sandbox_read(sandbox: dict) -> str:
+    """Everything in the sandbox."""
+    return json.dumps(sandbox["items"], sort_keys=True)
+
+
+class SandboxEpisode(StatefulToolEpisode):
+    injected_args = ("sandbox",)
+    opened: list[dict] = []
+
+    async def setup_state(self, state):
+        state.data["sandbox"] = {"owner": state.rollout_id, "items": {}, "closed": False}
+        self.opened.append(state.data["sandbox"])
+
+    async def cleanup_state(self, state):
+        state.data["sandbox"]["closed"] = True
+
+
+def _sandbox_script(body):
+    msgs = body["messages"]
+    mine = msgs[0]["content"]  # the example prompt: token-<i>
+    tools_done = sum(1 for m in msgs if m["role"] == "tool")
+    if tools_done == 0:  # the model also tries to smuggle in a sandbox: injected values win
+        return {"content": None, "tool_calls": [tool_call("sandbox_write", {"key": "k", "value": mine,
+                                                                            "sandbox": {"items": {}}})]}
+    if tools_done == 1:
+        return {"content": None, "tool_calls": [tool_call("sandbox_read", {})]}
+    return {"content": msgs[-1]["content"]}
+
+
+async def test_stateful_tools_never_leak_between_concurrent_rollouts():
+    SandboxEpisode.opened = []
+    em = MemoryEmitter()
+    async with ScriptedServer(_sandbox_script) as server:
+        env = _env(SandboxEpisode([sandbox_write, sandbox_read], max_turns=5), n=12)
+        schema = env.episode.registry.schemas
+        assert all("sandbox" not in s["function"]["parameters"]["properties"] for s in schema)
+        plan = single_plan(group_size=3, batch_size=100)
+        async with Arena(plan, {"unit": env}, emitter=em, policy_base_url=server.base_url, concurrency=24) as arena:
+            await arena.run(num_groups=8)
+    assert len(em.rollouts) == 24 and len(SandboxEpisode.opened) == 24
+    assert len({id(s) for s in SandboxEpisode.opened}) == 24 and all(s["closed"] for s in SandboxEpisode.opened)
+    for r in em.rollouts:
+        assert r.status == "completed"
+        assert json.loads(r.artifacts["final_text"]) == {"k": r.seed["prompt"]}
+
+
+async def test_dead_endpoint_gives_failed_rollouts_that_are_still_emitted():
+    em = MemoryEmitter()
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    async with Arena(single_plan(), {"unit": _env(CountdownEpisode(max_turns=2))}, emitter=em,
+                     policy_base_url=dead, client_options={"max_attempts": 2, "backoff_s": 0.01}) as arena:
+        stats = await arena.run(num_groups=1)
+    assert stats.failed == 2 and len(em.rollouts) == 2
+    for r in em.rollouts:
+        assert r.status == "failed" and "endpoint unavailable after 2 attempts" in r.failure_reason
+        assert r.step_ids == [] and r.artifacts["scoring"]["kind"] == "rubric"
+
+
+# -- environments and stores -----------------------------------------------------------------------------
+
+def test_load_environment_by_module_path_and_short_name():
+    env = load_environment("producers.examples.arithmetic:load_environment", num_examples=5)
+    assert env.ref == "arithmetic@1.0.0" and len(env.store) == 5
+    assert load_environment("proposer-solver", num_solvers=2).ref == "proposer-solver@1.0.0"
+    with pytest.raises(ImportError):
+        load_environment("no_such_pkg.mod:load_environment")
+
+
+def test_artifact_store_is_weighted():
+    import random
+
+    store = ArtifactStore([Example(id="a", prompt="a"), Example(id="b", prompt="b")], weights=[1.0, 0.0])
+    rng = random.Random(0)
+    assert {store.sample(rng).id for _ in range(50)} == {"a"}
+    store.set_weight("b", 9.0)
+    draws = [store.sample(rng).id for _ in range(1000)]
+    assert 850 < draws.count("b") < 950
+
+
+# -- pacing ----------------------------------------------------------------------------------------------
+
+async def test_admission_pacer_pauses_and_resumes():
+    pacer = AdmissionPacer(batch_size=4, max_off_policy_steps=1)
+    await pacer.admit(4)   # batch 0
+    await pacer.admit(4)   # batch 1: lead 1 <= 1
+    assert not pacer.may_admit() and pacer.lead() == 2
+    waiter = asyncio.create_task(pacer.admit(4))
+    await asyncio.sleep(0.05)
+    assert not waiter.done() and pacer.paused
+    await pacer.on_revision(1)
+    await asyncio.wait_for(waiter, 1)
+    assert pacer.admitted == 12 and pacer.pauses == 1 and not pacer.paused
