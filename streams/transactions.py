@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import time
 from collections import defaultdict
@@ -134,7 +135,7 @@ class TransactionalProcessor:
     def __init__(self, service: str, inputs: list[str], partitions: int, make_task: Callable[[int], PartitionTask],
                  client_kwargs: dict[str, Any], *, group_id: str | None = None, tick_s: float = 0.5,
                  max_records: int = 2000, instance: str = "", linger_ms: int = 5,
-                 on_start: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_start: Callable[[], Awaitable[None]] | None = None, session_timeout_ms: int | None = None) -> None:
         self.service = service
         self.inputs = inputs
         self.partitions = partitions
@@ -147,6 +148,7 @@ class TransactionalProcessor:
         self.instance = instance
         self.linger_ms = linger_ms
         self.on_start = on_start
+        self.session_timeout_ms = session_timeout_ms or int(os.environ.get("ROLLOUT_SESSION_TIMEOUT_MS") or 10000)
         self.tasks: dict[int, PartitionTask] = {}
         self.producers: dict[int, AIOKafkaProducer] = {}
         self.committed: dict[int, dict[str, int]] = {}
@@ -158,6 +160,7 @@ class TransactionalProcessor:
         self.consumer: AIOKafkaConsumer | None = None
         self.restorer: AIOKafkaConsumer | None = None
         self._last_tick = 0.0
+        self.pending: set[int] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def txn_id(self, p: int) -> str:
@@ -166,13 +169,13 @@ class TransactionalProcessor:
     async def start(self) -> None:
         self.restorer = AIOKafkaConsumer(**self.kw, group_id=None, enable_auto_commit=False,
                                          isolation_level="read_committed", auto_offset_reset="earliest",
-                                         max_partition_fetch_bytes=MAX_MESSAGE)
+                                         max_partition_fetch_bytes=MAX_MESSAGE, fetch_max_wait_ms=20)
         await self.restorer.start()
         self.consumer = AIOKafkaConsumer(
             **self.kw, group_id=self.group_id, enable_auto_commit=False, isolation_level="read_committed",
             auto_offset_reset="earliest", partition_assignment_strategy=(RangePartitionAssignor,),
             max_partition_fetch_bytes=MAX_MESSAGE, fetch_max_bytes=64 * 1024 * 1024,
-            session_timeout_ms=10000, heartbeat_interval_ms=1000, rebalance_timeout_ms=30000,
+            session_timeout_ms=self.session_timeout_ms, heartbeat_interval_ms=min(1000, self.session_timeout_ms // 3), rebalance_timeout_ms=30000,
             max_poll_interval_ms=120000)
         await self.consumer.start()
         self.consumer.subscribe(self.inputs, listener=_Listener(self))
@@ -215,29 +218,47 @@ class TransactionalProcessor:
             # would tell us otherwise); if it goes elsewhere, the new owner fences this producer.
 
     async def _on_assigned(self, assigned: list[TopicPartition]) -> None:
+        """Keep this fast: heartbeats stop while a rebalance callback runs. Partitions we still hold state
+        and a producer for resume at once; new ones are paused and taken over by the main loop (``_take``)."""
         async with self.lock:
+            assert self.consumer is not None
             ps = sorted({tp.partition for tp in assigned})
             for p in list(self.tasks):
                 if p not in ps:
                     await self._drop(p)
-            log.info("%s%s assigned %s", self.service, self.instance, ps)
-            await asyncio.gather(*(self._own(p) for p in ps))
+            self.pending = {p for p in ps if p not in self.tasks or p not in self.producers}
+            for p in ps:
+                if p in self.pending:
+                    self.consumer.pause(*[TopicPartition(t, p) for t in self.inputs])
+                else:
+                    for topic, off in self.committed[p].items():
+                        self.consumer.seek(TopicPartition(topic, p), off)
+            log.info("%s%s assigned %s (to take over: %s)", self.service, self.instance, ps, sorted(self.pending))
 
-    async def _own(self, p: int) -> None:
+    async def _take(self) -> None:
+        """Take over the pending partitions: producer + init_transactions (fences the previous owner), then
+        committed offsets, then the last committed snapshot, then re-read exactly the buffered input."""
         assert self.consumer is not None
-        if p in self.tasks and p in self.producers:
-            for topic, off in self.committed[p].items():
-                self.consumer.seek(TopicPartition(topic, p), off)
-            return
-        await self._drop(p)
-        prod = AIOKafkaProducer(**self.kw, transactional_id=self.txn_id(p), enable_idempotence=True, acks="all",
-                                linger_ms=self.linger_ms, max_request_size=MAX_MESSAGE, max_batch_size=1024 * 1024)
-        await prod.start()
-        # init_transactions (InitProducerId): completes/aborts the previous owner's open transaction and
-        # fences its producer. Only after this are the committed offsets and the changelog stable.
-        await asyncio.shield(prod._txn_manager.wait_for_pid())
-        self.producers[p] = prod
-        await self._rebuild(p)
+        ps = sorted(self.pending)
+        t0 = time.monotonic()
+        for p in ps:
+            await self._drop(p)
+
+        async def init(p: int) -> None:
+            prod = AIOKafkaProducer(**self.kw, transactional_id=self.txn_id(p), enable_idempotence=True, acks="all",
+                                    linger_ms=self.linger_ms, max_request_size=MAX_MESSAGE,
+                                    max_batch_size=1024 * 1024)
+            await prod.start()
+            # init_transactions (InitProducerId) completes/aborts the previous owner's open transaction and
+            # fences its producer. Only after this are the committed offsets and the changelog stable.
+            await asyncio.shield(prod._txn_manager.wait_for_pid())
+            self.producers[p] = prod
+
+        await asyncio.gather(*(init(p) for p in ps))
+        await self._rebuild(ps)
+        self.pending.difference_update(ps)
+        self.consumer.resume(*[TopicPartition(t, p) for p in ps for t in self.inputs])
+        log.info("%s%s took over %s in %.2fs", self.service, self.instance, ps, time.monotonic() - t0)
 
     async def _drop(self, p: int) -> None:
         self.tasks.pop(p, None)
@@ -250,64 +271,84 @@ class TransactionalProcessor:
             except Exception as e:  # noqa: BLE001 - a fenced producer may complain on close
                 log.debug("producer %s stop: %s", p, e)
 
-    async def _rebuild(self, p: int) -> None:
-        """Fresh task for ``p`` from the last committed snapshot and committed input offsets."""
+    async def _rebuild(self, ps: list[int]) -> None:
+        """Fresh tasks for ``ps`` from the last committed snapshots and the committed input offsets."""
         assert self.consumer is not None and self.restorer is not None
+        if not ps:
+            return
         async with self.restore_lock:
-            await self._rebuild_locked(p)
+            await self._rebuild_locked(ps)
 
-    async def _rebuild_locked(self, p: int) -> None:
-        self.stats.rebuilt += 1
-        task = self.make_task(p)
-        tps = [TopicPartition(t, p) for t in self.inputs]
-        committed: dict[str, int] = {}
+    async def _rebuild_locked(self, ps: list[int]) -> None:
+        assert self.consumer is not None and self.restorer is not None
+        self.stats.rebuilt += len(ps)
+        tps = [TopicPartition(t, p) for p in ps for t in self.inputs]
+        committed: dict[TopicPartition, int] = {}
+        beginnings = await self.restorer.beginning_offsets(tps)
         for tp in tps:
             c = await self.consumer.committed(tp)
-            if c is None:
-                c = (await self.restorer.beginning_offsets([tp]))[tp]
-            committed[tp.topic] = c
-        raw = await self._read_snapshot(p)
-        buffered, state = decode_snapshot(raw)
-        task.load_state(state)
-        for tp in tps:
-            want = {o for o in buffered.get(tp.topic, ()) if o < committed[tp.topic]}
-            if want:
-                async for rec in self._read_range(tp, min(want), committed[tp.topic]):
-                    if rec.offset in want:
-                        task.restore(rec)
-        self.tasks[p] = task
-        self.committed[p] = committed
-        self.snap_written[p] = raw or b""
-        for tp in tps:
-            self.consumer.seek(tp, committed[tp.topic])
+            committed[tp] = beginnings[tp] if c is None else c
+        snaps = await self._read_snapshots(ps)
+        tasks = {p: self.make_task(p) for p in ps}
+        want: dict[TopicPartition, set[int]] = {}
+        for p in ps:
+            buffered, state = decode_snapshot(snaps.get(p))
+            tasks[p].load_state(state)
+            for t in self.inputs:
+                tp = TopicPartition(t, p)
+                w = {o for o in buffered.get(t, ()) if o < committed[tp]}
+                if w:
+                    want[tp] = w
+        if want:
+            async for rec in self._read_ranges({tp: (min(w), committed[tp]) for tp, w in want.items()}):
+                if rec.offset in want[TopicPartition(rec.topic, rec.partition)]:
+                    tasks[rec.partition].restore(rec)
+        for p in ps:
+            self.tasks[p] = tasks[p]
+            self.committed[p] = {t: committed[TopicPartition(t, p)] for t in self.inputs}
+            self.snap_written[p] = snaps.get(p) or b""
+            for t in self.inputs:
+                self.consumer.seek(TopicPartition(t, p), committed[TopicPartition(t, p)])
 
-    async def _read_snapshot(self, p: int) -> bytes | None:
-        tp = TopicPartition(self.changelog, p)
-        end = (await self.restorer.end_offsets([tp]))[tp]
-        start = (await self.restorer.beginning_offsets([tp]))[tp]
-        last = None
-        if end > start:
-            async for rec in self._read_range(tp, start, end):
-                last = rec.value
+    async def _read_snapshots(self, ps: list[int]) -> dict[int, bytes]:
+        tps = [TopicPartition(self.changelog, p) for p in ps]
+        ends = await self.restorer.end_offsets(tps)
+        starts = await self.restorer.beginning_offsets(tps)
+        last: dict[int, bytes] = {}
+        ranges = {tp: (starts[tp], ends[tp]) for tp in tps if ends[tp] > starts[tp]}
+        async for rec in self._read_ranges(ranges):
+            last[rec.partition] = rec.value
         return last
 
-    async def _read_range(self, tp: TopicPartition, start: int, end: int):
+    async def _read_ranges(self, ranges: dict[TopicPartition, tuple[int, int]]):
+        """Records in [start, end) of each partition (read_committed; control records are skipped)."""
+        if not ranges:
+            return
         r = self.restorer
-        r.assign([tp])
-        r.seek(tp, start)
-        while True:
-            pos = await r.position(tp)
-            if pos >= end:
+        r.assign(list(ranges))
+        for tp, (start, _) in ranges.items():
+            r.seek(tp, start)
+        open_ = dict(ranges)
+        while open_:
+            for tp in list(open_):
+                if await r.position(tp) >= open_[tp][1]:
+                    del open_[tp]
+            if not open_:
                 break
-            got = await r.getmany(tp, timeout_ms=1000, max_records=5000)
-            for rec in got.get(tp, []):
-                if rec.offset >= end:
-                    return
-                yield rec
+            got = await r.getmany(*open_, timeout_ms=200, max_records=10000)
+            for tp, recs in got.items():
+                end = ranges[tp][1]
+                for rec in recs:
+                    if rec.offset < end:
+                        yield rec
 
     # -- the loop --------------------------------------------------------------------------------------
     async def step(self) -> None:
         assert self.consumer is not None
+        if self.pending:
+            async with self.lock:
+                if self.pending:
+                    await self._take()
         batch = await self.consumer.getmany(timeout_ms=int(self.tick_s * 1000), max_records=self.max_records)
         async with self.lock:
             by_p: dict[int, list] = defaultdict(list)
@@ -367,9 +408,10 @@ class TransactionalProcessor:
             except Exception as e2:  # noqa: BLE001
                 log.warning("abort failed (%s); recreating producer", e2)
                 await self._drop(p)
-                await self._own(p)
+                self.pending.add(p)
+                self.consumer.pause(*[TopicPartition(t, p) for t in self.inputs])
                 return
-            await self._rebuild(p)
+            await self._rebuild([p])
             return
         self.snap_written[p] = snap
         self.committed[p].update(next_off)
