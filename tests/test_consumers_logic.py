@@ -1,0 +1,277 @@
+"""Unit tests of the pure logic: verifiers, credit strategies, batching (no broker)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from consumers import credit, scoring, testing
+from consumers.batching import BatchPolicy, Batcher
+from schemas.batch import verify_batch
+from schemas.events import Rollout, RolloutScored, StepTokens
+from schemas.policy import PolicyRef
+from schemas.scoring import ScoringSpec
+
+# -- reward functions for rubric tests (importable by path) ---------------------------------------------
+mod = types.ModuleType("rubric_fns")
+
+
+def _len_reward(completion):
+    return min(1.0, len(completion[0]["content"]) / 100)
+
+
+async def _async_correct(completion, answer):
+    await asyncio.sleep(0)
+    return 1.0 if answer in completion[-1]["content"] else 0.0
+
+
+def _boom(**kwargs):
+    raise RuntimeError("kaboom")
+
+
+async def _slow(prompt):
+    await asyncio.sleep(5)
+    return 1.0
+
+
+def _sees_state(state):
+    return float(state["member"] == "solver")
+
+
+mod.len_reward, mod.async_correct, mod.boom, mod.slow, mod.sees_state = (
+    _len_reward, _async_correct, _boom, _slow, _sees_state)
+sys.modules["rubric_fns"] = mod
+
+
+def one(spec: dict | None = None, text: str = "The answer is 42", answer: str = "42", **kw):
+    steps = [testing.step("r1", "g1", 0, "solver", text, policy=PolicyRef(family="tiny", revision=0))]
+    ro = Rollout(run_id="run", producer="t", rollout_id="r1", episode_type="single_turn", environment="arith@1",
+                 example_id="e", seed={}, step_ids=[s.step_id for s in steps], members={"solver": True},
+                 artifacts={"scoring": spec or {"kind": "exact_match", "answer": answer}}, group_id="g1",
+                 root_group_id="g1", group_size=1, policy=PolicyRef(family="tiny", revision=0), status="completed", **kw)
+    return ro, steps
+
+
+@pytest.mark.parametrize("text,want", [("The answer is 42", 1.0), ("I think 41", 0.0), ("\\boxed{42}", 1.0),
+                                        ("#### 42.0", 1.0), ("forty-two", 0.0), ("7 * 6 = 42.", 1.0)])
+async def test_exact_match(text, want):
+    ro, steps = one(text=text)
+    v = await scoring.score(ro, steps)
+    assert v.rewards == {"solver": want}
+
+
+async def test_rubric_weighted_sync_async_metrics_not_rewarded():
+    spec = ScoringSpec(kind="rubric", answer="42", funcs=[{"fn": "rubric_fns:async_correct", "weight": 2.0},
+                                                          {"fn": "rubric_fns:sees_state", "weight": 0.5}],
+                       metrics=[{"fn": "rubric_fns:len_reward"}]).model_dump(mode="json")
+    ro, steps = one(spec)
+    v = await scoring.score(ro, steps)
+    assert v.rewards == {"solver": 2.5}
+    assert v.metrics["solver/metric/len_reward"] == pytest.approx(len("The answer is 42") / 100)
+
+
+@pytest.mark.parametrize("fn,what", [("rubric_fns:boom", "raised RuntimeError: kaboom"), ("rubric_fns:slow", "timed out"),
+                                      ("rubric_fns:missing", "raised AttributeError")])
+async def test_rubric_failure_is_a_scoring_error(fn, what):
+    spec = ScoringSpec(kind="rubric", funcs=[{"fn": fn}], params={"timeout_s": 0.2}).model_dump(mode="json")
+    ro, steps = one(spec)
+    with pytest.raises(scoring.ScoringError, match=what):
+        await scoring.score(ro, steps)
+
+
+async def test_missing_spec_is_a_scoring_error():
+    ro, steps = one()
+    ro = ro.model_copy(update={"artifacts": {}})
+    with pytest.raises(scoring.ScoringError, match="no artifacts"):
+        await scoring.score(ro, steps)
+
+
+async def test_failed_rollout_scores_zero_without_scoring():
+    ro, steps = one({"kind": "rubric", "funcs": [{"fn": "rubric_fns:boom"}]})
+    ro = ro.model_copy(update={"status": "failed", "failure_reason": "env crashed"})
+    v = await scoring.score(ro, steps)
+    assert v.rewards == {"solver": 0.0}
+
+
+async def test_llm_judge_uses_fixed_target_and_parses_score():
+    asked = []
+
+    async def judge(target, messages):
+        asked.append(target)
+        return "Reasoning... SCORE: 0.75"
+
+    spec = ScoringSpec(kind="llm_judge", judge_target="judge", answer="42").model_dump(mode="json")
+    ro, steps = one(spec)
+    v = await scoring.score(ro, steps, judge=judge)
+    assert v.rewards == {"solver": 0.75} and asked == ["judge"]
+    scored = scoring.to_scored(ro, steps, v, producer="t")
+    assert [s.member_id for s in scored.trainable_steps] == ["solver"]  # the judge's words never become tokens
+
+
+async def test_zero_sum_judge_two_players():
+    spec = ScoringSpec(kind="zero_sum_judge", judge_target="judge", players=["aff", "neg"]).model_dump(mode="json")
+    pol = PolicyRef(family="tiny", revision=3)
+    steps = [testing.step("d1", "g", 0, "aff", "I argue yes", policy=pol),
+             testing.step("d1", "g", 1, "neg", "I argue no", trainable=False, target="opponent"),
+             testing.step("d1", "g", 2, "aff", "Rebuttal", policy=pol)]
+    ro = Rollout(run_id="run", producer="t", rollout_id="d1", episode_type="debate", environment="debate@1",
+                 example_id="e", seed={}, step_ids=[s.step_id for s in steps], members={"aff": True, "neg": False},
+                 artifacts={"scoring": spec}, group_id="g", root_group_id="g", group_size=1, policy=pol,
+                 status="completed")
+
+    async def judge(target, messages):
+        return "WINNER: neg"
+
+    v = await scoring.score(ro, steps, judge=judge)
+    assert v.rewards == {"aff": -1.0, "neg": 1.0}
+    ro2 = ro.model_copy(update={"artifacts": {"scoring": spec, "winner": "tie"}})
+    assert (await scoring.score(ro2, steps)).rewards == {"aff": 0.0, "neg": 0.0}
+    scored = scoring.to_scored(ro, steps, v, producer="t")
+    # only the trainable seat's steps: the fixed opponent never produces training data
+    assert [s.step_id for s in scored.trainable_steps] == ["d1-s0", "d1-s2"]
+    recs = credit.records_for(scored, {"aff": -1.0}, "per_step", producer="t")
+    assert {r.member_id for r in recs} == {"aff"} and all(r.reward == -1.0 for r in recs)
+
+
+def test_monte_carlo_modes():
+    assert scoring.monte_carlo_reward([1, 0, 1, 0], {}) == 0.5
+    assert scoring.monte_carlo_reward([1, 1, 1, 0], {"mode": "inverse"}) == 0.25
+    assert scoring.monte_carlo_reward([1, 1, 1, 1], {"mode": "band"}) == 0.0
+    assert scoring.monte_carlo_reward([1, 0, 1, 0], {"mode": "band"}) == 1.0
+    with pytest.raises(scoring.ScoringError):
+        scoring.monte_carlo_reward([], {})
+
+
+def scored(rid: str, group: str, reward: float, *, size: int = 4, member: str = "solver", env: str = "arith@1",
+           rev: int = 0) -> RolloutScored:
+    tok = StepTokens(step_id=f"{rid}-s0", member_id=member, policy=PolicyRef(family="tiny", revision=rev),
+                     prompt_token_ids=np.arange(3, dtype=np.int32), completion_token_ids=np.arange(5, dtype=np.int32),
+                     completion_logprobs=np.zeros(5, dtype=np.float32))
+    return RolloutScored(run_id="run", producer="t", rollout_id=rid, group_id=group, root_group_id=group,
+                         group_size=size, environment=env, example_id="e", status="completed", rewards={member: reward},
+                         verifier="exact_match", verifier_version="1", trainable_steps=[tok])
+
+
+def test_grpo_waits_for_whole_group_and_normalises():
+    ca = credit.CreditAssigner("grpo")
+    out = []
+    for i, r in enumerate([1.0, 0.0, 1.0, 0.0]):
+        got = ca.add(scored(f"r{i}", "g", r), now=0.0)
+        if i < 3:
+            assert got == []
+        out += got
+    assert len(out) == 4
+    adv = [r.advantage for r in out]
+    assert math.isclose(sum(adv), 0.0, abs_tol=1e-9) and adv[0] == pytest.approx(1.0, rel=1e-4)
+    assert len({r.record_id for r in out}) == 4
+    assert out[0].record_id == credit.record_id("r0", "r0-s0")
+
+
+def test_grpo_duplicate_rollout_does_not_complete_group():
+    ca = credit.CreditAssigner("grpo")
+    for _ in range(3):
+        assert ca.add(scored("r0", "g", 1.0, size=2), now=0.0) == []
+
+
+def test_grpo_timeout_flushes_with_reason():
+    ca = credit.CreditAssigner("grpo", {"group_timeout_s": 10})
+    ca.add(scored("a0", "ga", 1.0), now=0.0)
+    ca.add(scored("a1", "ga", 0.0), now=1.0)
+    ca.add(scored("b0", "gb", 1.0), now=2.0)
+    recs, refused = ca.flush_expired(now=5.0)
+    assert recs == [] and refused == []
+    recs, refused = ca.flush_expired(now=12.5)
+    assert {r.rollout_id for r in recs} == {"a0", "a1"} and recs[0].credit == "grpo:flushed(2/4,timeout)"
+    assert len(refused) == 1 and "gb incomplete" in refused[0][1] and "1/4" in refused[0][1]
+    assert ca.groups.groups == {}
+
+
+def test_ema_per_member_baseline_and_state_roundtrip():
+    ca = credit.CreditAssigner("ema_per_member", {"alpha": 0.5})
+    a = ca.add(scored("x0", "g0", 1.0, size=1, member="aff"), 0)[0]
+    b = ca.add(scored("x1", "g1", 1.0, size=1, member="aff"), 0)[0]
+    c = ca.add(scored("x2", "g2", -1.0, size=1, member="neg"), 0)[0]
+    assert (a.advantage, b.advantage, c.advantage) == (1.0, 0.0, -1.0)
+    ca2 = credit.CreditAssigner("ema_per_member", {"alpha": 0.5})
+    ca2.load_state(ca.state())
+    assert ca2.add(scored("x3", "g3", 0.0, size=1, member="aff"), 0)[0].advantage == -1.0
+
+
+def test_reinforce_baseline_per_environment():
+    ca = credit.CreditAssigner("reinforce_baseline", {"alpha": 0.0})
+    assert ca.add(scored("x0", "g0", 1.0, size=1), 0)[0].advantage == 1.0
+    assert ca.add(scored("x1", "g1", 0.0, size=1), 0)[0].advantage == -1.0
+    assert ca.add(scored("x2", "g2", 0.0, size=1, env="other@1"), 0)[0].advantage == 0.0
+
+
+def test_unknown_strategy_refused():
+    with pytest.raises(ValueError, match="unknown credit strategy"):
+        credit.CreditAssigner("ppo-magic")
+
+
+# -- batching -------------------------------------------------------------------------------------------
+def test_batcher_sizes_and_exactly_one_batch_per_record():
+    b = Batcher(BatchPolicy(family="tiny", batch_records=4, flush_after_s=100))
+    for i in range(10):
+        assert b.add(testing.training_record(i), now=0.0) is None
+    batches, refused = b.poll(testing.revision(0), now=1.0)
+    assert [len(x.records) for x, _ in batches] == [4, 4] and refused == []
+    batches2, _ = b.poll(testing.revision(0), now=200.0)  # flush the partial one
+    ids = [r.record_id for x, _ in batches + batches2 for r in x.records]
+    assert sorted(ids) == [f"rec-{i:06d}" for i in range(10)]
+    assert all(verify_batch(x) == [] for x, _ in batches + batches2)
+
+
+def test_batcher_token_budget():
+    b = Batcher(BatchPolicy(family="tiny", batch_records=None, batch_tokens=20, flush_after_s=100))
+    for i in range(5):
+        b.add(testing.training_record(i, n=8), now=0.0)
+    batches, _ = b.poll(testing.revision(0), now=0.0)
+    assert [x.completion_tokens for x, _ in batches] == [24]
+
+
+def test_batcher_refuses_stale_and_cross_family_with_reasons_waits_for_future():
+    b = Batcher(BatchPolicy(family="tiny", batch_records=2, max_off_policy_steps=1, flush_after_s=0))
+    assert b.add(testing.training_record(0, revision_=0), 0) is None
+    assert b.add(testing.training_record(1, revision_=2), 0) is None
+    assert b.add(testing.training_record(2, revision_=3), 0) is None   # ahead of target r2: waits
+    r = b.add(testing.training_record(3, family="other"), 0)
+    assert r is not None and r.error_type == "CrossFamilyMixError"
+    batches, refused = b.poll(testing.revision(2), now=1.0)
+    assert [x.error_type for x in refused] == ["StaleRecordError"] and "2 revisions behind" in refused[0].reason
+    assert [[r.record_id for r in x.records] for x, _ in batches] == [["rec-000001"]]
+    assert [it.record.record_id for it in b.items] == ["rec-000002"]
+    assert b.refused == {"stale": 1, "cross_family": 1}
+    batches, _ = b.poll(testing.revision(3), now=2.0)
+    assert batches[0][0].target.revision == 3
+
+
+def test_batcher_never_emits_empty_or_without_target():
+    b = Batcher(BatchPolicy(family="tiny", batch_records=2, flush_after_s=0))
+    assert b.poll(testing.revision(0), now=1.0, flush=True) == ([], [])
+    assert b.refused["empty_batch"] == 1
+    b.add(testing.training_record(0), 0)
+    assert b.poll(None, now=10.0) == ([], [])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 30)), min_size=1, max_size=60), st.integers(1, 9))
+def test_batcher_every_record_exactly_once_or_refused(recs, size):
+    b = Batcher(BatchPolicy(family="tiny", batch_records=size, max_off_policy_steps=2, flush_after_s=1))
+    for i, (rev, n) in enumerate(recs):
+        b.add(testing.training_record(i, revision_=rev, n=n), now=0.0)
+    out, refused = [], []
+    for target, now in ((3, 0.5), (4, 0.5), (5, 10.0)):
+        bs, rf = b.poll(testing.revision(target), now=now)
+        out += [r.record_id for x, _ in bs for r in x.records]
+        refused += [x.item.record.record_id for x in rf]
+    assert len(out) == len(set(out))
+    assert sorted(out + refused) == sorted(f"rec-{i:06d}" for i in range(len(recs)))
