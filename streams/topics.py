@@ -98,6 +98,7 @@ async def create_topics(
             [NewTopic(t.name, t.partitions, t.replication_factor, topic_configs=t.topic_configs()) for t in wanted],
             timeout_ms=timeout_ms,
         )
+        await _wait_visible(admin, [t.name for t in wanted], timeout_ms / 1000)
     finally:
         await admin.close()
     result: dict[str, str] = {}
@@ -113,6 +114,21 @@ async def create_topics(
     if failures:
         raise KafkaError("creating topics failed: " + "; ".join(failures))
     return result
+
+
+async def _wait_visible(admin: Any, names: list[str], timeout_s: float) -> None:
+    """KRaft acknowledges CreateTopics when the controller commits; wait until brokers serve the metadata."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        desc = await admin.describe_topics(names)
+        if len(desc) == len(names) and all(d["error_code"] == 0 and d["partitions"] for d in desc):
+            return
+        if loop.time() > deadline:
+            return  # errors, if any, surface on first use
+        await asyncio.sleep(0.1)
 
 
 async def describe_topics(admin_kwargs: Mapping[str, Any], names: Iterable[str] | None = None) -> dict[str, dict]:
