@@ -14,9 +14,12 @@ where its last flush ended, never doubling a row.
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -85,6 +88,7 @@ class ReplayResult:
     seconds: float = 0.0
     partitions: int = 0
     complete: bool = True
+    timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # seconds per phase
 
     def summary(self) -> str:
         added = ", ".join(f"{n} {t}" for t, n in self.rows.items() if n) or "nothing new"
@@ -246,8 +250,10 @@ class Replayer:
     """One replay of one run into one DuckDB file. ``await Replayer(...).run()``."""
 
     def __init__(self, db: str, settings: Any, *, run_id: str | None = None, until: Until | None = None,
-                 topics: Mapping[str, str] | None = None, flush_messages: int = 20000,
-                 flush_bytes: int = 256 * 1024 * 1024, progress: Callable[[ReplayResult], None] | None = None) -> None:
+                 topics: Mapping[str, str] | None = None, flush_messages: int = 4000,
+                 flush_bytes: int = 32 * 1024 * 1024, progress: Callable[[ReplayResult], None] | None = None,
+                 duckdb_threads: int | None = None, compress: bool | None = None,
+                 stall_timeout_s: float = 60.0) -> None:
         self.db = db
         self.settings = settings
         self.run_id = run_id
@@ -256,9 +262,18 @@ class Replayer:
         self.flush_messages = flush_messages
         self.flush_bytes = flush_bytes
         self.progress = progress
+        self.stall_timeout_s = stall_timeout_s
+        self.compress = compress if compress is not None else os.environ.get("ROLLOUT_REPLAY_COMPRESS") == "1"
+        self.duckdb_threads = duckdb_threads or max(1, (os.cpu_count() or 2) // 2)
 
     async def run(self) -> ReplayResult:
         con = open_db(self.db)
+        # The writer thread shares the machine with the fetch/decode loop: one DuckDB thread for inserts,
+        # and checkpoint (compress) rarely, not every 16 MB of WAL.
+        con.execute(f"SET threads = {self.duckdb_threads}")
+        con.execute("SET checkpoint_threshold = '256MB'")
+        if not self.compress:  # lists of random-looking token ids barely compress; writing them raw is ~2x faster
+            con.execute("SET force_compression = 'uncompressed'")
         try:
             return await self._run(con)
         finally:
@@ -287,14 +302,23 @@ class Replayer:
                 raise ReplayError(f"{self.db} already holds events after --until {self.until.describe()}; "
                                   "replay into a fresh --db to see an earlier state")
         result = ReplayResult(run_id=run_id, db=self.db, rows={name: 0 for name in T.TABLES})
+        tm = result.timings
         consumer = AIOKafkaConsumer(**consumer_kwargs(self.settings))
         await consumer.start()
+        # Arrow building and DuckDB inserts run on one writer thread (DuckDB releases the GIL), one flush
+        # at a time and in order, while this loop fetches and decodes the next messages.
+        loop = asyncio.get_running_loop()
+        writer = ThreadPoolExecutor(1, thread_name_prefix="replay-writer")
+        pending: asyncio.Future | None = None
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # decoded events are long-lived until flushed: cyclic GC passes over them cost, free nothing
         try:
             tps = await _assign(consumer, self.topics.values())
             result.partitions = len(tps)
             if not tps:
                 raise ReplayError(f"none of the topics {sorted(self.topics.values())} exists")
             stored = stored_offsets(con)
+            consumer.assign(tps)  # before the offset lookups: they need the topics in the client's metadata
             begin = await consumer.beginning_offsets(tps)
             end = await consumer.end_offsets(tps)  # read_committed: the last stable offsets
             until_ts = self.until.timestamp_ms if self.until else None
@@ -305,9 +329,7 @@ class Replayer:
                             end[tp] = min(end[tp], off)
             next_off: dict[Any, int] = {}
             for tp in tps:
-                start = max(stored.get((tp.topic, tp.partition), 0), begin[tp])
-                next_off[tp] = start
-            consumer.assign(tps)
+                next_off[tp] = max(stored.get((tp.topic, tp.partition), 0), begin[tp])
             todo = set()
             for tp in tps:
                 if next_off[tp] < end[tp]:
@@ -316,12 +338,37 @@ class Replayer:
             stopped: set[Any] = set()  # partitions stopped by --until TIME (their next offset is exact)
             buf = _Buffer()
             decode = codec.decode
+            Meta = C.Meta
+            t1 = time.perf_counter()
+            tm["setup"] = t1 - t0
+
+            async def flush(buf: _Buffer) -> None:
+                nonlocal pending
+                if pending is not None:
+                    tw = time.perf_counter()
+                    await pending
+                    tm["wait_writer"] += time.perf_counter() - tw
+                offsets = {(tp.topic, tp.partition): off for tp, off in next_off.items()}
+                pending = loop.run_in_executor(writer, write, con, buf, offsets, result)
+
+            last_progress = time.monotonic()
             while todo:
-                batch = await consumer.getmany(*todo, timeout_ms=200)
+                tf = time.perf_counter()
+                batch = await consumer.getmany(*todo, timeout_ms=200, max_records=self.flush_messages)
+                td = time.perf_counter()
+                tm["fetch"] += td - tf
+                if batch:
+                    last_progress = time.monotonic()
+                elif time.monotonic() - last_progress > self.stall_timeout_s:
+                    behind = ", ".join(f"{tp.topic}:{tp.partition} at {await consumer.position(tp)} of {end[tp]}"
+                                       for tp in sorted(todo)[:5])
+                    raise ReplayError(f"no progress for {self.stall_timeout_s:.0f} s reading {behind} "
+                                      "(broker unreachable?); what was flushed is kept: run the replay again to continue")
                 for tp, records in batch.items():
                     if tp not in todo:
                         continue
                     stop = end[tp]
+                    topic, partition = tp.topic, tp.partition
                     events, metas = buf.events, buf.metas
                     for r in records:
                         off = r.offset
@@ -342,7 +389,7 @@ class Replayer:
                             result.other_runs += 1
                             continue
                         value = r.value
-                        meta = C.Meta(tp.topic, tp.partition, off, r.timestamp)
+                        meta = Meta(topic, partition, off, r.timestamp)
                         buf.count += 1
                         buf.nbytes += len(value) if value is not None else 0
                         try:
@@ -362,32 +409,42 @@ class Replayer:
                         events[et].append(event)
                         metas[et].append(meta)
                 for tp in list(todo):
-                    pos = await consumer.position(tp)
-                    if pos >= end[tp]:
+                    if await consumer.position(tp) >= end[tp]:
                         next_off[tp] = max(next_off[tp], end[tp])
                         todo.discard(tp)
+                tm["decode"] += time.perf_counter() - td
                 if buf.count >= self.flush_messages or buf.nbytes >= self.flush_bytes:
-                    self._flush(con, buf, next_off, result)
+                    await flush(buf)
                     buf = _Buffer()
                     if self.progress:
                         self.progress(result)
-            # Partitions with nothing of this run still advance their stored offsets.
-            self._flush(con, buf, next_off, result)
+            # the last flush also advances partitions with nothing of this run
+            await flush(buf)
+            tw = time.perf_counter()
+            await pending
+            tm["wait_writer"] += time.perf_counter() - tw
+            pending = None
             result.complete = not stopped and not (self.until and self.until.offsets)
         finally:
+            if pending is not None:  # an error: let the writer finish its transaction before closing
+                await asyncio.wait([pending])
+            writer.shutdown(wait=True)
+            if gc_was_enabled:
+                gc.enable()
+            tc = time.perf_counter()
             await consumer.stop()
+            tm["close"] = time.perf_counter() - tc
         result.seconds = time.perf_counter() - t0
         return result
-
-    def _flush(self, con: duckdb.DuckDBPyConnection, buf: _Buffer, next_off: Mapping[Any, int],
-               result: ReplayResult) -> None:
-        write(con, buf, {(tp.topic, tp.partition): off for tp, off in next_off.items()}, result)
 
 
 def write(con: duckdb.DuckDBPyConnection, buf: _Buffer, next_offsets: Mapping[tuple[str, int], int],
           result: ReplayResult) -> None:
     """Insert the buffered events and the next offsets in one transaction."""
+    t0 = time.perf_counter()
     tables = buf.tables()
+    t1 = time.perf_counter()
+    result.timings["build"] += t1 - t0
     con.execute("BEGIN TRANSACTION")
     try:
         for name, parts in tables.items():
@@ -408,6 +465,7 @@ def write(con: duckdb.DuckDBPyConnection, buf: _Buffer, next_offsets: Mapping[tu
     except BaseException:
         con.execute("ROLLBACK")
         raise
+    result.timings["insert"] += time.perf_counter() - t1
     result.messages += buf.count
     result.bytes += buf.nbytes
     result.errors += len(buf.bad)

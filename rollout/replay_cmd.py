@@ -26,6 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run", dest="run_id", help="run id (default: the run already in --db, else the most recent run)")
     p.add_argument("--until", help="stop at a Kafka record time (ISO 8601, or @epoch_ms; inclusive) or before "
                                    "offsets topic:partition:offset[,...]")
+    p.add_argument("--compress", action="store_true",
+                   help="compress columns in the database (smaller file, about 2x slower to write)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_replay)
 
@@ -94,7 +96,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if not args.quiet and sys.stderr.isatty():
             progress = lambda r: print(f"\r{r.messages} messages, {r.bytes / 1e6:.0f} MB", end="",  # noqa: E731
                                        file=sys.stderr, flush=True)
-        result = asyncio.run(Replayer(args.db, _settings(), run_id=args.run_id, until=until, progress=progress).run())
+        result = asyncio.run(Replayer(args.db, _settings(), run_id=args.run_id, until=until, progress=progress,
+                                          compress=args.compress or None).run())
     except ReplayError as e:
         print(f"rollout replay: error: {e}", file=sys.stderr)
         return 2
