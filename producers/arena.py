@@ -125,10 +125,10 @@ class RevisionFollower:
         await self._consumer.start()
         parts = None
         for _ in range(50):
-            parts = self._consumer.partitions_for_topic(self.topic)
+            cluster = await self._consumer._client.fetch_all_metadata()
+            parts = cluster.partitions_for_topic(self.topic)
             if parts:
                 break
-            await self._consumer._client.force_metadata_update()
             await asyncio.sleep(0.1)
         if not parts:
             await self._consumer.stop()

@@ -1,0 +1,246 @@
+"""The producing side against a real broker: every episode kind end to end through Kafka, read back
+with read_committed consumers; hierarchy links; backpressure driven by PolicyRevision events; a
+producer SIGKILLed mid-transaction leaves no visible partial rollout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from policy import PolicyModel, save_checkpoint
+from producers.arena import Arena, RevisionFollower
+from producers.echo_server import EchoServer, ScriptedServer
+from producers.emitter import KafkaEmitter
+from producers.policy_server import PolicyServer
+from schemas.events import Rollout, Step
+from schemas.plan import compile_plan
+from schemas.policy import PolicyRevision
+from streams import serde
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def read_all(kw: dict, topic: str, *, expect: int | None = None, isolation: str = "read_committed",
+                   timeout_s: float = 20.0) -> list:
+    """(partition, offset, key, event) of every message on ``topic``, in partition/offset order."""
+    consumer = AIOKafkaConsumer(**kw, group_id=None, enable_auto_commit=False, isolation_level=isolation,
+                                auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        cluster = await consumer._client.fetch_all_metadata()
+        parts = cluster.partitions_for_topic(topic) or set()
+        assert parts, f"topic {topic} has no partitions"
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        out = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=300)
+            for tp, recs in batch.items():
+                out.extend((tp.partition, r.offset, r.key, serde.from_message(r.value)) for r in recs)
+            if expect is not None and len(out) >= expect:
+                break
+            if expect is None and not batch:
+                ends = await consumer.end_offsets(tps)
+                positions = [await consumer.position(tp) for tp in tps]
+                if all(pos >= ends[tp] for pos, tp in zip(positions, tps)):
+                    break
+        return sorted(out, key=lambda x: (x[0], x[1]))
+    finally:
+        await consumer.stop()
+
+
+def _plan(name: str, url: str, **update):
+    plan = compile_plan(ROOT / f"examples/plans/{name}.toml")
+    targets = {k: t.model_copy(update={"base_urls": [url]}) if t.base_urls else t for k, t in plan.targets.items()}
+    return plan.model_copy(update={"targets": targets, **update})
+
+
+@pytest.fixture
+async def pipeline_topics(make_topic):
+    return await make_topic(12, "steps"), await make_topic(12, "rollouts")
+
+
+def _emitter(kafka_settings, topics, **kw) -> KafkaEmitter:
+    return KafkaEmitter(kafka_settings.client_kwargs(), f"test-arena-{uuid.uuid4().hex[:8]}",
+                        steps_topic=topics[0], rollouts_topic=topics[1], **kw)
+
+
+async def _check_log(kw, topics, n_rollouts: int):
+    rollouts = await read_all(kw, topics[1], expect=n_rollouts)
+    n_steps = sum(len(ev.step_ids) for *_, ev in rollouts)
+    steps = await read_all(kw, topics[0], expect=n_steps)
+    assert len(rollouts) == n_rollouts and len(steps) == n_steps
+    step_part = {}
+    for part, _, key, ev in steps:
+        assert isinstance(ev, Step) and key == ev.root_group_id.encode()
+        step_part[ev.step_id] = (part, ev)
+    for part, _, key, r in rollouts:
+        assert isinstance(r, Rollout) and key == r.root_group_id.encode()
+        # co-location: the rollout's steps sit on the same partition number, in call order
+        assert all(step_part[s][0] == part for s in r.step_ids)
+        assert [step_part[s][1].index for s in r.step_ids] == list(range(len(r.step_ids)))
+    offsets = {ev.step_id: off for _, off, _, ev in steps}
+    for _, _, _, r in rollouts:
+        assert [offsets[s] for s in r.step_ids] == sorted(offsets[s] for s in r.step_ids)
+    return [r for *_, r in rollouts], [s for *_, s in steps]
+
+
+async def test_every_example_episode_through_kafka(kafka_settings, pipeline_topics):
+    kw = kafka_settings.client_kwargs()
+    async with PolicyServer(PolicyModel.from_seed(0)) as server:
+        expected = 0
+        emitter = _emitter(kafka_settings, pipeline_topics)
+        for name, groups, per_group in (("arithmetic", 2, 8), ("debate", 1, 4), ("proposer_solver", 1, 4 * 5)):
+            plan = _plan(name, server.base_url)
+            arena = Arena(plan, emitter=emitter, policy_base_url=server.base_url, concurrency=16)
+            await arena.start()
+            try:
+                await arena.run(num_groups=groups)
+            finally:
+                # one emitter for the three arenas: stop only the arena's own parts
+                arena.emitter = type("Noop", (), {"start": _noop, "stop": _noop})()
+                await arena.stop()
+            expected += groups * per_group
+            if name == "arithmetic":
+                await emitter.stop()  # stop() drains; restart for the next arena
+            await emitter.start()
+        await emitter.stop()
+    rollouts, steps = await _check_log(kw, pipeline_topics, expected)
+    envs = {r.environment for r in rollouts}
+    assert envs == {"arithmetic@1.0.0", "debate@1.0.0", "proposer-solver@1.0.0"}
+    by_id = {r.rollout_id: r for r in rollouts}
+    children = [r for r in rollouts if r.parent_rollout_id]
+    assert len(children) == 16
+    for c in children:
+        parent = by_id[c.parent_rollout_id]
+        assert c.rollout_id in parent.child_rollout_ids and c.root_group_id == parent.root_group_id
+    assert all(by_id[cid].parent_rollout_id == p.rollout_id for p in rollouts for cid in p.child_rollout_ids)
+    assert emitter.stats.aborted == 0
+
+
+async def _noop(*a, **k):
+    return None
+
+
+async def test_tool_episode_through_kafka(kafka_settings, pipeline_topics):
+    from tests.test_producers import _env, _tool_script, add, single_plan
+    from producers.episodes import ToolEpisode
+
+    async with ScriptedServer(_tool_script) as server:
+        async with Arena(single_plan(group_size=3), {"unit": _env(ToolEpisode([add]))},
+                         emitter=_emitter(kafka_settings, pipeline_topics), policy_base_url=server.base_url) as arena:
+            await arena.run(num_groups=2)
+    rollouts, steps = await _check_log(kafka_settings.client_kwargs(), pipeline_topics, 6)
+    assert all(r.episode_type == "tool_use" and r.artifacts["tool_calls_made"] == 1 for r in rollouts)
+    assert sum(1 for s in steps if s.tool_calls and s.tool_calls[0].name == "add") == 6
+    assert len({r.group_id for r in rollouts}) == 2
+
+
+async def _publish_revision(kw, topic, rev: PolicyRevision) -> None:
+    producer = AIOKafkaProducer(**kw, enable_idempotence=True)
+    await producer.start()
+    try:
+        key, value, headers = serde.to_message(rev)
+        await producer.send_and_wait(topic, value=value, key=key, headers=headers)
+    finally:
+        await producer.stop()
+
+
+async def _wait_for(pred, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+async def test_backpressure_pauses_until_the_trainer_publishes(kafka_settings, pipeline_topics, make_topic, tmp_path):
+    kw = kafka_settings.client_kwargs()
+    revisions = await make_topic(1, "revisions")
+    async with PolicyServer(PolicyModel.from_seed(0)) as server:
+        # batch_size 4, groups of 2, bound 0: each batch may only be generated by the revision it trains
+        plan = _plan("arithmetic", server.base_url, group_size=2, batch_size=4, max_off_policy_steps=0)
+        follower = RevisionFollower(kw, plan.family, topic=revisions)
+        arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics), policy_base_url=server.base_url,
+                      revisions=follower)
+        async with arena:
+            run = asyncio.create_task(arena.run(num_groups=6))
+            await _wait_for(lambda: arena.pacer.paused)
+            await _wait_for(lambda: arena.stats.rollouts == 4)  # in-flight work finishes while paused
+            await asyncio.sleep(0.5)
+            assert arena.pacer.admitted == 4 and arena.stats.rollouts == 4 and arena.pacer.paused
+            ref1 = save_checkpoint(PolicyModel.from_seed(1), tmp_path, plan.family, 1)
+            await _publish_revision(kw, revisions, PolicyRevision(run_id="t", producer="trainer", family=plan.family,
+                                                                  revision=1, checkpoint=ref1, parent_revision=0))
+            await _wait_for(lambda: arena.pacer.admitted == 8)
+            await _wait_for(lambda: arena.pacer.paused)
+            assert arena.current_policy.revision == 1 and server.policy.revision == 1
+            # a revision of another family does not count
+            await _publish_revision(kw, revisions, PolicyRevision(run_id="t", producer="trainer", family="other",
+                                                                  revision=5))
+            await asyncio.sleep(0.5)
+            assert arena.pacer.admitted == 8
+            ref2 = save_checkpoint(PolicyModel.from_seed(2), tmp_path, plan.family, 2)
+            await _publish_revision(kw, revisions, PolicyRevision(run_id="t", producer="trainer", family=plan.family,
+                                                                  revision=2, checkpoint=ref2, parent_revision=1))
+            stats = await asyncio.wait_for(run, 30)
+        assert stats.rollouts == 12 and arena.pacer.pauses == 2
+    rollouts, steps = await _check_log(kw, pipeline_topics, 12)
+    revs = sorted(r.policy.revision for r in rollouts)
+    assert revs == [0] * 4 + [1] * 4 + [2] * 4
+    step_of = {s.step_id: s for s in steps}
+    for r in rollouts:  # the revision that produced each step is the one current when it ran
+        assert all(step_of[s].policy.revision == r.policy.revision for s in r.step_ids)
+        if r.policy.revision:
+            assert step_of[r.step_ids[0]].policy.checkpoint_digest == (ref1 if r.policy.revision == 1 else ref2).digest
+
+
+async def test_producer_killed_mid_transaction_leaves_nothing_visible(kafka_settings, pipeline_topics):
+    kw = kafka_settings.client_kwargs()
+    txn_id = f"test-kill-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/_kill_mid_transaction.py"), kafka_settings.bootstrap,
+                             txn_id, *pipeline_topics], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=env)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+        assert line.startswith("SENT "), (line, proc.stderr.read() if proc.poll() is not None else "")
+        killed_ids = set(line.split()[1:])
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # the messages were written: an uncommitted reader sees the partial episode...
+    raw = await read_all(kw, pipeline_topics[0], isolation="read_uncommitted", expect=2)
+    assert {ev.rollout_id for *_, ev in raw} == killed_ids and len(raw) == 2
+    # ...a new instance with the same transactional id fences the dead one (its transaction is aborted),
+    async with EchoServer() as echo:
+        from tests._kill_mid_transaction import TwoTurns  # noqa: F401  (same episode, committed this time)
+        from producers.environment import Environment, Example
+        from schemas.scoring import ScoringSpec
+
+        env_ = Environment(name="killme", version="1", dataset=[Example(id="x", prompt="committed")],
+                           episode=TwoTurns(max_turns=2), scoring=ScoringSpec(kind="exact_match", answer="x"))
+        plan = compile_plan(ROOT / "examples/plans/arithmetic.toml").model_copy(update={"group_size": 1})
+        emitter = KafkaEmitter(kw, txn_id, steps_topic=pipeline_topics[0], rollouts_topic=pipeline_topics[1])
+        async with Arena(plan, {"k": env_}, emitter=emitter, policy_base_url=echo.base_url) as arena:
+            await arena.run(num_groups=1)
+    # ...and read_committed readers see only the committed episode, never the partial one.
+    steps = await read_all(kw, pipeline_topics[0])
+    rollouts = await read_all(kw, pipeline_topics[1])
+    assert len(rollouts) == 1 and len(steps) == 2
+    assert not killed_ids & {ev.rollout_id for *_, ev in steps + rollouts}
+    assert rollouts[0][3].seed["prompt"] == "committed"
