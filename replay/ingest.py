@@ -253,7 +253,7 @@ class Replayer:
                  topics: Mapping[str, str] | None = None, flush_messages: int = 4000,
                  flush_bytes: int = 32 * 1024 * 1024, progress: Callable[[ReplayResult], None] | None = None,
                  duckdb_threads: int | None = None, compress: bool | None = None,
-                 stall_timeout_s: float = 60.0) -> None:
+                 stall_timeout_s: float = 60.0, writer_thread: bool = True) -> None:
         self.db = db
         self.settings = settings
         self.run_id = run_id
@@ -263,6 +263,7 @@ class Replayer:
         self.flush_bytes = flush_bytes
         self.progress = progress
         self.stall_timeout_s = stall_timeout_s
+        self.writer_thread = writer_thread
         self.compress = compress if compress is not None else os.environ.get("ROLLOUT_REPLAY_COMPRESS") == "1"
         self.duckdb_threads = duckdb_threads or max(1, (os.cpu_count() or 2) // 2)
 
@@ -349,7 +350,10 @@ class Replayer:
                     await pending
                     tm["wait_writer"] += time.perf_counter() - tw
                 offsets = {(tp.topic, tp.partition): off for tp, off in next_off.items()}
-                pending = loop.run_in_executor(writer, write, con, buf, offsets, result)
+                if self.writer_thread:
+                    pending = loop.run_in_executor(writer, write, con, buf, offsets, result)
+                else:
+                    write(con, buf, offsets, result)
 
             last_progress = time.monotonic()
             while todo:
@@ -420,10 +424,11 @@ class Replayer:
                         self.progress(result)
             # the last flush also advances partitions with nothing of this run
             await flush(buf)
-            tw = time.perf_counter()
-            await pending
-            tm["wait_writer"] += time.perf_counter() - tw
-            pending = None
+            if pending is not None:
+                tw = time.perf_counter()
+                await pending
+                tm["wait_writer"] += time.perf_counter() - tw
+                pending = None
             result.complete = not stopped and not (self.until and self.until.offsets)
         finally:
             if pending is not None:  # an error: let the writer finish its transaction before closing
