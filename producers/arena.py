@@ -490,9 +490,10 @@ class _Progress:
                     f"lead {a.pacer.lead()}/{a.pacer.bound}")
 
     def start(self) -> None:
+        from rich.console import Console
         from rich.live import Live
 
-        self._live = Live(self.render(), refresh_per_second=4, transient=False)
+        self._live = Live(self.render(), refresh_per_second=4, transient=False, console=Console(stderr=True))
         self._live.start()
         self._task = asyncio.create_task(self._loop())
 
