@@ -6,8 +6,11 @@ histograms (overall and per batch), pass rates per environment, token counts and
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import html
 import math
+import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
@@ -23,19 +26,16 @@ def _esc(x: object) -> str:
 
 
 def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """Round tick values from at or below ``lo`` to at or above ``hi``."""
     if not math.isfinite(lo) or not math.isfinite(hi):
-        return [0.0]
+        return [0.0, 1.0]
     if hi == lo:
-        hi, lo = hi + 1, lo - 1 if lo != 0 else 0
+        lo, hi = (lo - 1, hi + 1) if lo != 0 else (0.0, 1.0)
     raw = (hi - lo) / n
     mag = 10 ** math.floor(math.log10(raw))
     step = min((m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw), default=raw)
-    start = math.floor(lo / step) * step
-    out, v = [], start
-    while v <= hi + step * 1e-9:
-        out.append(round(v, 10))
-        v += step
-    return out
+    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
+    return [round(k * step, 10) for k in range(first, last + 1)]
 
 
 def _fmt(v: float) -> str:
@@ -231,32 +231,79 @@ def write_report(db: str, out: str, *, with_audit: bool = True) -> str:
             rep = audit(con)
             summary, ok = rep.summary(), rep.ok
         page = build_report(con, audit_summary=summary, audit_ok=ok)
+        charts = re.findall(r"<svg.*?</svg>", page, re.S)
     finally:
         con.close()
     if out.endswith(".png"):
-        _png(page, out)
+        _png(page, out, charts)
     else:
         with open(out, "w", encoding="utf-8") as f:
             f.write(page)
     return out
 
 
-def _png(page: str, out: str) -> None:
-    """PNG through a headless Chromium when one is installed (the HTML is the primary output)."""
+def _png(page: str, out: str, charts: list[str]) -> None:
+    """The whole page through a headless Chromium when one is on PATH; otherwise the charts alone,
+    drawn by librsvg + cairo (system libraries, through ctypes) in a two-column grid."""
     import os
     import shutil
     import subprocess
     import tempfile
 
-    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome", "chrome")
-                    if shutil.which(b)), None)
-    if browser is None:
-        raise RuntimeError("PNG output needs a headless Chromium on PATH; write --out report.html instead")
-    with tempfile.NamedTemporaryFile("w", suffix=".html", delete=False, encoding="utf-8") as f:
-        f.write(page)
-    try:
-        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                        f"--screenshot={os.path.abspath(out)}", "--window-size=1360,2400", f"file://{f.name}"],
-                       check=True, capture_output=True, timeout=120)
-    finally:
-        os.unlink(f.name)
+    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome", "chrome") if shutil.which(b)), None)
+    if browser is not None:
+        with tempfile.NamedTemporaryFile("w", suffix=".html", delete=False, encoding="utf-8") as f:
+            f.write(page)
+        try:
+            subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                            f"--screenshot={os.path.abspath(out)}", "--window-size=1360,2400", f"file://{f.name}"],
+                           check=True, capture_output=True, timeout=120)
+        finally:
+            os.unlink(f.name)
+        return
+    svg_png(charts, out)
+
+
+def svg_png(charts: list[str], out: str, columns: int = 2) -> None:
+    def lib(*names: str) -> ctypes.CDLL:
+        for name in names:
+            try:
+                return ctypes.CDLL(name)
+            except OSError:
+                continue
+        raise RuntimeError("PNG output needs a headless Chromium or librsvg + cairo; write --out report.html instead")
+
+    rsvg = lib("librsvg-2.so.2", ctypes.util.find_library("rsvg-2") or "librsvg-2.so")
+    cairo = lib("libcairo.so.2", ctypes.util.find_library("cairo") or "libcairo.so")
+    vp, dbl = ctypes.c_void_p, ctypes.c_double
+    rsvg.rsvg_handle_new_from_data.restype = vp
+    rsvg.rsvg_handle_new_from_data.argtypes = [ctypes.c_char_p, ctypes.c_size_t, vp]
+    rsvg.rsvg_handle_render_cairo.argtypes = [vp, vp]
+    cairo.cairo_image_surface_create.restype = vp
+    cairo.cairo_image_surface_create.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    cairo.cairo_create.restype = vp
+    cairo.cairo_create.argtypes = [vp]
+    for fn, args in (("cairo_set_source_rgb", [vp, dbl, dbl, dbl]), ("cairo_paint", [vp]),
+                     ("cairo_translate", [vp, dbl, dbl]), ("cairo_destroy", [vp]), ("cairo_surface_destroy", [vp])):
+        getattr(cairo, fn).argtypes = args
+    cairo.cairo_surface_write_to_png.argtypes = [vp, ctypes.c_char_p]
+    cell_w, cell_h = W + 10, H + 20
+    rows = max(1, math.ceil(len(charts) / columns))
+    surface = cairo.cairo_image_surface_create(0, cell_w * columns, cell_h * rows)  # CAIRO_FORMAT_ARGB32
+    cr = cairo.cairo_create(surface)
+    cairo.cairo_set_source_rgb(cr, 1.0, 1.0, 1.0)
+    cairo.cairo_paint(cr)
+    for i, svg in enumerate(charts):
+        data = svg.encode()
+        handle = rsvg.rsvg_handle_new_from_data(data, len(data), None)
+        if not handle:
+            raise RuntimeError(f"librsvg could not read chart {i}")
+        x, y = (i % columns) * cell_w, (i // columns) * cell_h
+        cairo.cairo_translate(cr, x, y)
+        rsvg.rsvg_handle_render_cairo(handle, cr)
+        cairo.cairo_translate(cr, -x, -y)
+    status = cairo.cairo_surface_write_to_png(surface, out.encode())
+    cairo.cairo_destroy(cr)
+    cairo.cairo_surface_destroy(surface)
+    if status != 0:
+        raise RuntimeError(f"writing {out} failed (cairo status {status})")

@@ -55,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("report", help="an HTML report of a replayed run (reward curves, staleness histograms)")
     p.add_argument("--db", required=True)
-    p.add_argument("--out", default="report.html", help="report.html (self-contained) or report.png (needs Chromium)")
+    p.add_argument("--out", default="report.html", help="report.html (self-contained), or report.png (Chromium if installed, else the charts via librsvg)")
     p.add_argument("--no-audit", action="store_true", help="leave the audit verdict out")
     p.set_defaults(func=cmd_report)
 

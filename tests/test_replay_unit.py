@@ -276,3 +276,20 @@ def test_trainer_batch_is_assembled_like_the_pipeline(run):
         from schemas.batch import verify_batch
 
         assert verify_batch(b) == []
+
+
+def test_report_png_is_a_png_or_a_clear_refusal(run, tmp_path):
+    from replay.report import svg_png
+
+    con = load(flat(run))
+    page = build_report(con)
+    import re
+
+    charts = re.findall(r"<svg.*?</svg>", page, re.S)
+    out = tmp_path / "r.png"
+    try:
+        svg_png(charts, str(out))
+    except RuntimeError as e:  # a machine without librsvg/cairo says what to do instead
+        assert "report.html" in str(e)
+    else:
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
