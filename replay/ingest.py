@@ -88,6 +88,7 @@ class ReplayResult:
     seconds: float = 0.0
     partitions: int = 0
     complete: bool = True
+    retention_gap: int = 0  # offsets no longer on the log since the last replay (or never read)
     timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # seconds per phase
 
     def summary(self) -> str:
@@ -95,7 +96,8 @@ class ReplayResult:
         rate = self.bytes / self.seconds / 1e6 if self.seconds else 0.0
         return (f"replayed run {self.run_id} into {self.db}: {added} "
                 f"({self.messages} messages of this run, {self.other_runs} of other runs skipped, "
-                f"{self.errors} undecodable; {self.bytes / 1e6:.1f} MB in {self.seconds:.2f} s, {rate:.1f} MB/s)")
+                f"{self.errors} undecodable; {self.bytes / 1e6:.1f} MB in {self.seconds:.2f} s, {rate:.1f} MB/s)"
+                + (f"; {self.retention_gap} offsets were already deleted by retention" if self.retention_gap else ""))
 
 
 def default_topics() -> dict[str, str]:
@@ -324,13 +326,19 @@ class Replayer:
             end = await consumer.end_offsets(tps)  # read_committed: the last stable offsets
             until_ts = self.until.timestamp_ms if self.until else None
             if self.until and self.until.offsets:
-                for (topic, p), off in self.until.offsets.items():
-                    for tp in tps:
-                        if tp.topic == topic and tp.partition == p:
-                            end[tp] = min(end[tp], off)
+                by_name = {(tp.topic, tp.partition): tp for tp in tps}
+                unknown = sorted(f"{t}:{p}" for t, p in self.until.offsets if (t, p) not in by_name)
+                if unknown:
+                    raise ReplayError(f"--until names partitions that are not part of the run's topics: "
+                                      f"{', '.join(unknown)} (topics: {', '.join(sorted(self.topics.values()))})")
+                for key, off in self.until.offsets.items():
+                    end[by_name[key]] = min(end[by_name[key]], off)
             next_off: dict[Any, int] = {}
             for tp in tps:
-                next_off[tp] = max(stored.get((tp.topic, tp.partition), 0), begin[tp])
+                want = stored.get((tp.topic, tp.partition), 0)
+                if want < begin[tp]:
+                    result.retention_gap += begin[tp] - want  # deleted by retention before we read them
+                next_off[tp] = max(want, begin[tp])
             todo = set()
             for tp in tps:
                 if next_off[tp] < end[tp]:

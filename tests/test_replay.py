@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from replay.audit import audit, run_audit
-from replay.ingest import Replayer, Until, default_topics, list_runs
+from replay.ingest import Replayer, ReplayError, Until, default_topics, list_runs
 from replay.synthetic import generate_run, produce
 from schemas import codec
 from schemas.events import TrainingRecord
@@ -177,6 +177,8 @@ async def test_replay_until_reproduces_what_the_trainer_saw(log, tmp_path):
     until = Until.parse(f"{topics.TRAINER_BATCHES.name}:{part}:{b2_off}")
     await Replayer(upto, log, run_id=run.run_id, until=until).run()
     assert counts(upto)["trainer_batches"] == 2
+    with pytest.raises(ReplayError, match="not part of the run's topics"):
+        await Replayer(str(tmp_path / "bad.duckdb"), log, run_id=run.run_id, until=Until.parse("nope:0:1")).run()
     # an incremental replay past the point reaches the full state
     await Replayer(at, log).run()
     assert table_digest(at) == table_digest(full)
