@@ -372,33 +372,79 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 async def serve(name: str, cfg: ServiceConfig, client_kwargs: dict[str, Any], *, stats_every_s: float = 10.0) -> None:
-    await ensure_topics(name, client_kwargs)
+    """Run one service until SIGTERM. Supervises its own Kafka clients: if the broker is unreachable at start,
+    or the clients lose the cluster (aiokafka can be left with no known brokers after a broker restart), the
+    processor is torn down and built again; exactly-once is unaffected, since a new processor takes its
+    partitions over from the log (fence, committed offsets, changelog)."""
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     if name == "trainer":
+        await _retry(lambda: ensure_topics(name, client_kwargs), stop)
         from consumers.trainer import serve_trainer
 
-        await serve_trainer(cfg, client_kwargs)
+        await serve_trainer(cfg, client_kwargs, stop=stop)
         return
-    proc = build_processor(name, cfg, client_kwargs)
-    proc.install_signal_handlers()
-    await proc.start()
-    log.info("service started", extra={"fields": {"service": name, "instance": cfg.instance, "group": proc.group_id}})
-    last = time.monotonic()
-    try:
-        while not proc.stopping.is_set():
-            await proc.step()
-            if time.monotonic() - last >= stats_every_s:
-                last = time.monotonic()
-                s = proc.stats
-                log.info("stats", extra={"fields": {
-                    "service": name, "instance": cfg.instance, "partitions": sorted(proc.tasks),
-                    "in": s.records_in, "out": s.records_out, "txns": s.transactions, "aborted": s.aborted,
-                    "fenced": s.fenced, "rebuilt": s.rebuilt, "by_type": dict(s.by_type)}})
-    finally:
-        await proc.stop()
-        side = getattr(proc, "side", None)
-        if side is not None:
-            await side.stop()
-        log.info("service stopped", extra={"fields": {"service": name, "instance": cfg.instance}})
+    while not stop.is_set():
+        if not await _retry(lambda: ensure_topics(name, client_kwargs), stop):
+            break
+        proc = build_processor(name, cfg, client_kwargs)
+        proc.stopping = stop
+        try:
+            await proc.start()
+            log.info("service started", extra={"fields": {"service": name, "instance": cfg.instance,
+                                                          "group": proc.group_id}})
+            last = time.monotonic()
+            lost_since: float | None = None
+            while not stop.is_set():
+                await proc.safe_step()
+                if proc.lost_cluster():
+                    lost_since = lost_since or time.monotonic()
+                    if time.monotonic() - lost_since > 5:
+                        raise ConnectionError("Kafka clients lost the cluster metadata")
+                else:
+                    lost_since = None
+                if time.monotonic() - last >= stats_every_s:
+                    last = time.monotonic()
+                    s = proc.stats
+                    log.info("stats", extra={"fields": {
+                        "service": name, "instance": cfg.instance, "partitions": sorted(proc.tasks),
+                        "in": s.records_in, "out": s.records_out, "txns": s.transactions, "aborted": s.aborted,
+                        "fenced": s.fenced, "rebuilt": s.rebuilt, "by_type": dict(s.by_type)}})
+        except Exception as e:  # noqa: BLE001 - rebuild the clients and carry on
+            log.warning("restarting the Kafka clients", extra={"fields": {
+                "service": name, "instance": cfg.instance, "error": f"{type(e).__name__}: {e}"}})
+            await asyncio.sleep(1.0)
+        finally:
+            try:
+                await asyncio.wait_for(_close(proc), 30)
+            except Exception as e:  # noqa: BLE001
+                log.warning("closing clients: %s", e)
+    log.info("service stopped", extra={"fields": {"service": name, "instance": cfg.instance}})
+
+
+async def _close(proc: TransactionalProcessor) -> None:
+    await proc.stop()
+    side = getattr(proc, "side", None)
+    if side is not None:
+        await side.stop()
+
+
+async def _retry(fn, stop: asyncio.Event, *, every_s: float = 2.0) -> bool:
+    while not stop.is_set():
+        try:
+            await fn()
+            return True
+        except Exception as e:  # noqa: BLE001 - broker not there yet
+            log.warning("Kafka not reachable yet: %s: %s", type(e).__name__, e)
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+            except asyncio.TimeoutError:
+                pass
+    return False
 
 
 def add_args(p: Any) -> None:

@@ -161,6 +161,8 @@ class TransactionalProcessor:
         self.restorer: AIOKafkaConsumer | None = None
         self._last_tick = 0.0
         self.pending: set[int] = set()
+        self._closing: set[asyncio.Task] = set()
+        self.txn_timeout_s = float(os.environ.get("ROLLOUT_TXN_TIMEOUT_S") or 30)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def txn_id(self, p: int) -> str:
@@ -184,7 +186,6 @@ class TransactionalProcessor:
 
     async def stop(self) -> None:
         """Graceful: finish the open transaction (lock), then leave the group and close producers."""
-        self.stopping.set()
         async with self.lock:
             if self.consumer is not None:
                 try:
@@ -200,7 +201,7 @@ class TransactionalProcessor:
         await self.start()
         try:
             while not self.stopping.is_set() and not (until and until()):
-                await self.step()
+                await self.safe_step()
         finally:
             await self.stop()
 
@@ -260,16 +261,25 @@ class TransactionalProcessor:
         self.consumer.resume(*[TopicPartition(t, p) for p in ps for t in self.inputs])
         log.info("%s%s took over %s in %.2fs", self.service, self.instance, ps, time.monotonic() - t0)
 
-    async def _drop(self, p: int) -> None:
+    async def _drop(self, p: int, *, broken: bool = False) -> None:
         self.tasks.pop(p, None)
         self.committed.pop(p, None)
         self.snap_written.pop(p, None)
         prod = self.producers.pop(p, None)
         if prod is not None:
-            try:
-                await prod.stop()
-            except Exception as e:  # noqa: BLE001 - a fenced producer may complain on close
-                log.debug("producer %s stop: %s", p, e)
+            if broken:  # may be stuck retrying: close it in the background; its successor fences it anyway
+                t = asyncio.create_task(self._close_quietly(prod, p))
+                self._closing.add(t)
+                t.add_done_callback(self._closing.discard)
+            else:
+                await self._close_quietly(prod, p)
+
+    @staticmethod
+    async def _close_quietly(prod: AIOKafkaProducer, p: int) -> None:
+        try:
+            await asyncio.wait_for(prod.stop(), 10)
+        except BaseException as e:  # noqa: BLE001 - a fenced or stuck producer may complain on close
+            log.debug("producer %s stop: %s", p, e)
 
     async def _rebuild(self, ps: list[int]) -> None:
         """Fresh tasks for ``ps`` from the last committed snapshots and the committed input offsets."""
@@ -342,13 +352,36 @@ class TransactionalProcessor:
                     if rec.offset < end:
                         yield rec
 
+    def lost_cluster(self) -> bool:
+        """True when the consumer's client knows no broker at all (aiokafka does not re-bootstrap then)."""
+        try:
+            return self.consumer is not None and not self.consumer._client.cluster.brokers()
+        except Exception:  # noqa: BLE001
+            return False
+
+    async def safe_step(self) -> None:
+        """One step; a Kafka error outside a transaction (broker restarting...) is logged and retried."""
+        try:
+            await self.step()
+        except KafkaError as e:
+            log.warning("%s%s: %s: %s; retrying", self.service, self.instance, type(e).__name__, e)
+            await asyncio.sleep(1.0)
+
     # -- the loop --------------------------------------------------------------------------------------
     async def step(self) -> None:
         assert self.consumer is not None
         if self.pending:
             async with self.lock:
                 if self.pending:
-                    await self._take()
+                    try:
+                        await asyncio.wait_for(self._take(), self.txn_timeout_s)
+                    except Exception as e:  # noqa: BLE001 - broker away, coordinator moving: retry next step
+                        log.warning("%s%s: taking over %s failed (%s: %s); retrying", self.service, self.instance,
+                                    sorted(self.pending), type(e).__name__, e)
+                        for p in list(self.pending):
+                            await self._drop(p, broken=True)
+                        await asyncio.sleep(1.0)
+                        return
         batch = await self.consumer.getmany(timeout_ms=int(self.tick_s * 1000), max_records=self.max_records)
         async with self.lock:
             by_p: dict[int, list] = defaultdict(list)
@@ -378,40 +411,24 @@ class TransactionalProcessor:
             snap = encode_snapshot(task.buffered(), task.state())
             if not outs and not next_off and snap == self.snap_written.get(p):
                 return
-            await prod.begin_transaction()
-            futs = []
-            for o in outs:
-                key, value, headers = serde.to_message(o.event)
-                futs.append(await prod.send(o.topic, value=value, key=key, headers=headers))
-            if snap != self.snap_written.get(p):
-                futs.append(await prod.send(self.changelog, value=snap, key=str(p).encode(), partition=p))
-            if next_off:
-                await prod.send_offsets_to_transaction(
-                    {TopicPartition(t, p): o for t, o in next_off.items()}, self.group_id)
-            await asyncio.gather(*futs)
-            await prod.commit_transaction()
+            await asyncio.wait_for(self._send_and_commit(p, prod, outs, snap, next_off), self.txn_timeout_s)
         except ProducerFenced:
             self.stats.fenced += 1
             log.warning("%s partition %d: fenced by a newer owner; dropping it", self.service, p)
             await self._drop(p)
             return
         except Exception as e:  # noqa: BLE001 - abort, rebuild the partition from the log, keep serving
+            # Covers a failed or stuck transaction too (e.g. a broker restart can leave a produce retrying
+            # forever). The producer is discarded; the partition is taken over again by a fresh producer with
+            # the same transactional id, whose init_transactions aborts whatever this one left open, and the
+            # task is rebuilt from the changelog and the committed offsets.
             self.stats.aborted += 1
-            log.warning("%s partition %d: transaction failed (%s: %s); aborting and rebuilding",
-                        self.service, p, type(e).__name__, e)
-            try:
-                if prod._txn_manager is not None and prod._txn_manager.is_in_transaction():
-                    await prod.abort_transaction()
-            except ProducerFenced:
-                await self._drop(p)
-                return
-            except Exception as e2:  # noqa: BLE001
-                log.warning("abort failed (%s); recreating producer", e2)
-                await self._drop(p)
-                self.pending.add(p)
+            log.warning("%s partition %d: transaction failed (%s: %s); discarding it and taking the partition "
+                        "over again", self.service, p, type(e).__name__, e)
+            await self._drop(p, broken=True)
+            self.pending.add(p)
+            if self.consumer is not None:
                 self.consumer.pause(*[TopicPartition(t, p) for t in self.inputs])
-                return
-            await self._rebuild([p])
             return
         self.snap_written[p] = snap
         self.committed[p].update(next_off)
@@ -420,6 +437,22 @@ class TransactionalProcessor:
         self.stats.records_out += len(outs)
         for o in outs:
             self.stats.by_type[o.event.EVENT_TYPE] += 1
+
+
+    async def _send_and_commit(self, p: int, prod: AIOKafkaProducer, outs: list[Out], snap: bytes,
+                               next_off: dict[str, int]) -> None:
+        await prod.begin_transaction()
+        futs = []
+        for o in outs:
+            key, value, headers = serde.to_message(o.event)
+            futs.append(await prod.send(o.topic, value=value, key=key, headers=headers))
+        if snap != self.snap_written.get(p):
+            futs.append(await prod.send(self.changelog, value=snap, key=str(p).encode(), partition=p))
+        if next_off:
+            await prod.send_offsets_to_transaction({TopicPartition(t, p): o for t, o in next_off.items()},
+                                                   self.group_id)
+        await asyncio.gather(*futs)
+        await prod.commit_transaction()
 
 
 class _Listener(ConsumerRebalanceListener):

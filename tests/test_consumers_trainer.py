@@ -1,0 +1,100 @@
+"""Trainer bridge (tensors) and the reference trainer (clipped policy gradient on the tiny policy)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from consumers import testing
+from consumers.trainer import ReferenceTrainer, TrainerTask, initial_revision, to_tensors
+from policy.checkpoint import file_sha256, load_checkpoint
+from policy.model import PolicyModel, token_logprobs
+from schemas.batch import assemble_batch
+from schemas.events import TrainingRecord
+from schemas.policy import PolicyRef
+
+
+def batch_of(records, rev=None):
+    return assemble_batch(records, rev or testing.revision(0), 1, run_id="run", producer="t")
+
+
+def test_padded_tensors_align_tokens_mask_and_logprobs():
+    recs = [testing.training_record(0, n=3), testing.training_record(1, n=6)]
+    b = batch_of(recs)
+    t = to_tensors(b, pad_id=7)
+    assert t.input_ids.shape == (2, 4 + 6)
+    r0 = b.records[0]
+    assert t.input_ids[0, :7].tolist() == [*r0.prompt_token_ids.tolist(), *r0.completion_token_ids.tolist()]
+    assert t.input_ids[0, 7:].tolist() == [7, 7, 7]
+    assert t.loss_mask[0].tolist() == [0] * 4 + [1] * 3 + [0] * 3
+    assert t.old_logprobs[1, 4:].tolist() == [-1.0] * 6
+    assert torch.all(t.advantages[0, 4:7] == r0.advantage) and torch.all(t.advantages[0, :4] == 0)
+    assert t.num_tokens == 9
+
+
+def test_packed_tensors():
+    b = batch_of([testing.training_record(0, n=3), testing.training_record(1, n=6)])
+    t = to_tensors(b, packed=True)
+    assert t.input_ids.shape == (1, 17) and t.cu_seqlens.tolist() == [0, 7, 17]
+    assert t.loss_mask.sum() == 9
+
+
+def _record(i, model, prompt, completion, adv, rev=0):
+    with torch.no_grad():
+        lp = token_logprobs(model, prompt, completion).numpy().astype(np.float32)
+    n = len(completion)
+    return TrainingRecord(run_id="run", producer="t", record_id=f"r{i:04d}", rollout_id=f"ro{i}", step_ids=["s"],
+                          member_id="solver", group_id="g", environment="arith@1",
+                          policy=PolicyRef(family="tiny", revision=rev), prompt_token_ids=np.array(prompt, np.int32),
+                          completion_token_ids=np.array(completion, np.int32), completion_logprobs=lp,
+                          loss_mask=np.ones(n, np.uint8), reward=float(adv > 0), advantage=adv, credit="grpo")
+
+
+def test_reference_trainer_raises_logprob_of_advantaged_completion(tmp_path):
+    model = PolicyModel.from_seed(0)
+    prompt = list(b"1+1=")
+    good, bad = list(b"2"), list(b"7")
+    rev0 = initial_revision("tiny", tmp_path, seed=0)
+    tr = ReferenceTrainer(model, "tiny", 0, tmp_path, lr=3e-3)
+    with torch.no_grad():
+        before = (float(token_logprobs(model, prompt, good).sum()), float(token_logprobs(model, prompt, bad).sum()))
+    for step in range(15):
+        recs = [_record(4 * step + k, model, prompt, c, a) for k, (c, a) in enumerate([(good, 1.0), (bad, -1.0)] * 2)]
+        target = testing.revision(tr.revision)
+        target = target.model_copy(update={"checkpoint": rev0.checkpoint})
+        b = batch_of(recs, target)
+        stats = tr.step(to_tensors(b), b)
+        assert np.isfinite(stats["loss"])
+    with torch.no_grad():
+        after = (float(token_logprobs(model, prompt, good).sum()), float(token_logprobs(model, prompt, bad).sum()))
+    assert after[0] > before[0] + 0.5 and after[1] < before[1] - 0.5
+    rev = tr.publish(run_id="run")
+    assert rev.revision == 1 and rev.parent_revision == 0
+    from policy.checkpoint import checkpoint_path
+
+    assert file_sha256(checkpoint_path(rev.checkpoint)) == rev.checkpoint.digest
+    reloaded = load_checkpoint(rev.checkpoint)
+    assert torch.allclose(token_logprobs(reloaded, prompt, good), token_logprobs(model, prompt, good))
+
+
+async def test_trainer_task_resumes_from_snapshot_state(tmp_path):
+    rev0 = initial_revision("tiny", tmp_path, seed=0)
+    model = load_checkpoint(rev0.checkpoint)
+    recs = [_record(i, model, list(b"2+2="), list(b"4"), 1.0 if i % 2 else -1.0) for i in range(4)]
+    b = batch_of(recs, rev0)
+
+    class Rec:
+        topic, partition, offset, key, headers = "tb", 0, 0, b"tiny", []
+
+        def __init__(self, value):
+            self.value = value
+
+    from schemas import codec
+
+    task = TrainerTask(0, "tiny", tmp_path)
+    outs = await task.process(Rec(codec.encode(b)))
+    assert [o.event.revision for o in outs] == [1]
+    task2 = TrainerTask(0, "tiny", tmp_path)
+    task2.load_state(task.state())
+    outs2 = await task2.process(Rec(codec.encode(b)))
+    assert [o.event.revision for o in outs2] == [2] and outs2[0].event.parent_revision == 1
