@@ -119,3 +119,76 @@ async def test_replay_of_a_run_from_the_real_pipeline(kafka_settings, prefix, tm
     report = run_audit(db)
     assert report.ok, report.findings[:5]
     assert report.checked["batch_digests"] == got["trainer_batches"]
+
+
+async def test_replay_of_arena_episodes_through_the_services(kafka_settings, prefix, tmp_path):
+    """The producing side too: the arena plays the example arithmetic plan against the local policy
+    server (the tiny torch model), the verifier, credit and batcher services score, credit and batch it."""
+    from pathlib import Path
+
+    from policy import PolicyModel
+    from producers.arena import Arena
+    from producers.emitter import KafkaEmitter
+    from producers.policy_server import PolicyServer
+    from schemas.plan import compile_plan
+
+    root = Path(__file__).resolve().parents[1]
+    kw = kafka_settings.client_kwargs()
+    run_id = f"arena-{uuid.uuid4().hex[:8]}"
+    await topics.create_topics(kafka_settings.admin_kwargs())
+    async with PolicyServer(PolicyModel.from_seed(0)) as server:
+        plan = compile_plan(root / "examples/plans/arithmetic.toml")
+        plan = plan.model_copy(update={"targets": {k: t.model_copy(update={"base_urls": [server.base_url]})
+                                                   if t.base_urls else t for k, t in plan.targets.items()}})
+        cfg = ServiceConfig(family=plan.family, batch_records=16, flush_after_s=0.5,
+                            max_off_policy_steps=plan.max_off_policy_steps)
+        procs, tasks = [], []
+        for name in ("verifier", "credit", "batcher"):
+            await ensure_topics(name, kw)
+            proc = build_processor(name, cfg, kw)
+            procs.append(proc)
+            tasks.append(asyncio.create_task(proc.run()))
+        db = str(tmp_path / "arena.duckdb")
+        try:
+            from aiokafka import AIOKafkaProducer
+
+            prod = AIOKafkaProducer(**kw)
+            await prod.start()
+            k, v, h = serde.to_message(testing.revision(0, family=plan.family, run_id=run_id))
+            await prod.send_and_wait(topics.POLICY_REVISIONS.name, v, key=k, headers=h)
+            await prod.stop()
+            emitter = KafkaEmitter(kw, f"arena-{uuid.uuid4().hex[:8]}")
+            arena = Arena(plan, emitter=emitter, policy_base_url=server.base_url, run_id=run_id, load_weights=False)
+            await arena.start()
+            try:
+                await arena.run(num_groups=4)
+            finally:
+                await arena.stop()
+            deadline = time.monotonic() + 120
+            while True:
+                await Replayer(db, kafka_settings, run_id=run_id).run()
+                con = duckdb.connect(db, read_only=True)
+                n_trainable, batched = con.execute(
+                    "SELECT (SELECT count(*) FROM steps WHERE trainable), "
+                    "(SELECT count(DISTINCT record_id) FROM batch_records)").fetchone()
+                con.close()
+                if (n_trainable and batched >= n_trainable) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(1.0)
+        finally:
+            for p in procs:
+                p.stopping.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for p in procs:
+                side = getattr(p, "side", None)
+                if side is not None:
+                    await side.stop()
+    con = duckdb.connect(db, read_only=True)
+    got = dict(con.execute("SELECT * FROM v_counts").fetchall())
+    envs = con.execute("SELECT environment, rollouts FROM v_env_pass_rates").fetchall()
+    con.close()
+    assert got["rollouts"] == 4 * plan.group_size == got["scores"]
+    assert got["steps"] >= got["rollouts"] and got["training_records"] == n_trainable == got["batch_records"]
+    assert [e for e, _ in envs] and all(n == got["rollouts"] for _, n in envs)
+    report = run_audit(db)
+    assert report.ok, report.findings[:5]
