@@ -77,10 +77,13 @@ def to_openai_message(m: ChatMessage | dict[str, Any]) -> dict[str, Any]:
 
 
 def from_openai_message(d: dict[str, Any]) -> ChatMessage:
-    calls = [ToolCall(id=str(c.get("id") or f"call_{i}"), name=str(c["function"]["name"]),
-                      arguments=c["function"].get("arguments") if isinstance(c["function"].get("arguments"), str)
-                      else json.dumps(c["function"].get("arguments") or {}))
-             for i, c in enumerate(d.get("tool_calls") or [])]
+    calls = []
+    for i, c in enumerate(d.get("tool_calls") or []):
+        c = c.model_dump() if hasattr(c, "model_dump") else json.loads(c) if isinstance(c, str) else c
+        fn = c.get("function") or c  # OpenAI {"function": {name, arguments}} or flat {name, arguments}
+        args = fn.get("arguments")
+        calls.append(ToolCall(id=str(c.get("id") or f"call_{i}"), name=str(fn["name"]),
+                              arguments=args if isinstance(args, str) else json.dumps(args or {})))
     content = d.get("content")
     if isinstance(content, list):
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
