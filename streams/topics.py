@@ -93,24 +93,40 @@ async def create_topics(
     wanted = list(TOPICS.values() if topics is None else topics)
     admin = AIOKafkaAdminClient(**admin_kwargs)
     await _start(admin, admin_kwargs)
+    import asyncio
+
+    result: dict[str, str] = {}
+    failures: list[str] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_ms / 1000
     try:
-        resp = await admin.create_topics(
-            [NewTopic(t.name, t.partitions, t.replication_factor, topic_configs=t.topic_configs()) for t in wanted],
-            timeout_ms=timeout_ms,
-        )
-        await _wait_visible(admin, [t.name for t in wanted], timeout_ms / 1000)
+        pending = wanted
+        while pending:
+            resp = await admin.create_topics(
+                [NewTopic(t.name, t.partitions, t.replication_factor, topic_configs=t.topic_configs())
+                 for t in pending],
+                timeout_ms=timeout_ms,
+            )
+            failures, retry = [], set()
+            for err in resp.topic_errors:
+                name, code, message = err[0], err[1], (err[2] if len(err) > 2 else None)
+                if code == 0:
+                    result[name] = "created"
+                elif code == TOPIC_ALREADY_EXISTS:
+                    result[name] = "exists"
+                else:
+                    failures.append(f"{name}: error {code} {message or ''}".strip())
+                    # A broker that just (re)started is fenced until it re-registers: retry briefly.
+                    if "fenced" in (message or "") and loop.time() < deadline:
+                        retry.add(name)
+            if failures and len(retry) == len(failures):
+                pending = [t for t in pending if t.name in retry]
+                await asyncio.sleep(0.5)
+                continue
+            break
+        await _wait_visible(admin, list(result), timeout_ms / 1000)
     finally:
         await admin.close()
-    result: dict[str, str] = {}
-    failures = []
-    for err in resp.topic_errors:
-        name, code, message = err[0], err[1], (err[2] if len(err) > 2 else None)
-        if code == 0:
-            result[name] = "created"
-        elif code == TOPIC_ALREADY_EXISTS:
-            result[name] = "exists"
-        else:
-            failures.append(f"{name}: error {code} {message or ''}".strip())
     if failures:
         raise KafkaError("creating topics failed: " + "; ".join(failures))
     return result
