@@ -257,7 +257,7 @@ class Arena:
                  policy_base_url: str | None = None, concurrency: int = 32, progress: bool = False,
                  run_id: str | None = None, producer_name: str = "arena", revisions: RevisionFollower | None = None,
                  load_weights: bool = True, seed: int = 0, base_revision: int | None = None,
-                 client_options: Mapping[str, Any] | None = None) -> None:
+                 client_options: Mapping[str, Any] | None = None, manage_emitter: bool = True) -> None:
         self.plan = plan
         if environments is None:
             environments = {spec.id: environment_from_spec(spec) for spec in plan.environments}
@@ -273,6 +273,7 @@ class Arena:
                 if spec.sampling:
                     self.env_sampling[env.ref] = dict(spec.sampling)
         self.emitter = emitter
+        self.manage_emitter = manage_emitter  # False: the emitter is shared and started/stopped by its owner
         self.policy_base_url = policy_base_url
         self.concurrency = concurrency
         self.progress = progress
@@ -298,7 +299,8 @@ class Arena:
     async def start(self) -> Arena:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0),
                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
-        await self.emitter.start()
+        if self.manage_emitter:
+            await self.emitter.start()
         if self.revisions is not None:
             await self.revisions.start()
             self._follow_task = asyncio.create_task(self.revisions.follow(self._on_revision), name="revisions")
@@ -312,7 +314,8 @@ class Arena:
             await asyncio.gather(self._follow_task, return_exceptions=True)
         if self.revisions is not None:
             await self.revisions.stop()
-        await self.emitter.stop()
+        if self.manage_emitter:
+            await self.emitter.stop()
         if self._http is not None:
             await self._http.aclose()
 

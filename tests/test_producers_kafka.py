@@ -99,24 +99,15 @@ async def _check_log(kw, topics, n_rollouts: int):
 
 async def test_every_example_episode_through_kafka(kafka_settings, pipeline_topics):
     kw = kafka_settings.client_kwargs()
-    async with PolicyServer(PolicyModel.from_seed(0)) as server:
-        expected = 0
-        emitter = _emitter(kafka_settings, pipeline_topics)
+    emitter = _emitter(kafka_settings, pipeline_topics)
+    expected = 0
+    async with PolicyServer(PolicyModel.from_seed(0)) as server, emitter:
+        # one transactional emitter shared by three arenas
         for name, groups, per_group in (("arithmetic", 2, 8), ("debate", 1, 4), ("proposer_solver", 1, 4 * 5)):
-            plan = _plan(name, server.base_url)
-            arena = Arena(plan, emitter=emitter, policy_base_url=server.base_url, concurrency=16)
-            await arena.start()
-            try:
+            async with Arena(_plan(name, server.base_url), emitter=emitter, policy_base_url=server.base_url,
+                             concurrency=16, manage_emitter=False) as arena:
                 await arena.run(num_groups=groups)
-            finally:
-                # one emitter for the three arenas: stop only the arena's own parts
-                arena.emitter = type("Noop", (), {"start": _noop, "stop": _noop})()
-                await arena.stop()
             expected += groups * per_group
-            if name == "arithmetic":
-                await emitter.stop()  # stop() drains; restart for the next arena
-            await emitter.start()
-        await emitter.stop()
     rollouts, steps = await _check_log(kw, pipeline_topics, expected)
     envs = {r.environment for r in rollouts}
     assert envs == {"arithmetic@1.0.0", "debate@1.0.0", "proposer-solver@1.0.0"}
@@ -128,10 +119,6 @@ async def test_every_example_episode_through_kafka(kafka_settings, pipeline_topi
         assert c.rollout_id in parent.child_rollout_ids and c.root_group_id == parent.root_group_id
     assert all(by_id[cid].parent_rollout_id == p.rollout_id for p in rollouts for cid in p.child_rollout_ids)
     assert emitter.stats.aborted == 0
-
-
-async def _noop(*a, **k):
-    return None
 
 
 async def test_tool_episode_through_kafka(kafka_settings, pipeline_topics):
