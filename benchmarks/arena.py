@@ -8,7 +8,8 @@ the echo endpoint returns T+1 tokens and the tiny policy model about as many. Ea
 Rollout, written transactionally by the arena's KafkaEmitter (group commit: up to 64 finished episodes per
 transaction; also measured with 1 episode per transaction). "raw" replays the exact (topic, key, value,
 headers) the echo run wrote with one plain idempotent AIOKafkaProducer (acks=all, no transactions, no
-episodes, no HTTP): the floor of what Kafka itself costs here.
+episodes, no HTTP): the floor of what Kafka itself costs here. "echo_no_kafka" runs the same arena
+with an in-memory emitter: the arena + HTTP + episode cost without Kafka.
 
 Kafka: ROLLOUT_BOOTSTRAP_SERVERS, else the local broker (started if needed); topics are fresh
 (prefix bench.arena.<random>.). Ends with one JSON line.
@@ -40,10 +41,14 @@ def _env(tokens: int, n: int = 64):
 async def _arena_run(settings, plan, url: str, groups: int, tokens: int, concurrency: int, per_txn: int,
                      collect: bool = False) -> tuple[dict, list]:
     from producers.arena import Arena
-    from producers.emitter import KafkaEmitter
+    from producers.emitter import EmitterStats, KafkaEmitter, MemoryEmitter
 
-    emitter = KafkaEmitter(settings.client_kwargs(), f"bench-arena-{uuid.uuid4().hex[:8]}",
-                           max_episodes_per_txn=per_txn)
+    if per_txn == 0:  # no Kafka: episodes kept in memory (the arena + HTTP + episode cost alone)
+        emitter = MemoryEmitter()
+        emitter.stats = EmitterStats()
+    else:
+        emitter = KafkaEmitter(settings.client_kwargs(), f"bench-arena-{uuid.uuid4().hex[:8]}",
+                               max_episodes_per_txn=per_txn)
     arena = Arena(plan, {"bench": _env(tokens)}, emitter=emitter, policy_base_url=url, concurrency=concurrency)
     async with arena:
         # warm up one group (connections, first batch), not counted
@@ -108,6 +113,9 @@ async def run(args) -> dict:
         out["echo_1_per_txn"], _ = await _arena_run(settings, plan, echo.base_url, max(args.groups // 4, 2),
                                                     args.tokens, args.concurrency, 1)
         print(f"arena vs echo, 1 episode/txn:  {out['echo_1_per_txn']}", file=sys.stderr)
+        out["echo_no_kafka"], _ = await _arena_run(settings, plan, echo.base_url, args.groups, args.tokens,
+                                                   args.concurrency, 0)
+        print(f"arena vs echo, no Kafka:       {out['echo_no_kafka']}", file=sys.stderr)
     async with PolicyServer(PolicyModel.from_seed(0)) as server:
         out["policy"], _ = await _arena_run(settings, plan, server.base_url, args.policy_groups, args.tokens,
                                             args.concurrency, 64)
@@ -124,6 +132,8 @@ async def run(args) -> dict:
         "echo_arena_vs_raw_messages": round(out["echo"]["messages_per_s"] / out["raw_aiokafka"]["messages_per_s"], 3),
         "policy_vs_echo_rollouts": round(out["policy"]["rollouts_per_s"] / out["echo"]["rollouts_per_s"], 3),
         "group_commit_speedup": round(out["echo"]["rollouts_per_s"] / out["echo_1_per_txn"]["rollouts_per_s"], 2),
+        "echo_kafka_vs_no_kafka_rollouts": round(out["echo"]["rollouts_per_s"]
+                                                 / out["echo_no_kafka"]["rollouts_per_s"], 3),
     }
     return out
 
