@@ -231,3 +231,21 @@ async def test_producer_killed_mid_transaction_leaves_nothing_visible(kafka_sett
     assert len(rollouts) == 1 and len(steps) == 2
     assert not killed_ids & {ev.rollout_id for *_, ev in steps + rollouts}
     assert rollouts[0][3].seed["prompt"] == "committed"
+
+
+async def test_producer_failure_surfaces_as_an_error(kafka_settings, pipeline_topics):
+    from producers.emitter import EmissionError
+    from tests.test_producers import CountdownEpisode, _env, single_plan
+
+    kw = kafka_settings.client_kwargs(request_timeout_ms=3000)
+    emitter = KafkaEmitter(kw, f"test-fail-{uuid.uuid4().hex[:8]}", steps_topic="no.such.topic." + uuid.uuid4().hex,
+                           rollouts_topic=pipeline_topics[1])
+    async with EchoServer() as echo:
+        arena = Arena(single_plan(group_size=2), {"unit": _env(CountdownEpisode(max_turns=1))}, emitter=emitter,
+                      policy_base_url=echo.base_url)
+        with pytest.raises(EmissionError, match="transaction of .* failed"):
+            async with arena:
+                await arena.run(num_groups=1)
+    assert emitter.stats.transactions == 0 and emitter.stats.aborted >= 1
+    # nothing of the failed transaction is visible
+    assert await read_all(kafka_settings.client_kwargs(), pipeline_topics[1]) == []
