@@ -36,7 +36,10 @@ first rollout is number ``A``, is admitted only while::
 i.e. the batch it lands in will be at most ``max_off_policy_steps`` revisions ahead of the policy that
 generated it (the same bound ``schemas.batch.stale_reason`` enforces on the trainer side). When the bound
 is hit, admission waits (nothing is dropped or cancelled: rollouts in flight finish and are emitted, so
-slow rollouts are never starved) and resumes as soon as a newer revision arrives.
+slow rollouts are never starved) and resumes as soon as a newer revision arrives. ``A`` counts
+top-level rollouts only: sub-episodes spawned by an admitted rollout ride on its admission. If the
+revision feed dies (e.g. the policy server refuses a revision's checkpoint), admission stops and
+``run`` raises that error rather than generating against a revision it cannot track.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class AdmissionPacer:
         self.paused = False
         self.paused_s = 0.0
         self.pauses = 0
+        self.error: BaseException | None = None
         self._cond = asyncio.Condition()
 
     def lead(self, admitted: int | None = None) -> int:
@@ -88,13 +92,21 @@ class AdmissionPacer:
     async def admit(self, n: int) -> None:
         """Wait until a group may be admitted, then count its ``n`` rollouts."""
         async with self._cond:
-            if not self.may_admit():
+            if not self.may_admit() and self.error is None:
                 self.paused, self.pauses = True, self.pauses + 1
                 t0 = time.monotonic()
-                await self._cond.wait_for(self.may_admit)
+                await self._cond.wait_for(lambda: self.may_admit() or self.error is not None)
                 self.paused_s += time.monotonic() - t0
                 self.paused = False
+            if self.error is not None:
+                raise RuntimeError(f"admission stopped: {self.error!r}") from self.error
             self.admitted += n
+
+    async def abort(self, error: BaseException) -> None:
+        """Wake every waiter with an error (the revision feed died: pacing can no longer be trusted)."""
+        async with self._cond:
+            self.error = error
+            self._cond.notify_all()
 
     async def on_revision(self, revision: int) -> None:
         async with self._cond:
@@ -304,6 +316,7 @@ class Arena:
         if self.revisions is not None:
             await self.revisions.start()
             self._follow_task = asyncio.create_task(self.revisions.follow(self._on_revision), name="revisions")
+            self._follow_task.add_done_callback(self._follow_done)
         return self
 
     async def stop(self) -> None:
@@ -324,6 +337,15 @@ class Arena:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.stop()
+
+    def _follow_done(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:  # e.g. the policy server refused a revision's checkpoint: stop, loudly
+            if self._fatal is None:
+                self._fatal = exc
+            asyncio.get_running_loop().create_task(self.pacer.abort(exc))
 
     def client_for(self, target: Any) -> InferenceClient:
         client = self._clients.get(target.name)
@@ -449,7 +471,10 @@ class Arena:
                 if self._fatal is not None:
                     break
                 group = self.sample_request_group()
-                await self.pacer.admit(len(group))
+                try:
+                    await self.pacer.admit(len(group))
+                except RuntimeError:
+                    break  # self._fatal says why
                 admitted += 1
                 self.stats.groups += 1
                 for req in group:

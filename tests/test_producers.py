@@ -393,3 +393,13 @@ async def test_admission_pacer_pauses_and_resumes():
     await pacer.on_revision(1)
     await asyncio.wait_for(waiter, 1)
     assert pacer.admitted == 12 and pacer.pauses == 1 and not pacer.paused
+
+
+async def test_admission_pacer_abort_wakes_waiters():
+    pacer = AdmissionPacer(batch_size=1, max_off_policy_steps=0)
+    await pacer.admit(1)
+    waiter = asyncio.create_task(pacer.admit(1))
+    await asyncio.sleep(0.02)
+    await pacer.abort(ValueError("revision feed died"))
+    with pytest.raises(RuntimeError, match="revision feed died"):
+        await asyncio.wait_for(waiter, 1)
