@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any

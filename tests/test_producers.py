@@ -12,11 +12,11 @@ import torch
 
 from policy import PolicyModel, save_checkpoint, token_logprobs
 from policy.tokenizer import TOKENIZER
-from producers.arena import AdmissionPacer, Arena, EpisodeRequest
-from producers.echo_server import EchoServer, FlakyServer, ScriptedServer, tool_call
+from producers.arena import AdmissionPacer, Arena
+from producers.echo_server import FlakyServer, ScriptedServer, tool_call
 from producers.emitter import MemoryEmitter
 from producers.environment import ArtifactStore, Environment, Example, load_environment
-from producers.episodes import (AlternatingRolesEpisode, MultiTurnEpisode, StatefulToolEpisode, ToolEpisode, stop,
+from producers.episodes import (MultiTurnEpisode, StatefulToolEpisode, ToolEpisode, stop,
                                 user)
 from producers.http_server import free_port
 from producers.inference import InferenceClient, InferenceRequestError, InferenceUnavailable
