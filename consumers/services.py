@@ -449,6 +449,10 @@ async def _retry(fn, stop: asyncio.Event, *, every_s: float = 2.0) -> bool:
 
 def add_args(p: Any) -> None:
     p.add_argument("name", choices=SERVICES)
+    add_options(p)
+
+
+def add_options(p: Any) -> None:
     p.add_argument("--instance", default=os.environ.get("ROLLOUT_INSTANCE", ""), help="label for logs")
     p.add_argument("--plan", default=None, help="GenerationPlan file: credit, family, batch size, off-policy bound")
     p.add_argument("--family", default="tiny")

@@ -18,6 +18,7 @@ SUBCOMMANDS: list[str] = [
     "rollout.kafka_cmd",  # rollout kafka up|down|status|logs
     "rollout.topics_cmd",  # rollout topics create|list
     "rollout.demo",  # rollout demo
+    "consumers.status",  # rollout status: per-service consumer lag and throughput
     "rollout.arena_cmd",  # rollout arena PLAN (producers: episodes -> Steps/Rollouts on Kafka)
     "rollout.serve_cmd",  # rollout serve policy|<service> (services register in serve_cmd.SERVICES)
     "rollout.replay_cmd",  # rollout runs|replay|audit|sql|export|report: a run from the log in DuckDB

@@ -15,6 +15,10 @@ import importlib
 
 SERVICES: dict[str, str] = {
     "policy": "rollout.serve_cmd",  # this module's register_serve below
+    "verifier": "consumers.cli",  # verifier, credit, batcher, trainer (consumers/cli.py)
+    "credit": "consumers.cli",
+    "batcher": "consumers.cli",
+    "trainer": "consumers.cli",
 }
 
 

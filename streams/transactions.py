@@ -161,6 +161,7 @@ class TransactionalProcessor:
         self.restorer: AIOKafkaConsumer | None = None
         self._last_tick = 0.0
         self.pending: set[int] = set()
+        self.epoch = 0  # bumped by every rebalance callback
         self._closing: set[asyncio.Task] = set()
         self.txn_timeout_s = float(os.environ.get("ROLLOUT_TXN_TIMEOUT_S") or 30)
 
@@ -213,6 +214,7 @@ class TransactionalProcessor:
     # -- rebalance -------------------------------------------------------------------------------------
     async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
         async with self.lock:  # waits for the in-flight transaction to commit or abort
+            self.epoch += 1
             ps = {tp.partition for tp in revoked}
             log.info("%s%s revoked %s", self.service, self.instance, sorted(ps))
             # Keep producers and state: if the partition comes back to us, they are still valid (fencing
@@ -223,6 +225,7 @@ class TransactionalProcessor:
         and a producer for resume at once; new ones are paused and taken over by the main loop (``_take``)."""
         async with self.lock:
             assert self.consumer is not None
+            self.epoch += 1
             ps = sorted({tp.partition for tp in assigned})
             for p in list(self.tasks):
                 if p not in ps:
@@ -382,21 +385,40 @@ class TransactionalProcessor:
                             await self._drop(p, broken=True)
                         await asyncio.sleep(1.0)
                         return
+        epoch = self.epoch
         batch = await self.consumer.getmany(timeout_ms=int(self.tick_s * 1000), max_records=self.max_records)
         async with self.lock:
+            if self.epoch != epoch:
+                # A rebalance ran while getmany waited and re-seeked our partitions to their committed offsets:
+                # these records were fetched before that and will be fetched again. Processing them now would
+                # process them twice (the SIGKILL test caught exactly this). Dropping them must not skip them
+                # either (getmany advanced the positions), so every owned partition goes back to its last
+                # committed offsets, which is exactly where its task's state stands.
+                for p, offs in self.committed.items():
+                    if p in self.tasks:
+                        for t, off in offs.items():
+                            self.consumer.seek(TopicPartition(t, p), off)
+                return
             by_p: dict[int, list] = defaultdict(list)
+            pos: dict[int, dict[str, int]] = defaultdict(dict)
             for tp, recs in batch.items():
-                if tp.partition in self.tasks:
+                if tp.partition in self.tasks and recs:
                     by_p[tp.partition].extend(recs)
+                    # the consumer's position: past the last record and any transaction markers right after it,
+                    # so a fully processed partition commits at its end offset (lag 0 in `rollout status`)
+                    try:
+                        pos[tp.partition][tp.topic] = await self.consumer.position(tp)
+                    except Exception:  # noqa: BLE001 - fall back to last offset + 1
+                        pass
             now = time.monotonic()
             tick = now - self._last_tick >= self.tick_s
             if tick:
                 self._last_tick = now
             ps = set(by_p) | (set(self.tasks) if tick else set())
             if ps:
-                await asyncio.gather(*(self._transact(p, by_p.get(p, []), tick) for p in ps))
+                await asyncio.gather(*(self._transact(p, by_p.get(p, []), tick, pos.get(p, {})) for p in ps))
 
-    async def _transact(self, p: int, recs: list, tick: bool) -> None:
+    async def _transact(self, p: int, recs: list, tick: bool, pos: dict[str, int] | None = None) -> None:
         task, prod = self.tasks.get(p), self.producers.get(p)
         if task is None or prod is None:
             return
@@ -406,6 +428,9 @@ class TransactionalProcessor:
             for rec in recs:
                 outs.extend(await task.process(rec))
                 next_off[rec.topic] = rec.offset + 1
+            for t, o in (pos or {}).items():
+                if t in next_off and o > next_off[t]:
+                    next_off[t] = o
             if tick:
                 outs.extend(task.tick(time.monotonic()))
             snap = encode_snapshot(task.buffered(), task.state())

@@ -140,6 +140,8 @@ class Services:
 
 
 async def test_three_services_exactly_once(kafka_settings, prefix):
+    from consumers.status import service_lag
+
     kw = kafka_settings.client_kwargs()
     cfg = ServiceConfig(batch_records=32, flush_after_s=1.0)
     async with Services(kw, cfg):
@@ -147,6 +149,11 @@ async def test_three_services_exactly_once(kafka_settings, prefix):
         expected = await seed_groups(kw, 100)
         recs = await read_all(kw, topics.TRAINER_BATCHES.name,
                               until=lambda rs: sum(batch_record_ids(rs).values()) >= len(expected), timeout_s=90)
+        await asyncio.sleep(1.5)
+        lag = {r["service"]: r for r in await service_lag(kw, sample_s=0.2)}
+    # `rollout status`: every input consumed and committed (transaction markers included)
+    assert {s: lag[s]["lag"] for s in ("verifier", "credit", "batcher")} == {"verifier": 0, "credit": 0, "batcher": 0}
+    assert lag["verifier"]["committed"] == lag["verifier"]["end"] > 800
     got = batch_record_ids(recs)
     assert set(got) == expected
     assert max(got.values()) == 1

@@ -1,0 +1,339 @@
+"""Rollout -> TrainerBatch through verifier, credit and batcher (exactly-once) vs a raw 3-hop aiokafka pipe.
+
+    python -m benchmarks pipeline [--quick] [--rollouts N] [--tokens T] [--latency-rollouts M]
+
+Broker: ROLLOUT_BOOTSTRAP_SERVERS, else the local one (streams.local_broker). Each run uses fresh topics
+(a random ROLLOUT_TOPIC_PREFIX). Both pipelines run in this one process (one event loop), so they get the
+same CPU; the broker gets the rest of the machine.
+
+* throughput: N single-turn arithmetic rollouts (groups of 4, T completion tokens each, steps + rollouts)
+  are written first, then the services start; the clock runs from start until every expected record is
+  in a TrainerBatch read back read_committed. The raw pipe moves the same step and rollout bytes through
+  three consume->produce hops (plain aiokafka, no transactions, no decoding).
+* latency: M more rollouts are written at a steady rate below capacity while the pipeline runs; latency
+  is batch write time - rollout write time (broker CreateTime of each message), p50/p99; for the raw pipe,
+  hop-3 write time - source write time.
+* refusals: stale/cross-family refusals are counted from the dead-letter topic (reported, expected 0 here:
+  the arena paces admission; refusal is the last line of defence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import time
+import uuid
+from typing import Any
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+def _messages(n_rollouts: int, tokens: int, start: int = 0):
+    from consumers import testing
+    from streams import serde, topics
+
+    msgs = []  # (topic, key, value, headers, rollout_id or None)
+    for g in range(start // 4, (start + n_rollouts) // 4):
+        for steps, ro in testing.arithmetic_group(f"g{g:07d}", 4, n_tokens=tokens):
+            for st in steps:
+                k, v, h = serde.to_message(st)
+                msgs.append((topics.STEPS.name, k, v, h, None))
+            k, v, h = serde.to_message(ro)
+            msgs.append((topics.ROLLOUTS.name, k, v, h, ro.rollout_id))
+    return msgs
+
+
+async def _produce(kw, msgs, *, rate_per_s: float | None = None, topic_map=None, chunk: int = 200) -> dict[str, int]:
+    """Write messages (transactionally, like the arena); return rollout_id -> write timestamp (ms)."""
+    from aiokafka import AIOKafkaProducer
+
+    prod = AIOKafkaProducer(**kw, transactional_id=f"bench-seed-{uuid.uuid4().hex[:6]}", enable_idempotence=True,
+                            linger_ms=5, max_request_size=8 * 1024 * 1024, max_batch_size=1024 * 1024)
+    await prod.start()
+    written: dict[str, int] = {}
+    t0 = time.monotonic()
+    try:
+        for i in range(0, len(msgs), chunk):
+            part = msgs[i:i + chunk]
+            if rate_per_s:
+                due = t0 + sum(1 for m in msgs[:i] if m[4]) / rate_per_s
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+            async with prod.transaction():
+                futs = []
+                for topic, k, v, h, rid in part:
+                    t = topic_map[topic] if topic_map else topic
+                    h2 = h + [("src_ts", str(int(time.time() * 1000)).encode())]
+                    futs.append((rid, await prod.send(t, v, key=k, headers=h2)))
+                for rid, f in futs:
+                    md = await f
+                    if rid:
+                        written[rid] = md.timestamp
+    finally:
+        await prod.stop()
+    return written
+
+
+async def _services(kw, batch_records: int):
+    from consumers.services import ServiceConfig, build_processor, ensure_topics
+
+    cfg = ServiceConfig(batch_records=batch_records, flush_after_s=0.5)
+    procs = []
+    for n in ("verifier", "credit", "batcher"):
+        await ensure_topics(n, kw)
+    for n in ("verifier", "credit", "batcher"):
+        p = build_processor(n, cfg, kw)
+        p.tick_s = 0.2
+        procs.append(p)
+    tasks = [asyncio.create_task(p.run()) for p in procs]
+    return procs, tasks
+
+
+async def _stop(procs, tasks) -> None:
+    for p in procs:
+        p.stopping.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for p in procs:
+        side = getattr(p, "side", None)
+        if side is not None:
+            await side.stop()
+
+
+async def _batches_until(kw, n_records: int, timeout_s: float, written: dict[str, int] | None = None):
+    """Read trainer batches until n_records are batched; return (t_done, latencies_ms, batches, tokens)."""
+    from aiokafka import AIOKafkaConsumer
+
+    from schemas import codec
+    from schemas.events import TrainerBatch
+    from streams import topics
+
+    c = AIOKafkaConsumer(topics.TRAINER_BATCHES.name, **kw, group_id=None, isolation_level="read_committed",
+                         auto_offset_reset="earliest", max_partition_fetch_bytes=64 * 1024 * 1024)
+    await c.start()
+    seen, lat, batches, toks = set(), [], 0, 0
+    first: list[float] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(seen) < n_records and time.monotonic() < deadline:
+            got = await c.getmany(timeout_ms=200)
+            for recs in got.values():
+                for r in recs:
+                    b = codec.decode(r.value, TrainerBatch)
+                    if not first:
+                        first.append(time.monotonic())
+                    batches += 1
+                    toks += b.completion_tokens
+                    for x in b.records:
+                        seen.add(x.record_id)
+                        if written and x.rollout_id in written:
+                            lat.append(r.timestamp - written[x.rollout_id])
+    finally:
+        await c.stop()
+    _batches_until.first = first[0] if first else None  # type: ignore[attr-defined]
+    return time.monotonic(), lat, batches, toks, len(seen)
+
+
+async def _refusals(kw) -> dict[str, int]:
+    from aiokafka import AIOKafkaConsumer
+
+    from schemas import codec
+    from streams import topics
+
+    c = AIOKafkaConsumer(topics.DEAD_LETTERS.name, **kw, group_id=None, isolation_level="read_committed",
+                         auto_offset_reset="earliest")
+    await c.start()
+    out: dict[str, int] = {}
+    try:
+        got = await c.getmany(timeout_ms=1500)
+        for recs in got.values():
+            for r in recs:
+                et = codec.decode(r.value).error_type
+                out[et] = out.get(et, 0) + 1
+    finally:
+        await c.stop()
+    return out
+
+
+async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int) -> dict[str, Any]:
+    os.environ["ROLLOUT_TOPIC_PREFIX"] = f"bench{uuid.uuid4().hex[:6]}."
+    from consumers import testing
+    from streams import serde, topics
+
+    msgs = _messages(n, tokens)
+    await _ensure_all(kw)
+    from aiokafka import AIOKafkaProducer
+
+    p = AIOKafkaProducer(**kw)
+    await p.start()
+    k, v, h = serde.to_message(testing.revision(0))
+    await p.send_and_wait(topics.POLICY_REVISIONS.name, v, key=k, headers=h)
+    await p.stop()
+    await _produce(kw, msgs)
+    procs, tasks = await _services(kw, batch_records)
+    t0 = time.monotonic()
+    try:
+        t1, _, batches, toks, nrec = await _batches_until(kw, n, 600)
+        tf = _batches_until.first  # type: ignore[attr-defined]
+        thr = {"rollouts": nrec, "seconds": round(t1 - t0, 3), "rollouts_per_s": round(nrec / (t1 - t0), 1),
+               "completion_tokens_per_s": round(toks / (t1 - t0)), "batches": batches,
+               "steady_seconds": round(t1 - tf, 3), "steady_rollouts_per_s": round(nrec / (t1 - tf), 1),
+               "steady_completion_tokens_per_s": round(toks / (t1 - tf))}
+        lat: dict[str, Any] = {}
+        if m:
+            rate = max(20.0, 0.4 * nrec / (t1 - t0))
+            more = _messages(m, tokens, start=n)
+            feeder = asyncio.create_task(_produce(kw, more, rate_per_s=rate, chunk=8))
+            reader = asyncio.create_task(_batches_until(kw, n + m, 600))
+            written = await feeder
+            _, _, _, _, _ = await reader
+            # latencies from the batches (read again, now that the write times are known)
+            _, lats, _, _, _ = await _batches_until(kw, n + m, 60, written)
+            lat = {"rate_rollouts_per_s": round(rate, 1), "p50_ms": _pct(lats, 0.5), "p99_ms": _pct(lats, 0.99),
+                   "samples": len(lats)}
+        ref = await _refusals(kw)
+    finally:
+        await _stop(procs, tasks)
+    return {"throughput": thr, "latency": lat, "dead_letters": ref}
+
+
+async def _ensure_all(kw) -> None:
+    from consumers.services import ensure_topics
+
+    for n in ("verifier", "credit", "batcher"):
+        await ensure_topics(n, kw)
+
+
+async def bench_raw(kw, n: int, tokens: int, m: int) -> dict[str, Any]:
+    """Same step+rollout bytes through 3 plain consume->produce hops (at-least-once, no decoding)."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    from streams import topics
+
+    prefix = f"raw{uuid.uuid4().hex[:6]}."
+    os.environ["ROLLOUT_TOPIC_PREFIX"] = prefix
+    hops = [topics.Topic(f"hop{i}", 12, {"max.message.bytes": str(8 * 1024 * 1024)}) for i in range(1, 4)]
+    await topics.create_topics(kw, [topics.STEPS, topics.ROLLOUTS, *hops])
+    msgs = _messages(n, tokens)
+    await _produce(kw, msgs)
+    total = len(msgs)
+    stop = asyncio.Event()
+
+    async def hop(src: list[str], dst: str, gid: str) -> None:
+        c = AIOKafkaConsumer(*src, **kw, group_id=gid, auto_offset_reset="earliest", enable_auto_commit=True,
+                             max_partition_fetch_bytes=16 * 1024 * 1024)
+        p = AIOKafkaProducer(**kw, linger_ms=5, max_request_size=8 * 1024 * 1024, max_batch_size=1024 * 1024,
+                             enable_idempotence=True)
+        await c.start()
+        await p.start()
+        try:
+            while not stop.is_set():
+                got = await c.getmany(timeout_ms=200, max_records=2000)
+                futs = [await p.send(dst, r.value, key=r.key, headers=list(r.headers), partition=r.partition)
+                        for recs in got.values() for r in recs]
+                if futs:
+                    await asyncio.gather(*futs)
+        finally:
+            await c.stop()
+            await p.stop()
+
+    tasks = [asyncio.create_task(hop([topics.STEPS.name, topics.ROLLOUTS.name], hops[0].name, prefix + "h1")),
+             asyncio.create_task(hop([hops[0].name], hops[1].name, prefix + "h2")),
+             asyncio.create_task(hop([hops[1].name], hops[2].name, prefix + "h3"))]
+    c = AIOKafkaConsumer(hops[2].name, **kw, group_id=None, auto_offset_reset="earliest",
+                         max_partition_fetch_bytes=16 * 1024 * 1024)
+    await c.start()
+    t0 = time.monotonic()
+    count, nbytes, lats = 0, 0, []
+    tf = None
+    try:
+        while count < total and time.monotonic() - t0 < 600:
+            got = await c.getmany(timeout_ms=200)
+            for recs in got.values():
+                if recs and tf is None:
+                    tf = time.monotonic()
+                count += len(recs)
+                nbytes += sum(len(r.value) for r in recs)
+        t1 = time.monotonic()
+        thr = {"messages": count, "seconds": round(t1 - t0, 3), "rollouts_per_s": round(n / (t1 - t0), 1),
+               "completion_tokens_per_s": round(n * tokens / (t1 - t0)), "MB_per_s": round(nbytes / (t1 - t0) / 1e6, 1),
+               "steady_seconds": round(t1 - tf, 3), "steady_rollouts_per_s": round(n / (t1 - tf), 1),
+               "steady_completion_tokens_per_s": round(n * tokens / (t1 - tf))}
+        lat: dict[str, Any] = {}
+        if m:
+            rate = max(20.0, 0.4 * n / (t1 - t0))
+            more = _messages(m, tokens, start=n)
+            feeder = asyncio.create_task(_produce(kw, more, rate_per_s=rate, chunk=8))
+            want = total + len(more)
+            while count < want and time.monotonic() - t1 < 600:
+                got = await c.getmany(timeout_ms=200)
+                for recs in got.values():
+                    for r in recs:
+                        count += 1
+                        src = dict(r.headers).get("src_ts")
+                        if src and dict(r.headers).get("event_type") == b"rollout":
+                            lats.append(r.timestamp - int(src))
+            await feeder
+            lat = {"rate_rollouts_per_s": round(rate, 1), "p50_ms": _pct(lats, 0.5), "p99_ms": _pct(lats, 0.99),
+                   "samples": len(lats)}
+    finally:
+        await c.stop()
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return {"throughput": thr, "latency": lat}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks pipeline", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small run (about a minute)")
+    ap.add_argument("--rollouts", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=512, help="completion tokens per rollout")
+    ap.add_argument("--latency-rollouts", type=int, default=None)
+    ap.add_argument("--batch-records", type=int, default=64)
+    args = ap.parse_args(argv)
+    n = args.rollouts or (800 if args.quick else 4000)
+    m = args.latency_rollouts if args.latency_rollouts is not None else (200 if args.quick else 800)
+    n, m = n - n % 4, m - m % 4
+
+    import logging
+
+    logging.basicConfig(level=logging.ERROR)
+    from streams.config import KafkaSettings, ensure_broker
+
+    settings = KafkaSettings.from_env()
+    settings = settings.with_bootstrap(ensure_broker(settings))
+    kw = settings.client_kwargs()
+
+    async def both():
+        raw = await bench_raw(kw, n, args.tokens, m)
+        svc = await bench_services(kw, n, args.tokens, m, args.batch_records)
+        return raw, svc
+
+    raw, svc = asyncio.run(both())
+    ratio = raw["throughput"]["rollouts_per_s"] / max(svc["throughput"]["rollouts_per_s"], 1e-9)
+    steady_ratio = raw["throughput"]["steady_rollouts_per_s"] / max(svc["throughput"]["steady_rollouts_per_s"], 1e-9)
+    refused = sum(v for k, v in svc["dead_letters"].items() if k in ("StaleRecordError", "CrossFamilyMixError"))
+    out = {
+        "benchmark": "pipeline", "quick": args.quick, "rollouts": n, "latency_rollouts": m,
+        "completion_tokens_per_rollout": args.tokens, "batch_records": args.batch_records,
+        "services_rollouts_per_s": svc["throughput"]["rollouts_per_s"],
+        "services_completion_tokens_per_s": svc["throughput"]["completion_tokens_per_s"],
+        "services_p50_ms": svc["latency"].get("p50_ms"), "services_p99_ms": svc["latency"].get("p99_ms"),
+        "raw_rollouts_per_s": raw["throughput"]["rollouts_per_s"],
+        "raw_completion_tokens_per_s": raw["throughput"]["completion_tokens_per_s"],
+        "raw_p50_ms": raw["latency"].get("p50_ms"), "raw_p99_ms": raw["latency"].get("p99_ms"),
+        "raw_over_services": round(ratio, 2), "raw_over_services_steady": round(steady_ratio, 2),
+        "services_steady_completion_tokens_per_s": svc["throughput"]["steady_completion_tokens_per_s"], "target_ratio_max": 2.0, "target_tokens_per_s": 500000,
+        "refused_records": refused, "dead_letters": svc["dead_letters"],
+        "machine": f"{os.cpu_count()} cpu, {platform.python_version()}",
+        "detail": {"services": svc, "raw": raw},
+    }
+    print(json.dumps(out))
+    return 0
