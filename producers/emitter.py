@@ -155,6 +155,19 @@ class KafkaEmitter(Emitter):
     async def emit_many(self, results: Iterable[GenerateResult]) -> None:
         await asyncio.gather(*(self.emit(r) for r in results))
 
+    def encode(self, result: GenerateResult) -> list[tuple[str, bytes, bytes, list]]:
+        """(topic, key, value, headers) of every message of an episode tree; raises EmissionError when
+        one cannot be written (too large for a request), so only that episode fails, not its batch."""
+        out = []
+        for event in messages_for(result):
+            key, value, headers = serde.to_message(event)
+            size = len(key) + len(value) + sum(len(k) + len(v) for k, v in headers)
+            if size > MAX_REQUEST - 1024:
+                raise EmissionError(f"{type(event).__name__} {getattr(event, 'step_id', None) or result.rollout.rollout_id} "
+                                    f"is {size} bytes, over the {MAX_REQUEST}-byte request limit: episode not emitted")
+            out.append((self.topic_for(event), key, value, headers))
+        return out
+
     async def _commit_loop(self) -> None:
         assert self._queue is not None
         while True:
@@ -162,24 +175,35 @@ class KafkaEmitter(Emitter):
             while len(batch) < self.max_episodes_per_txn and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             try:
-                await self._transaction([r for r, _ in batch])
-            except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
-                err = e if isinstance(e, EmissionError) else EmissionError(
-                    f"transaction of {len(batch)} episode(s) failed: {type(e).__name__}: {e}")
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(err)
-                if not isinstance(e, Exception):
-                    raise
-            else:
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_result(None)
+                ready, ready_results = [], []
+                for result, fut in batch:
+                    try:
+                        ready.append((self.encode(result), fut))
+                        ready_results.append(result)
+                    except Exception as e:  # noqa: BLE001 - this episode fails alone
+                        fut.set_exception(e if isinstance(e, EmissionError) else
+                                          EmissionError(f"cannot encode episode: {type(e).__name__}: {e}"))
+                if ready:
+                    try:
+                        await self._transaction([m for m, _ in ready], ready_results)
+                    except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
+                        err = e if isinstance(e, EmissionError) else EmissionError(
+                            f"transaction of {len(ready)} episode(s) failed: {type(e).__name__}: {e}")
+                        for _, fut in ready:
+                            if not fut.done():
+                                fut.set_exception(err)
+                        if not isinstance(e, Exception):
+                            raise
+                    else:
+                        for _, fut in ready:
+                            if not fut.done():
+                                fut.set_result(None)
             finally:
                 for _ in batch:
                     self._queue.task_done()
 
-    async def _transaction(self, results: list[GenerateResult]) -> None:
+    async def _transaction(self, episodes: list[list[tuple[str, bytes, bytes, list]]],
+                           results: list[GenerateResult]) -> None:
         from aiokafka.errors import ProducerFenced
 
         producer = self._producer
@@ -189,14 +213,11 @@ class KafkaEmitter(Emitter):
             futures = []
             n_bytes = 0
             n_msgs = 0
-            for result in results:
-                for event in messages_for(result):
-                    key, value, headers = serde.to_message(event)
-                    topic = self.topic_for(event)
+            for messages in episodes:
+                for topic, key, value, headers in messages:
                     futures.append(await producer.send(topic, value=value, key=key, headers=headers))
                     n_bytes += len(value) + len(key)
                     n_msgs += 1
-                    self.stats.by_topic[topic] = self.stats.by_topic.get(topic, 0) + 1
             await asyncio.gather(*futures)  # a delivery error surfaces here, before commit
             if self.before_commit is not None:
                 await self.before_commit(results)
@@ -212,7 +233,10 @@ class KafkaEmitter(Emitter):
                 self._failed = abort_err
             raise
         self.stats.transactions += 1
-        self.stats.episodes += len(results)
+        self.stats.episodes += len(episodes)
         self.stats.messages += n_msgs
         self.stats.bytes += n_bytes
+        for messages in episodes:
+            for topic, *_ in messages:
+                self.stats.by_topic[topic] = self.stats.by_topic.get(topic, 0) + 1
         self.stats.commit_s += time.perf_counter() - t0

@@ -122,7 +122,7 @@ async def test_every_example_episode_through_kafka(kafka_settings, pipeline_topi
 
 
 async def test_tool_episode_through_kafka(kafka_settings, pipeline_topics):
-    from tests.test_producers import _env, _tool_script, add, single_plan
+    from test_producers import _env, _tool_script, add, single_plan
     from producers.episodes import ToolEpisode
 
     async with ScriptedServer(_tool_script) as server:
@@ -215,7 +215,7 @@ async def test_producer_killed_mid_transaction_leaves_nothing_visible(kafka_sett
     assert {ev.rollout_id for *_, ev in raw} == killed_ids and len(raw) == 2
     # ...a new instance with the same transactional id fences the dead one (its transaction is aborted),
     async with EchoServer() as echo:
-        from tests._kill_mid_transaction import TwoTurns  # noqa: F401  (same episode, committed this time)
+        from _kill_mid_transaction import TwoTurns  # noqa: F401  (same episode, committed this time)
         from producers.environment import Environment, Example
         from schemas.scoring import ScoringSpec
 
@@ -235,7 +235,7 @@ async def test_producer_killed_mid_transaction_leaves_nothing_visible(kafka_sett
 
 async def test_producer_failure_surfaces_as_an_error(kafka_settings, pipeline_topics):
     from producers.emitter import EmissionError
-    from tests.test_producers import CountdownEpisode, _env, single_plan
+    from test_producers import CountdownEpisode, _env, single_plan
 
     kw = kafka_settings.client_kwargs(request_timeout_ms=3000)
     emitter = KafkaEmitter(kw, f"test-fail-{uuid.uuid4().hex[:8]}", steps_topic="no.such.topic." + uuid.uuid4().hex,
@@ -249,3 +249,24 @@ async def test_producer_failure_surfaces_as_an_error(kafka_settings, pipeline_to
     assert emitter.stats.transactions == 0 and emitter.stats.aborted >= 1
     # nothing of the failed transaction is visible
     assert await read_all(kafka_settings.client_kwargs(), pipeline_topics[1]) == []
+
+
+async def test_an_oversized_episode_fails_alone(kafka_settings, pipeline_topics):
+    from producers.emitter import EmissionError
+    from test_producers import CountdownEpisode, _env, single_plan
+
+    em = _emitter(kafka_settings, pipeline_topics)
+    async with EchoServer() as echo, em:
+        env = _env(CountdownEpisode(max_turns=1))
+        ok = await Arena(single_plan(), {"u": env}, emitter=em, policy_base_url=echo.base_url,
+                         manage_emitter=False).start()
+        good = await ok.run_rollout(ok.sample_request_group()[0])
+        big = await ok.run_rollout(ok.sample_request_group()[0])
+        huge = big.steps[0].model_copy(update={"prompt": [big.steps[0].prompt[0].model_copy(
+            update={"content": "x" * (9 * 1024 * 1024)})]})
+        big.steps[0] = huge
+        results = await asyncio.gather(em.emit(big), em.emit(good), return_exceptions=True)
+        await ok.stop()
+    assert isinstance(results[0], EmissionError) and "request limit" in str(results[0]) and results[1] is None
+    rollouts = await read_all(kafka_settings.client_kwargs(), pipeline_topics[1], expect=1)
+    assert [r.rollout_id for *_, r in rollouts] == [good.rollout.rollout_id]
