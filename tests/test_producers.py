@@ -403,3 +403,22 @@ async def test_admission_pacer_abort_wakes_waiters():
     await pacer.abort(ValueError("revision feed died"))
     with pytest.raises(RuntimeError, match="revision feed died"):
         await asyncio.wait_for(waiter, 1)
+
+
+async def test_client_times_out_and_retries_a_slow_endpoint():
+    from producers.http_server import JsonHttpServer, Response
+
+    calls = []
+
+    async def slow(req):
+        calls.append(1)
+        await asyncio.sleep(2.0)
+        return Response(200, {})
+
+    server = JsonHttpServer()
+    server.route("POST", "/v1/chat/completions", slow)
+    async with server:
+        async with InferenceClient(server.base_url, "m", timeout_s=0.2, max_attempts=2, backoff_s=0.01) as client:
+            with pytest.raises(InferenceUnavailable, match="ReadTimeout"):
+                await client.chat(MSG)
+    assert len(calls) == 2
