@@ -98,12 +98,26 @@ def scored_members(rollout: Rollout) -> list[str]:
 
 
 # -- verifiers -----------------------------------------------------------------------------------------
+_INTEGER = re.compile(r"-?\d+")
+
+
+def extract(text: str, how: str | None) -> str:
+    """``last_integer``: the last integer in the text; default: ``final_answer``."""
+    if how == "last_integer":
+        found = _INTEGER.findall(text.replace(",", ""))
+        return normalize(found[-1]) if found else ""
+    return final_answer(text)
+
+
 def exact_match(rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec) -> Verdict:
+    """params: ``member`` (score only that member), ``extract`` (``last_integer`` or the default)."""
     want = normalize(spec.answer or "")
     rewards, metrics = {}, {}
-    for m in scored_members(rollout):
+    only = spec.params.get("member")
+    members = [only] if isinstance(only, str) and only in rollout.members else scored_members(rollout)
+    for m in members:
         ms = member_steps(steps, m)
-        got = final_answer(_text(ms[-1].completion)) if ms else ""
+        got = extract(_text(ms[-1].completion), spec.params.get("extract")) if ms else ""  # type: ignore[arg-type]
         rewards[m] = 1.0 if got == want else 0.0
         metrics[f"{m}/completion_tokens"] = float(sum(len(s.completion_token_ids) for s in ms))
     return Verdict(rewards, metrics, "exact_match")
@@ -234,13 +248,25 @@ async def zero_sum_judge(rollout: Rollout, steps: Sequence[Step], spec: ScoringS
     if verdict is ...:
         if judge is None:
             raise ScoringError(f"zero_sum_judge needs a judge client for target {spec.judge_target!r}")
-        msgs = [{"role": "system", "content": f"You judge a contest between {players[0]} and {players[1]}. "
-                                              f"Reply 'WINNER: <name>' or 'WINNER: tie'."},
-                {"role": "user", "content": transcript(steps)}]
+        template = spec.params.get("judge_prompt")
+        if isinstance(template, str):
+            fields = {k: v for k, v in spec.params.items() if isinstance(v, (str, int, float))}
+            try:
+                text = template.format(**{**fields, "transcript": transcript(steps)})
+            except (KeyError, IndexError, ValueError) as e:
+                raise ScoringError(f"judge_prompt does not format: {e}") from None
+            msgs = [{"role": "user", "content": text}]
+        else:
+            msgs = [{"role": "system", "content": f"You judge a contest between {players[0]} and {players[1]}. "
+                                                  f"Reply 'WINNER: <name>' or 'WINNER: tie'."},
+                    {"role": "user", "content": transcript(steps)}]
 
         def parse(reply: str) -> str:
             m = re.search(r"winner\s*[:=]\s*([\w\-]+)", reply, re.I)
-            return m.group(1) if m else reply.strip()
+            if m:
+                return m.group(1)
+            named = [x for x in (*players, "tie") if re.search(rf"\b{re.escape(x)}\b", reply)]
+            return named[0] if len(named) == 1 else reply.strip()
 
         verdict = await _ask(judge, spec, msgs, parse)
     rewards = zero_sum_rewards(players, None if verdict is None else str(verdict))
@@ -256,6 +282,8 @@ def monte_carlo_reward(outcomes: Sequence[float], params: Mapping[str, Any]) -> 
     if not outcomes:
         raise ScoringError("monte_carlo: no child outcomes")
     rate = sum(outcomes) / len(outcomes)
+    if "target_pass_rate" in params:  # producers' proposer/solver: 1 - 2*|pass_rate - target|
+        return 1.0 - 2.0 * abs(rate - float(params["target_pass_rate"]))
     mode = params.get("mode", "mean")
     if mode == "mean":
         return rate
@@ -275,10 +303,17 @@ def child_outcome(scored: RolloutScored, member: str | None = None) -> float:
 
 
 def monte_carlo(rollout: Rollout, spec: ScoringSpec, outcomes: Sequence[float]) -> Verdict:
-    r = monte_carlo_reward(outcomes, spec.params)
-    rate = sum(outcomes) / len(outcomes)
-    return Verdict({m: r for m in scored_members(rollout)}, {"children": float(len(outcomes)), "solve_rate": rate},
-                   "monte_carlo")
+    """params: ``proposer`` (the rewarded member; default the trainable ones), ``proposal_valid`` false ->
+    ``invalid_reward``; the reward from the children's pass rate (``monte_carlo_reward``)."""
+    p = spec.params
+    members = [p["proposer"]] if isinstance(p.get("proposer"), str) and p["proposer"] in rollout.members \
+        else scored_members(rollout)
+    rate = sum(outcomes) / len(outcomes) if outcomes else 0.0
+    if p.get("proposal_valid") is False:
+        r = float(p.get("invalid_reward", -1.0))  # type: ignore[arg-type]
+    else:
+        r = monte_carlo_reward(outcomes, p)
+    return Verdict({m: r for m in members}, {"children": float(len(outcomes)), "pass_rate": rate}, "monte_carlo")
 
 
 async def score(rollout: Rollout, steps: Sequence[Step], *, judge: Judge | None = None,

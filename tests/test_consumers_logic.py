@@ -275,3 +275,84 @@ def test_batcher_every_record_exactly_once_or_refused(recs, size):
         refused += [x.item.record.record_id for x in rf]
     assert len(out) == len(set(out))
     assert sorted(out + refused) == sorted(f"rec-{i:06d}" for i in range(len(recs)))
+
+
+# -- the specs the arena's example environments write (producers/examples) --------------------------------
+async def test_exact_match_member_and_last_integer_params():
+    spec = ScoringSpec(kind="exact_match", answer="12", params={"member": "solver", "extract": "last_integer"})
+    ro, steps = one(spec.model_dump(mode="json"), text="3*4 gives 12, so the answer: 12.")
+    assert (await scoring.score(ro, steps)).rewards == {"solver": 1.0}
+
+
+def test_monte_carlo_target_pass_rate_and_invalid_proposal():
+    spec = ScoringSpec(kind="monte_carlo", params={"proposer": "proposer", "child_member": "solver",
+                                                   "target_pass_rate": 0.5, "proposal_valid": True})
+    ro = Rollout(run_id="run", producer="t", rollout_id="p", episode_type="proposer", environment="ps@1",
+                 example_id="e", seed={}, step_ids=[], child_rollout_ids=["c0", "c1"],
+                 members={"proposer": True}, artifacts={"scoring": spec.model_dump(mode="json")}, group_id="g",
+                 root_group_id="g", group_size=1, policy=PolicyRef(family="tiny", revision=0), status="completed")
+    assert scoring.monte_carlo(ro, spec, [1.0, 0.0]).rewards == {"proposer": 1.0}
+    assert scoring.monte_carlo(ro, spec, [1.0, 1.0]).rewards == {"proposer": 0.0}
+    bad = spec.model_copy(update={"params": {**spec.params, "proposal_valid": False, "invalid_reward": -1.0}})
+    assert scoring.monte_carlo(ro, bad, [1.0, 0.0]).rewards == {"proposer": -1.0}
+
+
+async def test_zero_sum_judge_prompt_template_and_bare_name_reply():
+    seen = {}
+
+    async def judge(target, messages):
+        seen["prompt"] = messages[-1]["content"]
+        return "debater_b"
+
+    spec = ScoringSpec(kind="zero_sum_judge", judge_target="judge", players=["debater_a", "debater_b"],
+                       params={"topic": "cats", "judge_prompt": "Topic: {topic}\n{transcript}\nWho won?"})
+    pol = PolicyRef(family="tiny", revision=0)
+    steps = [testing.step("d", "g", 0, "debater_a", "yes", policy=pol),
+             testing.step("d", "g", 1, "debater_b", "no", policy=pol)]
+    ro = Rollout(run_id="run", producer="t", rollout_id="d", episode_type="debate", environment="debate@1",
+                 example_id="e", seed={}, step_ids=[s.step_id for s in steps],
+                 members={"debater_a": True, "debater_b": True}, artifacts={"scoring": spec.model_dump(mode="json")},
+                 group_id="g", root_group_id="g", group_size=1, policy=pol, status="completed")
+    v = await scoring.score(ro, steps, judge=judge)
+    assert v.rewards == {"debater_a": -1.0, "debater_b": 1.0}
+    assert seen["prompt"].startswith("Topic: cats\n[debater_a] yes")
+
+
+async def test_verifier_task_scores_parent_after_children_and_dead_letters_bad_input():
+    """VerifierTask joins steps with rollouts across records, in any order, and waits for children."""
+    from consumers.services import ServiceConfig, VerifierTask
+    from schemas import codec
+    from streams import topics
+
+    pol = PolicyRef(family="tiny", revision=0)
+    spec = ScoringSpec(kind="monte_carlo", params={"proposer": "proposer", "target_pass_rate": 0.5})
+    pstep = testing.step("p", "g", 0, "proposer", "Q: 1+1 A: 2", policy=pol)
+    parent = Rollout(run_id="run", producer="t", rollout_id="p", episode_type="proposer", environment="ps@1",
+                     example_id="e", seed={}, step_ids=[pstep.step_id], child_rollout_ids=["c0", "c1"],
+                     members={"proposer": True}, artifacts={"scoring": spec.model_dump(mode="json")}, group_id="g",
+                     root_group_id="g", group_size=1, policy=pol, status="completed")
+    kids = []
+    for i, text in enumerate(["2", "3"]):
+        st = testing.step(f"c{i}", "g", 0, "solver", text, policy=pol)
+        kid = Rollout(run_id="run", producer="t", rollout_id=f"c{i}", episode_type="single", environment="ps@1",
+                      example_id="e", seed={}, step_ids=[st.step_id], members={"solver": True},
+                      artifacts={"scoring": {"kind": "exact_match", "answer": "2"}}, parent_rollout_id="p",
+                      group_id="gc", root_group_id="g", group_size=2, policy=pol, status="completed")
+        kids.append((st, kid))
+
+    class Rec:
+        def __init__(self, topic, offset, value):
+            self.topic, self.partition, self.offset, self.value, self.key, self.headers = topic, 0, offset, value, b"g", []
+
+    task = VerifierTask(0, ServiceConfig())
+    order = [(topics.ROLLOUTS.name, parent), (topics.STEPS.name, kids[0][0]), (topics.ROLLOUTS.name, kids[0][1]),
+             (topics.STEPS.name, pstep), (topics.ROLLOUTS.name, kids[1][1]), (topics.STEPS.name, kids[1][0])]
+    outs = []
+    for off, (t, ev) in enumerate(order):
+        outs += await task.process(Rec(t, off, codec.encode(ev)))
+    outs += await task.process(Rec(topics.STEPS.name, 99, b"not a frame"))
+    scored = {o.event.rollout_id: o.event for o in outs if o.event.EVENT_TYPE == "rollout_scored"}
+    assert scored["c0"].rewards == {"solver": 1.0} and scored["c1"].rewards == {"solver": 0.0}
+    assert scored["p"].rewards == {"proposer": 1.0}  # pass rate 0.5 hits the target
+    assert [o.event.EVENT_TYPE for o in outs][-1] == "dead_letter" and outs[-1].event.origin_offset == 99
+    assert task.buffered() == {topics.STEPS.name: [], topics.ROLLOUTS.name: []} and task.state() == {}
