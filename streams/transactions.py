@@ -179,7 +179,7 @@ class TransactionalProcessor:
             auto_offset_reset="earliest", partition_assignment_strategy=(RangePartitionAssignor,),
             max_partition_fetch_bytes=MAX_MESSAGE, fetch_max_bytes=64 * 1024 * 1024,
             session_timeout_ms=self.session_timeout_ms, heartbeat_interval_ms=min(1000, self.session_timeout_ms // 3), rebalance_timeout_ms=30000,
-            max_poll_interval_ms=120000)
+            max_poll_interval_ms=120000, fetch_max_wait_ms=int(os.environ.get("ROLLOUT_FETCH_MAX_WAIT_MS") or 100))
         await self.consumer.start()
         self.consumer.subscribe(self.inputs, listener=_Listener(self))
         if self.on_start:
