@@ -316,7 +316,7 @@ class BatcherTask:
 # -- wiring --------------------------------------------------------------------------------------------
 def inputs_of(name: str) -> list[topics.Topic]:
     return {"verifier": [topics.STEPS, topics.ROLLOUTS], "credit": [topics.SCORES],
-            "batcher": [topics.TRAINING_RECORDS]}[name]
+            "batcher": [topics.TRAINING_RECORDS], "trainer": [topics.TRAINER_BATCHES]}[name]
 
 
 async def ensure_topics(name: str, admin_kwargs: dict[str, Any]) -> None:

@@ -109,7 +109,7 @@ class ReferenceTrainer:
         with torch.no_grad():
             frac = (((ratio - 1).abs() > self.clip).float() * mask).sum() / denom
             kl = ((old_lp - new_lp) * mask).sum() / denom
-        return loss, {"loss": float(loss), "clip_frac": float(frac), "approx_kl": float(kl)}
+        return loss, {"loss": float(loss.detach()), "clip_frac": float(frac), "approx_kl": float(kl)}
 
     def step(self, t: TrainerTensors, batch: TrainerBatch) -> dict[str, float]:
         self.model.train()
