@@ -10,7 +10,7 @@ same CPU; the broker gets the rest of the machine.
   are written first, then the services start; the clock runs from start until every expected record is
   in a TrainerBatch read back read_committed. The raw pipe moves the same step and rollout bytes through
   three consume->produce hops (plain aiokafka, no transactions, no decoding).
-* latency: M more rollouts are written at a steady rate below capacity while the pipeline runs; latency
+* latency: M more rollouts are written at the same steady rate (--latency-rate, below capacity) to both; latency
   is batch write time - rollout write time (broker CreateTime of each message), p50/p99; for the raw pipe,
   hop-3 write time - source write time.
 * refusals: stale/cross-family refusals are counted from the dead-letter topic (reported, expected 0 here:
@@ -162,7 +162,7 @@ async def _refusals(kw) -> dict[str, int]:
     return out
 
 
-async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int) -> dict[str, Any]:
+async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int, rate: float) -> dict[str, Any]:
     os.environ["ROLLOUT_TOPIC_PREFIX"] = f"bench{uuid.uuid4().hex[:6]}."
     from consumers import testing
     from streams import serde, topics
@@ -188,7 +188,6 @@ async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int) ->
                "steady_completion_tokens_per_s": round(toks / (t1 - tf))}
         lat: dict[str, Any] = {}
         if m:
-            rate = max(20.0, 0.4 * nrec / (t1 - t0))
             more = _messages(m, tokens, start=n)
             feeder = asyncio.create_task(_produce(kw, more, rate_per_s=rate, chunk=8))
             reader = asyncio.create_task(_batches_until(kw, n + m, 600))
@@ -211,7 +210,7 @@ async def _ensure_all(kw) -> None:
         await ensure_topics(n, kw)
 
 
-async def bench_raw(kw, n: int, tokens: int, m: int) -> dict[str, Any]:
+async def bench_raw(kw, n: int, tokens: int, m: int, rate: float) -> dict[str, Any]:
     """Same step+rollout bytes through 3 plain consume->produce hops (at-least-once, no decoding)."""
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
@@ -268,7 +267,6 @@ async def bench_raw(kw, n: int, tokens: int, m: int) -> dict[str, Any]:
                "steady_completion_tokens_per_s": round(n * tokens / (t1 - tf))}
         lat: dict[str, Any] = {}
         if m:
-            rate = max(20.0, 0.4 * n / (t1 - t0))
             more = _messages(m, tokens, start=n)
             feeder = asyncio.create_task(_produce(kw, more, rate_per_s=rate, chunk=8))
             want = total + len(more)
@@ -297,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=512, help="completion tokens per rollout")
     ap.add_argument("--latency-rollouts", type=int, default=None)
     ap.add_argument("--batch-records", type=int, default=64)
+    ap.add_argument("--latency-rate", type=float, default=300.0, help="rollouts/s offered in the latency phase")
     args = ap.parse_args(argv)
     n = args.rollouts or (800 if args.quick else 4000)
     m = args.latency_rollouts if args.latency_rollouts is not None else (200 if args.quick else 800)
@@ -312,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     kw = settings.client_kwargs()
 
     async def both():
-        raw = await bench_raw(kw, n, args.tokens, m)
-        svc = await bench_services(kw, n, args.tokens, m, args.batch_records)
+        raw = await bench_raw(kw, n, args.tokens, m, args.latency_rate)
+        svc = await bench_services(kw, n, args.tokens, m, args.batch_records, args.latency_rate)
         return raw, svc
 
     raw, svc = asyncio.run(both())
@@ -331,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         "raw_p50_ms": raw["latency"].get("p50_ms"), "raw_p99_ms": raw["latency"].get("p99_ms"),
         "raw_over_services": round(ratio, 2), "raw_over_services_steady": round(steady_ratio, 2),
         "services_steady_completion_tokens_per_s": svc["throughput"]["steady_completion_tokens_per_s"], "target_ratio_max": 2.0, "target_tokens_per_s": 500000,
-        "refused_records": refused, "dead_letters": svc["dead_letters"],
+        "latency_rate_rollouts_per_s": args.latency_rate, "refused_records": refused, "dead_letters": svc["dead_letters"],
         "machine": f"{os.cpu_count()} cpu, {platform.python_version()}",
         "detail": {"services": svc, "raw": raw},
     }
