@@ -409,6 +409,9 @@ async def serve(name: str, cfg: ServiceConfig, client_kwargs: dict[str, Any], *,
                     lost_since = None
                 if time.monotonic() - last >= stats_every_s:
                     last = time.monotonic()
+                    stuck = await proc.stalled(float(os.environ.get("ROLLOUT_STALL_S") or 30))
+                    if stuck:
+                        raise ConnectionError(f"partitions {stuck} have input but made no progress")
                     s = proc.stats
                     log.info("stats", extra={"fields": {
                         "service": name, "instance": cfg.instance, "partitions": sorted(proc.tasks),

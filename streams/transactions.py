@@ -162,6 +162,7 @@ class TransactionalProcessor:
         self._last_tick = 0.0
         self.pending: set[int] = set()
         self.epoch = 0  # bumped by every rebalance callback
+        self._progress: dict[int, tuple[Any, float]] = {}
         self._closing: set[asyncio.Task] = set()
         self.txn_timeout_s = float(os.environ.get("ROLLOUT_TXN_TIMEOUT_S") or 30)
 
@@ -354,6 +355,31 @@ class TransactionalProcessor:
                 for rec in recs:
                     if rec.offset < end:
                         yield rec
+
+    async def stalled(self, after_s: float = 30.0) -> list[int]:
+        """Owned partitions with input waiting (end offset > committed) but no commit for ``after_s``.
+
+        A safety net for client-side stalls (a fetcher left without a leader after a broker restart, a
+        takeover that keeps failing): the service rebuilds its clients when this is not empty.
+        """
+        if self.consumer is None or not self.committed:
+            return []
+        now = time.monotonic()
+        tps = [TopicPartition(t, p) for p in self.committed for t in self.inputs]
+        try:
+            ends = await asyncio.wait_for(self.consumer.end_offsets(tps), 10)
+        except Exception:  # noqa: BLE001
+            return []
+        out = []
+        for p, offs in list(self.committed.items()):
+            key = tuple(sorted(offs.items()))
+            behind = any(ends.get(TopicPartition(t, p), 0) > o for t, o in offs.items())
+            seen, since = self._progress.get(p, (None, now))
+            if seen != key or not behind:
+                self._progress[p] = (key, now)
+            elif now - since >= after_s:
+                out.append(p)
+        return out
 
     def lost_cluster(self) -> bool:
         """True when the consumer's client knows no broker at all (aiokafka does not re-bootstrap then)."""
