@@ -403,7 +403,7 @@ async def serve(name: str, cfg: ServiceConfig, client_kwargs: dict[str, Any], *,
                 await proc.safe_step()
                 if proc.lost_cluster():
                     lost_since = lost_since or time.monotonic()
-                    if time.monotonic() - lost_since > 5:
+                    if time.monotonic() - lost_since > 3:
                         raise ConnectionError("Kafka clients lost the cluster metadata")
                 else:
                     lost_since = None
@@ -423,7 +423,7 @@ async def serve(name: str, cfg: ServiceConfig, client_kwargs: dict[str, Any], *,
             await asyncio.sleep(1.0)
         finally:
             try:
-                await asyncio.wait_for(_close(proc), 30)
+                await asyncio.wait_for(_close(proc), 5)  # a broker that is away must not keep us spinning
             except Exception as e:  # noqa: BLE001
                 log.warning("closing clients: %s", e)
     log.info("service stopped", extra={"fields": {"service": name, "instance": cfg.instance}})

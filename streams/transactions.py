@@ -163,6 +163,7 @@ class TransactionalProcessor:
         self.pending: set[int] = set()
         self.epoch = 0  # bumped by every rebalance callback
         self._progress: dict[int, tuple[Any, float]] = {}
+        self._ends_failing_since: float | None = None
         self._closing: set[asyncio.Task] = set()
         self.txn_timeout_s = float(os.environ.get("ROLLOUT_TXN_TIMEOUT_S") or 30)
 
@@ -368,8 +369,10 @@ class TransactionalProcessor:
         tps = [TopicPartition(t, p) for p in self.committed for t in self.inputs]
         try:
             ends = await asyncio.wait_for(self.consumer.end_offsets(tps), 10)
-        except Exception:  # noqa: BLE001
-            return []
+            self._ends_failing_since = None
+        except Exception:  # noqa: BLE001 - cannot even ask: a stall too, once it lasts
+            self._ends_failing_since = self._ends_failing_since or now
+            return sorted(self.committed) if now - self._ends_failing_since >= after_s else []
         out = []
         for p, offs in list(self.committed.items()):
             key = tuple(sorted(offs.items()))
@@ -384,7 +387,9 @@ class TransactionalProcessor:
     def lost_cluster(self) -> bool:
         """True when the consumer's client knows no broker at all (aiokafka does not re-bootstrap then)."""
         try:
-            return self.consumer is not None and not self.consumer._client.cluster.brokers()
+            clients = [self.consumer._client] if self.consumer is not None else []
+            clients += [prod.client for prod in self.producers.values()]
+            return any(not c.cluster.brokers() for c in clients)
         except Exception:  # noqa: BLE001
             return False
 

@@ -58,15 +58,19 @@ class Fleet:
         p.wait()
         self.kills[svc] += 1
 
-    def stop_all(self) -> None:
+    def stop_all(self) -> dict[tuple[str, str], int | None]:
+        """SIGTERM every process; their exit codes (0 = finished its transaction, left the group, closed)."""
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
+        codes = {}
+        for key, p in self.procs.items():
             try:
-                p.wait(timeout=20)
+                codes[key] = p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
+                codes[key] = None
+        return codes
 
 
 async def test_sigkill_two_instances_exactly_once(kafka_bootstrap, kafka_settings, monkeypatch, tmp_path):
@@ -107,8 +111,9 @@ async def test_sigkill_two_instances_exactly_once(kafka_bootstrap, kafka_setting
         await asyncio.sleep(3)  # anything extra (a duplicate) would show up now
         recs = await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=3, timeout_s=60)
     finally:
-        fleet.stop_all()
+        codes = fleet.stop_all()
     got = batch_record_ids(recs)
+    assert set(codes.values()) == {0}, f"not a graceful SIGTERM shutdown: {codes}"
     assert len(expected) == groups * 4
     missing = expected - set(got)
     dupes = {k: n for k, n in got.items() if n > 1}
@@ -129,7 +134,7 @@ async def test_broker_restart_mid_run_exactly_once(monkeypatch, tmp_path):
 
     monkeypatch.delenv("ROLLOUT_BOOTSTRAP_SERVERS", raising=False)
     broker = LocalBroker(state_dir=tmp_path / "kafka", port=free_port(), controller_port=free_port())
-    await asyncio.to_thread(broker.up)
+    await asyncio.to_thread(broker.up, 180)
     prefix = f"r{uuid.uuid4().hex[:8]}."
     monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
     kw = KafkaSettings().with_bootstrap(broker.bootstrap).client_kwargs()
@@ -148,7 +153,7 @@ async def test_broker_restart_mid_run_exactly_once(monkeypatch, tmp_path):
         await asyncio.sleep(0.3)
         await asyncio.to_thread(broker.down)
         await asyncio.sleep(2.0)
-        await asyncio.to_thread(broker.up)
+        await asyncio.to_thread(broker.up, 180)  # a loaded 2-core machine can take a while
         try:
             expected |= await more
         except Exception:  # noqa: BLE001 - the seeder's transaction died with the broker: seed again
