@@ -3,7 +3,8 @@ points, read the output read_committed, compare sets, count duplicates.
 
 Two instances of each of verifier, credit and batcher run as real processes (`python -m consumers serve`),
 so partitions move between them on every kill/restart; >= 2,000 rollouts flow while one process at a
-time is killed hard and restarted. Every expected TrainingRecord must land in exactly one TrainerBatch.
+time is killed hard and restarted, or frozen (SIGSTOP) past its session timeout and woken up again (a
+zombie: its partitions have moved, and its producers must be fenced). Every expected TrainingRecord must land in exactly one TrainerBatch.
 A second test restarts the broker itself mid-run.
 """
 
@@ -88,12 +89,23 @@ async def test_sigkill_two_instances_exactly_once(kafka_bootstrap, kafka_setting
     try:
         stop_killing = asyncio.Event()
 
+        events = 0
+
         async def killer():
-            while not stop_killing.is_set():
+            nonlocal events
+            while not stop_killing.is_set() or events < 6:
                 await asyncio.sleep(rng.uniform(1.5, 4.0))
-                if stop_killing.is_set():
-                    break
                 svc, inst = rng.choice(["verifier", "credit", "batcher"]), rng.choice("ab")
+                events += 1
+                if events % 3 == 0:
+                    # a zombie: frozen past its session timeout, its partitions move, then it wakes up
+                    # mid-whatever and tries to carry on; its producers must be fenced
+                    p = fleet.procs[(svc, inst)]
+                    p.send_signal(signal.SIGSTOP)
+                    await asyncio.sleep(8.0)
+                    p.send_signal(signal.SIGCONT)
+                    fleet.kills["zombie:" + svc] += 1
+                    continue
                 fleet.kill(svc, inst)
                 await asyncio.sleep(rng.uniform(0.0, 1.5))
                 fleet.start(svc, inst)
@@ -105,7 +117,8 @@ async def test_sigkill_two_instances_exactly_once(kafka_bootstrap, kafka_setting
         await asyncio.sleep(3)
         stop_killing.set()
         await killing
-        assert sum(fleet.kills.values()) >= 5, fleet.kills
+        assert sum(n for k, n in fleet.kills.items() if not k.startswith("zombie")) >= 4, fleet.kills
+        assert sum(n for k, n in fleet.kills.items() if k.startswith("zombie")) >= 2, fleet.kills
         recs = await read_all(kw, topics.TRAINER_BATCHES.name,
                               until=lambda rs: sum(batch_record_ids(rs).values()) >= len(expected), timeout_s=150)
         await asyncio.sleep(3)  # anything extra (a duplicate) would show up now
@@ -117,8 +130,9 @@ async def test_sigkill_two_instances_exactly_once(kafka_bootstrap, kafka_setting
     assert len(expected) == groups * 4
     missing = expected - set(got)
     dupes = {k: n for k, n in got.items() if n > 1}
+    fenced = sum(f.read_text(errors="replace").count("fenced by a newer owner") for f in tmp_path.glob("*.log"))
     print(f"kills={dict(fleet.kills)} records={len(expected)} batches={len(recs)} missing={len(missing)} "
-          f"duplicates={len(dupes)}")
+          f"duplicates={len(dupes)} zombie_transactions_fenced={fenced}")
     assert not missing, f"{len(missing)} records never reached a batch"
     assert not dupes, f"{len(dupes)} records in more than one batch"
     assert set(got) == expected
