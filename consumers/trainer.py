@@ -143,10 +143,17 @@ def initial_revision(family: str, checkpoint_dir: str | Path, *, seed: int = 0, 
 
 
 class TrainerTask:
-    """One partition of trainer-batches (the topic has one): train on each batch, publish the next revision."""
+    """One partition of trainer-batches (the topic has one): train, publish the next revision.
+
+    ``min_records``: take one optimizer step (one revision) per at least this many records, accumulating
+    smaller batches (the batcher's batches are partition-local, so several make one plan ``batch_size``;
+    the arena paces admission by that size). Waiting batches are buffered input (changelog snapshot).
+    """
 
     def __init__(self, partition: int, family: str, checkpoint_dir: str | Path, *, lr: float = 1e-3,
-                 train_step: TrainStep | None = None, producer: str = "trainer") -> None:
+                 train_step: TrainStep | None = None, producer: str = "trainer", min_records: int = 1) -> None:
+        self.min_records = min_records
+        self.pending: list[tuple[Any, TrainerBatch]] = []
         self.family = family
         self.dir = Path(checkpoint_dir)
         self.lr = lr
@@ -163,10 +170,12 @@ class TrainerTask:
         return {"current": self.current} if self.current else {}
 
     def buffered(self) -> dict[str, list[int]]:
-        return {}
+        return {rec.topic: [r.offset for r, _ in self.pending] for rec, _ in self.pending[:1]}
 
     def restore(self, rec: Any) -> None:
-        pass
+        from consumers.services import decode
+
+        self.pending.append((rec, decode(rec, TrainerBatch)))
 
     def tick(self, now: float) -> list:
         return []
@@ -202,11 +211,21 @@ class TrainerTask:
         if batch.family != self.family:
             return [dead_letter(rec, "trainer", "CrossFamilyMixError",
                                 f"batch {batch.batch_id} is {batch.family!r}; this trainer trains {self.family!r}")]
-        trainer = self._ensure(batch)
-        tensors = to_tensors(batch)
-        stats = (self.user_step or trainer.step)(tensors, batch)
+        self.pending.append((rec, batch))
+        if sum(len(b.records) for _, b in self.pending) < self.min_records:
+            return []
+        batches = [b for _, b in self.pending]
+        self.pending = []
+        trainer = self._ensure(batches[0])
+        if len(batches) == 1:
+            merged = batches[0]
+        else:  # one step over all of them (records keep their own lineage; the step's target is the newest)
+            merged = batches[-1].model_copy(update={"records": [r for b in batches for r in b.records]})
+        tensors = to_tensors(merged)
+        stats = (self.user_step or trainer.step)(tensors, merged)
         rev = trainer.publish(run_id=batch.run_id, producer=self.producer)
-        stats.update(revision=rev.revision, batch_target=batch.target.revision, records=len(batch.records))
+        stats.update(revision=rev.revision, batch_target=batch.target.revision, records=len(merged.records),
+                     batches=len(batches))
         self.history.append(stats)
         log.info("trained", extra={"fields": {"service": "trainer", **stats}})
         self.current = {"revision": rev.revision, "checkpoint": rev.checkpoint.model_dump(mode="json")}

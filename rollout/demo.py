@@ -1,8 +1,13 @@
-"""`rollout demo`: a minimal end-to-end check (to be replaced by the real pipeline demo).
+"""`rollout demo`: the full loop, locally.
 
-Ensures a broker (ROLLOUT_BOOTSTRAP_SERVERS, else the local one), creates the pipeline topics and
-the demo topic, writes 5 small JSON messages in one Kafka transaction, and reads them back with a
-read_committed consumer.
+Broker up (ROLLOUT_BOOTSTRAP_SERVERS, else the local one), fresh topics for this run (prefix
+``demo-<run>.``), revision 0 of the tiny policy written to disk and published; then the services
+(verifier, credit, batcher, reference trainer) run in this process while the arena
+(``rollout arena examples/plans/arithmetic.toml --follow-revisions``, with its local policy server) generates
+single-turn arithmetic rollouts in a subprocess, loading each new revision the trainer publishes. Ends with
+a summary: rollouts, batches, revisions, mean reward by the revision that generated the rollouts.
+
+    rollout demo [--groups 48] [--plan examples/plans/arithmetic.toml] [--lr 3e-3]
 """
 
 from __future__ import annotations
@@ -10,74 +15,182 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="start Kafka if needed, create topics, round-trip 5 transactional messages")
-    p.add_argument("-n", "--count", type=int, default=5)
+    p = sub.add_parser("demo", help="the full loop: broker, policy server, arena, services, trainer, summary")
+    p.add_argument("--plan", default=str(ROOT / "examples" / "plans" / "arithmetic.toml"))
+    p.add_argument("--groups", type=int, default=48, help="groups the arena admits (plan.group_size rollouts each)")
+    p.add_argument("--lr", type=float, default=3e-3, help="reference trainer learning rate")
+    p.add_argument("--batch-records", type=int, default=None, help="default: the plan's batch_size")
+    p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    import logging
+
     from streams.config import KafkaSettings, ensure_broker
 
+    logging.basicConfig(level=logging.ERROR)
     settings = KafkaSettings.from_env()
     where = "configured cluster" if settings.external else "local broker"
     settings = settings.with_bootstrap(ensure_broker(settings))
     print(f"Kafka: {where} at {settings.bootstrap}")
-    asyncio.run(_demo(settings, args.count))
+    return asyncio.run(_demo(settings, args))
+
+
+async def _demo(settings, args) -> int:
+    from consumers.services import ServiceConfig, build_processor, ensure_topics
+    from consumers.trainer import TrainerTask, initial_revision
+    from schemas.plan import compile_plan
+    from streams import serde, topics
+    from streams.local_broker import free_port
+    from streams.transactions import TransactionalProcessor
+
+    run = uuid.uuid4().hex[:8]
+    prefix = f"demo-{run}."
+    os.environ["ROLLOUT_TOPIC_PREFIX"] = prefix
+    kw = settings.client_kwargs()
+    plan = compile_plan(args.plan)
+    family = plan.family
+    ckdir = ROOT / ".state" / "demo" / run
+    print(f"run {run}: topics {prefix}*, checkpoints {ckdir}, plan {args.plan} (family {family}, "
+          f"group_size {plan.group_size}, batch_size {plan.batch_size}, max_off_policy_steps "
+          f"{plan.max_off_policy_steps}, advantage {plan.advantage.type})")
+    for svc in ("verifier", "credit", "batcher", "trainer"):
+        await ensure_topics(svc, kw)
+    rev0 = initial_revision(family, ckdir, seed=0, run_id=run)
+    from aiokafka import AIOKafkaProducer
+
+    prod = AIOKafkaProducer(**kw)
+    await prod.start()
+    k, v, h = serde.to_message(rev0)
+    await prod.send_and_wait(topics.POLICY_REVISIONS.name, v, key=k, headers=h)
+    await prod.stop()
+
+    credit = plan.advantage.type if plan.advantage.type in ("grpo", "reinforce_baseline", "ema_per_member",
+                                                            "per_step") else "grpo"
+    cfg = ServiceConfig(family=family, credit=credit, credit_params=dict(plan.advantage.params or {}),
+                        max_off_policy_steps=plan.max_off_policy_steps,
+                        batch_records=args.batch_records or max(1, plan.batch_size // topics.TRAINING_RECORDS.partitions),
+                        flush_after_s=1.0, group_timeout_s=60)
+    procs = [build_processor(n, cfg, kw) for n in ("verifier", "credit", "batcher")]
+    trainer_tasks: list[TrainerTask] = []
+
+    def make_trainer(p: int) -> TrainerTask:
+        t = TrainerTask(p, family, ckdir, lr=args.lr, producer="trainer", min_records=plan.batch_size)
+        trainer_tasks.append(t)
+        return t
+
+    procs.append(TransactionalProcessor("trainer", [topics.TRAINER_BATCHES.name], topics.TRAINER_BATCHES.partitions,
+                                        make_trainer, kw))
+    tasks = [asyncio.create_task(p.run()) for p in procs]
+    t0 = time.monotonic()
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
+    checkpoint = rev0.checkpoint.uri.removeprefix("file://")
+    arena = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rollout.cli", "arena", args.plan, "--groups", str(args.groups), "--follow-revisions",
+        "--no-progress", "--run-id", run, "--policy-port", str(free_port()), "--checkpoint", checkpoint,
+        cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = b""
+    try:
+        out, _ = await asyncio.wait_for(arena.communicate(), args.timeout)
+        print(f"arena finished (rc {arena.returncode}) in {time.monotonic() - t0:.1f}s")
+        # let the services drain: every scored rollout batched and trained on
+        from consumers.status import service_lag
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            lag = {r["service"]: r["lag"] for r in await service_lag(kw, sample_s=0.2)}
+            if all(lag.get(s, 0) == 0 for s in ("verifier", "credit", "batcher", "trainer")):
+                await asyncio.sleep(cfg.flush_after_s + 1.0)
+                lag = {r["service"]: r["lag"] for r in await service_lag(kw, sample_s=0.2)}
+                if all(lag.get(s, 0) == 0 for s in ("verifier", "credit", "batcher", "trainer")):
+                    break
+            await asyncio.sleep(1.0)
+    except asyncio.TimeoutError:
+        arena.kill()
+        print("arena timed out")
+    finally:
+        for p in procs:
+            p.stopping.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for p in procs:
+            side = getattr(p, "side", None)
+            if side is not None:
+                await side.stop()
+    if arena.returncode not in (0, None):
+        print(out.decode(errors="replace")[-2000:])
+    summary = await _summary(kw, trainer_tasks)
+    summary["seconds"] = round(time.monotonic() - t0, 1)
+    _print_summary(summary)
+    print(json.dumps(summary))
     return 0
 
 
-async def _demo(settings, count: int) -> None:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+async def _summary(kw, trainer_tasks) -> dict:
+    from aiokafka import AIOKafkaConsumer
 
+    from schemas import codec
     from streams import topics
 
-    created = await topics.create_topics(settings.admin_kwargs(), [*topics.TOPICS.values(), topics.DEMO])
-    print(f"topics: {sum(v == 'created' for v in created.values())} created, "
-          f"{sum(v == 'exists' for v in created.values())} already existed")
+    async def read(topic: str) -> list:
+        c = AIOKafkaConsumer(topic, **kw, group_id=None, isolation_level="read_committed",
+                             auto_offset_reset="earliest", max_partition_fetch_bytes=64 * 1024 * 1024)
+        await c.start()
+        out, idle = [], 0
+        try:
+            while idle < 3:
+                got = await c.getmany(timeout_ms=300)
+                n = sum(len(v) for v in got.values())
+                idle = idle + 1 if n == 0 else 0
+                for recs in got.values():
+                    out.extend(codec.decode(r.value) for r in recs)
+        finally:
+            await c.stop()
+        return out
 
-    run_id = uuid.uuid4().hex[:8]
-    producer = AIOKafkaProducer(**settings.client_kwargs(
-        transactional_id=f"rollout-demo-{run_id}", enable_idempotence=True,
-        value_serializer=lambda v: json.dumps(v).encode(), key_serializer=str.encode))
-    await producer.start()
-    try:
-        async with producer.transaction():
-            metas = []
-            for i in range(count):
-                msg = {"run": run_id, "seq": i, "ts": time.time(), "text": f"hello {i}"}
-                metas.append(await (await producer.send(topics.DEMO.name, msg, key=f"{run_id}-{i}")))
-    finally:
-        await producer.stop()
-    print(f"produced {count} messages to {topics.DEMO.name} in one transaction "
-          f"(partitions {sorted({m.partition for m in metas})})")
+    rollouts = await read(topics.ROLLOUTS.name)
+    scores = await read(topics.SCORES.name)
+    batches = await read(topics.TRAINER_BATCHES.name)
+    revisions = await read(topics.POLICY_REVISIONS.name)
+    letters = await read(topics.DEAD_LETTERS.name)
+    by_rev: dict[int, list[float]] = {}
+    for s in scores:
+        rev = s.trainable_steps[0].policy.revision if s.trainable_steps else None
+        if rev is None:
+            continue
+        by_rev.setdefault(rev, []).extend(s.rewards.values())
+    losses = [h.get("loss") for t in trainer_tasks for h in t.history]
+    return {
+        "rollouts": len(rollouts), "scored": len(scores), "batches": len(batches),
+        "records_in_batches": sum(len(b.records) for b in batches),
+        "revisions": max((r.revision for r in revisions), default=0),
+        "dead_letters": len(letters),
+        "mean_reward_by_revision": {str(k): round(sum(v) / len(v), 4) for k, v in sorted(by_rev.items())},
+        "rollouts_by_revision": {str(k): len(v) for k, v in sorted(by_rev.items())},
+        "trainer_losses": [round(x, 4) for x in losses if x is not None][:50],
+    }
 
-    consumer = AIOKafkaConsumer(**settings.client_kwargs(isolation_level="read_committed", enable_auto_commit=False))
-    await consumer.start()
-    try:
-        starts: dict[TopicPartition, int] = {}
-        for m in metas:
-            tp = TopicPartition(m.topic, m.partition)
-            starts[tp] = min(starts.get(tp, m.offset), m.offset)
-        consumer.assign(list(starts))
-        for tp, off in starts.items():
-            consumer.seek(tp, off)
-        got = []
-        deadline = time.monotonic() + 30
-        while len(got) < count and time.monotonic() < deadline:
-            batch = await consumer.getmany(timeout_ms=1000)
-            for recs in batch.values():
-                got += [json.loads(r.value) for r in recs if json.loads(r.value).get("run") == run_id]
-    finally:
-        await consumer.stop()
-    for m in sorted(got, key=lambda m: m["seq"]):
-        print(f"  consumed {json.dumps(m)}")
-    if len(got) != count:
-        from streams.config import KafkaError
 
-        raise KafkaError(f"demo consumed {len(got)} of {count} messages")
-    print(f"ok: {count} committed messages read back with isolation_level=read_committed")
+def _print_summary(s: dict) -> None:
+    print(f"rollouts {s['rollouts']}, scored {s['scored']}, batches {s['batches']} "
+          f"({s['records_in_batches']} records), revisions published {s['revisions']}, "
+          f"dead letters {s['dead_letters']}")
+    print("mean reward by the revision that generated the rollouts:")
+    for rev, r in s["mean_reward_by_revision"].items():
+        print(f"  r{rev:>3}: {r:.3f}  ({s['rollouts_by_revision'][rev]} rollouts)")
+    rs = list(s["mean_reward_by_revision"].values())
+    if len(rs) >= 2:
+        trend = "rose" if rs[-1] > rs[0] else "did not rise"
+        print(f"mean reward {trend}: r{list(s['mean_reward_by_revision'])[0]} {rs[0]:.3f} -> "
+              f"r{list(s['mean_reward_by_revision'])[-1]} {rs[-1]:.3f}")
