@@ -45,6 +45,9 @@ class ServiceConfig:
     step_timeout_s: float = 600.0
     instance: str = ""
     judge_targets: dict[str, Any] = field(default_factory=dict)
+    checkpoint_dir: str | None = None  # trainer: where checkpoints are written
+    lr: float = 1e-3                   # trainer: learning rate
+    epochs: int = 1                    # trainer: optimizer passes over each batch
 
 
 def dead_letter(rec: Any, service: str, error_type: str, message: str, run_id: str | None = None) -> Out:
@@ -469,6 +472,7 @@ def add_options(p: Any) -> None:
     p.add_argument("--step-timeout-s", type=float, default=600.0)
     p.add_argument("--checkpoint-dir", default=None, help="trainer: where checkpoints are written")
     p.add_argument("--lr", type=float, default=1e-3, help="trainer: learning rate")
+    p.add_argument("--epochs", type=int, default=1, help="trainer: optimizer passes over each batch (PPO epochs)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -477,7 +481,8 @@ def config_from_args(args: Any) -> ServiceConfig:
                         group_timeout_s=args.group_timeout_s, max_off_policy_steps=args.max_off_policy_steps,
                         batch_records=None if args.batch_tokens else args.batch_records,
                         batch_tokens=args.batch_tokens, flush_after_s=args.flush_after_s,
-                        step_timeout_s=args.step_timeout_s, instance=args.instance)
+                        step_timeout_s=args.step_timeout_s, instance=args.instance,
+                        checkpoint_dir=args.checkpoint_dir, lr=args.lr, epochs=args.epochs)
     if args.plan:
         try:
             from schemas.plan import compile_plan  # type: ignore[import-not-found]
@@ -492,8 +497,6 @@ def config_from_args(args: Any) -> ServiceConfig:
         cfg.max_off_policy_steps = getattr(plan, "max_off_policy_steps", cfg.max_off_policy_steps)
         cfg.batch_records = getattr(plan, "batch_size", cfg.batch_records)
         cfg.judge_targets = dict(getattr(plan, "targets", {}) or {})
-    cfg.checkpoint_dir = args.checkpoint_dir  # type: ignore[attr-defined]
-    cfg.lr = args.lr  # type: ignore[attr-defined]
     return cfg
 
 

@@ -83,7 +83,7 @@ class ReferenceTrainer:
     """Clipped policy gradient (PPO/GRPO objective, token-mean over the loss mask) on ``policy.PolicyModel``."""
 
     def __init__(self, model: Any, family: str, revision: int, checkpoint_dir: str | Path, *, lr: float = 1e-3,
-                 clip: float = 0.2, max_grad_norm: float = 1.0) -> None:
+                 clip: float = 0.2, max_grad_norm: float = 1.0, epochs: int = 1) -> None:
         self.model = model
         self.family = family
         self.revision = revision
@@ -91,6 +91,7 @@ class ReferenceTrainer:
         self.clip = clip
         self.max_grad_norm = max_grad_norm
         self.lr = lr
+        self.epochs = epochs  # optimizer passes over each batch (PPO epochs; the clip bounds how far they go)
         self.opt = torch.optim.Adam(model.parameters(), lr=lr)
 
     def loss(self, t: TrainerTensors) -> tuple[torch.Tensor, dict[str, float]]:
@@ -113,11 +114,15 @@ class ReferenceTrainer:
 
     def step(self, t: TrainerTensors, batch: TrainerBatch) -> dict[str, float]:
         self.model.train()
-        self.opt.zero_grad()
-        loss, stats = self.loss(t)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.opt.step()
+        for epoch in range(self.epochs):
+            self.opt.zero_grad()
+            loss, epoch_stats = self.loss(t)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            self.opt.step()
+            # the first pass is on-policy (its loss is the batch's); later ones show how far the epochs moved
+            stats = epoch_stats if epoch == 0 else {**stats, "clip_frac": epoch_stats["clip_frac"],
+                                                    "approx_kl": epoch_stats["approx_kl"]}
         self.model.eval()
         stats["reward_mean"] = batch.reward.mean
         return stats
@@ -151,12 +156,14 @@ class TrainerTask:
     """
 
     def __init__(self, partition: int, family: str, checkpoint_dir: str | Path, *, lr: float = 1e-3,
-                 train_step: TrainStep | None = None, producer: str = "trainer", min_records: int = 1) -> None:
+                 epochs: int = 1, train_step: TrainStep | None = None, producer: str = "trainer",
+                 min_records: int = 1) -> None:
         self.min_records = min_records
         self.pending: list[tuple[Any, TrainerBatch]] = []
         self.family = family
         self.dir = Path(checkpoint_dir)
         self.lr = lr
+        self.epochs = epochs
         self.user_step = train_step
         self.producer = producer
         self.trainer: ReferenceTrainer | None = None
@@ -195,7 +202,7 @@ class TrainerTask:
                                     digest=ck.checkpoint_digest or "0" * 64)
                 model = load_checkpoint(ref)
                 rev = ck.revision
-            self.trainer = ReferenceTrainer(model, self.family, rev, self.dir, lr=self.lr)
+            self.trainer = ReferenceTrainer(model, self.family, rev, self.dir, lr=self.lr, epochs=self.epochs)
         return self.trainer
 
     async def process(self, rec: Any) -> list:
@@ -236,11 +243,11 @@ async def serve_trainer(cfg: Any, client_kwargs: dict[str, Any], stop: Any = Non
     from streams import topics
     from streams.transactions import TransactionalProcessor
 
-    ckdir = getattr(cfg, "checkpoint_dir", None) or ".state/checkpoints"
-    lr = getattr(cfg, "lr", 1e-3)
+    ckdir = cfg.checkpoint_dir or ".state/checkpoints"
     proc = TransactionalProcessor(
         "trainer", [topics.TRAINER_BATCHES.name], topics.TRAINER_BATCHES.partitions,
-        lambda p: TrainerTask(p, cfg.family, ckdir, lr=lr, producer=f"trainer{cfg.instance}"), client_kwargs,
+        lambda p: TrainerTask(p, cfg.family, ckdir, lr=cfg.lr, epochs=cfg.epochs, producer=f"trainer{cfg.instance}"),
+        client_kwargs,
         instance=cfg.instance)
     if stop is not None:
         proc.stopping = stop

@@ -1,7 +1,7 @@
 """Environments: a dataset of examples, an episode (the harness) and a scoring spec, under ``name@version``.
 
     env = load_environment("producers.examples.arithmetic:load_environment", num_examples=50)
-    env.ref          # "arithmetic@1.0.0", recorded in every Rollout this environment produces
+    env.ref          # "arithmetic@1.1.0", recorded in every Rollout this environment produces
     env.store        # ArtifactStore of the examples (weighted seed sampling)
     env.scoring_for(example, state)   # schemas.scoring.ScoringSpec written to Rollout.artifacts["scoring"]
 

@@ -175,9 +175,9 @@ async def test_single_turn_arithmetic_rollouts(policy_server):
     by_group: dict[str, list] = {}
     for r in em.rollouts:
         by_group.setdefault(r.group_id, []).append(r)
-        assert r.environment == "arithmetic@1.0.0" and r.episode_type == "single_turn"
+        assert r.environment == "arithmetic@1.1.0" and r.episode_type == "single_turn"
         assert r.members == {"solver": True} and len(r.step_ids) == 1 and r.root_group_id == r.group_id
-        assert r.artifacts["scoring"]["kind"] == "exact_match" and r.artifacts["scoring"]["answer"] == r.seed["answer"]
+        assert r.artifacts["scoring"]["kind"] == "rubric" and r.artifacts["scoring"]["answer"] == r.seed["answer"]
         assert r.policy.family == "tiny-byte-lm"
     assert sorted(len(v) for v in by_group.values()) == [8, 8]
     assert all(len({r.example_id for r in v}) == 1 for v in by_group.values())
@@ -363,10 +363,25 @@ async def test_dead_endpoint_gives_failed_rollouts_that_are_still_emitted():
 
 def test_load_environment_by_module_path_and_short_name():
     env = load_environment("producers.examples.arithmetic:load_environment", num_examples=5)
-    assert env.ref == "arithmetic@1.0.0" and len(env.store) == 5
+    assert env.ref == "arithmetic@1.1.0" and len(env.store) == 5
     assert load_environment("proposer-solver", num_solvers=2).ref == "proposer-solver@1.0.0"
     with pytest.raises(ImportError):
         load_environment("no_such_pkg.mod:load_environment")
+
+
+def test_arithmetic_reward_modes_and_shaped_parts():
+    from producers.examples import arithmetic as ar
+
+    ex = ar.make_dataset(1)[0]
+    assert load_environment("arithmetic").scoring(ex).kind == "exact_match"
+    shaped = load_environment("arithmetic", reward="shaped").scoring(ex)
+    assert shaped.kind == "rubric" and shaped.answer == ex.answer and [f.weight for f in shaped.funcs] == [1.0, 0.5, 0.5]
+    with pytest.raises(ValueError, match="reward must be"):
+        load_environment("arithmetic", reward="partial")
+    say = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    assert (ar.exact_answer(say("it is 12"), "12"), ar.exact_answer(say("12 or 13"), "12")) == (1.0, 0.0)
+    assert ar.numeric_reply(say("-12")) == 1.0 and ar.numeric_reply(say("a1")) == 0.5 and ar.numeric_reply(say("")) == 0.0
+    assert ar.closeness(say("10"), "12") == pytest.approx(1 / 3) and ar.closeness(say("123456"), "12") == 0.0
 
 
 def test_artifact_store_is_weighted():

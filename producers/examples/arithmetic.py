@@ -1,20 +1,30 @@
-"""Single-turn arithmetic with exact-match answers (``arithmetic@1.0.0``).
+"""Single-turn arithmetic (``arithmetic@1.1.0``), scored by exact match or by a shaped rubric.
 
-Artifacts the verifier needs: ``scoring = {"kind": "exact_match", "answer": "<int>", "params":
-{"member": "solver", "extract": "last_integer"}}`` (compare the last integer in the solver's final
-message with ``answer``), plus ``final_text`` / ``final_by_member``.
+* ``reward="exact"``: ``scoring = {"kind": "exact_match", "answer": "<int>", "params": {"member":
+  "solver", "extract": "last_integer"}}`` (the last integer in the solver's final message vs ``answer``).
+* ``reward="shaped"``: a rubric, ``exact_answer`` (1.0) + ``numeric_reply`` (0.5) + ``closeness``
+  (0.5). An untrained model almost never says the right integer, so exact match alone gives GRPO
+  all-zero groups and nothing to learn from; partial credit for answering with a number, and for a
+  number near the answer, gives a small model a gradient it can climb in a few revisions. The
+  exact-match part stays visible as its own metric (``solver/reward/exact_answer``).
 """
 
 from __future__ import annotations
 
 import random
+import re
+from typing import Any, Literal
 
 from producers.environment import Environment, Example
 from producers.episodes import SingleTurnEpisode
-from schemas.scoring import ScoringSpec
+from schemas.scoring import ScoringSpec, WeightedFunc
 
-VERSION = "1.0.0"
+VERSION = "1.1.0"
 SYSTEM = "You are a careful calculator. Reply with the number only."
+_INT = re.compile(r"-?\d+")
+SHAPED = [WeightedFunc(fn=f"{__name__}:exact_answer", weight=1.0),
+          WeightedFunc(fn=f"{__name__}:numeric_reply", weight=0.5),
+          WeightedFunc(fn=f"{__name__}:closeness", weight=0.5)]
 
 
 def make_dataset(num_examples: int = 200, max_operand: int = 20, seed: int = 0, ops: str = "+-") -> list[Example]:
@@ -28,13 +38,40 @@ def make_dataset(num_examples: int = 200, max_operand: int = 20, seed: int = 0, 
     return out
 
 
-def scoring(example: Example, state=None) -> ScoringSpec:
-    return ScoringSpec(kind="exact_match", answer=example.answer, params={"member": "solver", "extract": "last_integer"})
+def _reply(completion: list[dict[str, Any]]) -> str:
+    return "".join(str(m.get("content") or "") for m in completion if m.get("role") == "assistant").strip()
+
+
+def exact_answer(completion: list[dict[str, Any]], answer: str) -> float:
+    """1 when the reply's last integer is the answer."""
+    nums = _INT.findall(_reply(completion))
+    return 1.0 if nums and int(nums[-1]) == int(answer) else 0.0
+
+
+def numeric_reply(completion: list[dict[str, Any]]) -> float:
+    """The share of the reply's characters that are digits or a minus sign (1 for a bare integer)."""
+    text = _reply(completion)
+    return sum(c.isdigit() or c == "-" for c in text) / len(text) if text else 0.0
+
+
+def closeness(completion: list[dict[str, Any]], answer: str) -> float:
+    """1 / (1 + |last integer - answer|); 0 without an integer of at most 4 digits."""
+    nums = [n for n in _INT.findall(_reply(completion)) if len(n.lstrip("-")) <= 4]
+    return 1.0 / (1.0 + abs(int(nums[-1]) - int(answer))) if nums else 0.0
 
 
 def load_environment(num_examples: int = 200, max_operand: int = 20, seed: int = 0, ops: str = "+-",
-                     system_prompt: str = SYSTEM) -> Environment:
+                     system_prompt: str = SYSTEM, reward: Literal["exact", "shaped"] = "exact") -> Environment:
+    if reward not in ("exact", "shaped"):
+        raise ValueError(f"arithmetic: reward must be 'exact' or 'shaped', got {reward!r}")
+
+    def scoring(example: Example, state: Any = None) -> ScoringSpec:
+        if reward == "shaped":
+            return ScoringSpec(kind="rubric", answer=example.answer, funcs=SHAPED)
+        return ScoringSpec(kind="exact_match", answer=example.answer,
+                           params={"member": "solver", "extract": "last_integer"})
+
     return Environment(name="arithmetic", version=VERSION,
                        dataset=make_dataset(num_examples, max_operand, seed, ops),
                        episode=SingleTurnEpisode(system_prompt=system_prompt, member="solver"), scoring=scoring,
-                       description="single-turn arithmetic, exact match")
+                       description=f"single-turn arithmetic, {reward} reward")
