@@ -19,5 +19,8 @@ COPY rollout/ rollout/
 COPY benchmarks/ benchmarks/
 COPY policy/ policy/
 COPY kafka/ kafka/
-RUN pip install --no-cache-dir -q .
+COPY examples/ examples/
+# train: torch, for the local policy server (arena) and the reference trainer
+ARG EXTRAS=train
+RUN pip install --no-cache-dir -q ".[${EXTRAS}]"
 CMD ["rollout", "--help"]

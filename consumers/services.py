@@ -390,6 +390,7 @@ async def serve(name: str, cfg: ServiceConfig, client_kwargs: dict[str, Any], *,
         from consumers.trainer import serve_trainer
 
         await serve_trainer(cfg, client_kwargs, stop=stop)
+        log.info("service stopped", extra={"fields": {"service": name, "instance": cfg.instance}})
         return
     while not stop.is_set():
         if not await _retry(lambda: ensure_topics(name, client_kwargs), stop):
@@ -419,7 +420,8 @@ async def serve(name: str, cfg: ServiceConfig, client_kwargs: dict[str, Any], *,
                     log.info("stats", extra={"fields": {
                         "service": name, "instance": cfg.instance, "partitions": sorted(proc.tasks),
                         "in": s.records_in, "out": s.records_out, "txns": s.transactions, "aborted": s.aborted,
-                        "fenced": s.fenced, "rebuilt": s.rebuilt, "by_type": dict(s.by_type)}})
+                        "fenced": s.fenced, "rebuilt": s.rebuilt, "recommitted": s.recommitted,
+                        "by_type": dict(s.by_type)}})
         except Exception as e:  # noqa: BLE001 - rebuild the clients and carry on
             log.warning("restarting the Kafka clients", extra={"fields": {
                 "service": name, "instance": cfg.instance, "error": f"{type(e).__name__}: {e}"}})

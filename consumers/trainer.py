@@ -239,11 +239,74 @@ class TrainerTask:
         return [Out(topics.POLICY_REVISIONS.name, rev)]
 
 
+async def latest_revision(client_kwargs: dict[str, Any], family: str, *, idle_polls: int = 2) -> PolicyRevision | None:
+    """The newest committed PolicyRevision of ``family`` on the log (None if it has none)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from consumers.services import decode
+    from schemas.errors import EventDecodeError
+    from streams import topics
+
+    c = AIOKafkaConsumer(**client_kwargs, group_id=None, enable_auto_commit=False,
+                         isolation_level="read_committed", auto_offset_reset="earliest")
+    await c.start()
+    latest: PolicyRevision | None = None
+    try:
+        tps = [TopicPartition(topics.POLICY_REVISIONS.name, p) for p in range(topics.POLICY_REVISIONS.partitions)]
+        c.assign(tps)
+        await c.seek_to_beginning(*tps)
+        end = await c.end_offsets(tps)
+        idle = 0
+        # a trailing transaction marker can keep the position just short of the end: stop when idle too
+        while idle < idle_polls and any(await c.position(tp) < end[tp] for tp in tps):
+            got = await c.getmany(timeout_ms=500)
+            idle = 0 if got else idle + 1
+            for rec in (r for recs in got.values() for r in recs):
+                try:
+                    rev = decode(rec, PolicyRevision)
+                except EventDecodeError:
+                    continue
+                if rev.family == family and (latest is None or rev.revision > latest.revision):
+                    latest = rev
+    finally:
+        await c.stop()
+    return latest
+
+
+async def bootstrap_revision(client_kwargs: dict[str, Any], family: str, checkpoint_dir: str | Path, *,
+                             seed: int = 0, run_id: str = "run") -> PolicyRevision | None:
+    """Publish revision 0 (seeded init, written to ``checkpoint_dir``) when the log has no revision of ``family``.
+
+    A fresh deployment needs a first revision: the arena serves it and the batcher targets it. Two trainers
+    starting at once may both publish it; the seeded init makes both copies identical (same checkpoint
+    digest), and every reader keeps the highest revision number, so a duplicate revision 0 is harmless.
+    Returns the revision published, or None when the log already had one.
+    """
+    from aiokafka import AIOKafkaProducer
+
+    from streams import serde, topics
+
+    if await latest_revision(client_kwargs, family) is not None:
+        return None
+    rev0 = initial_revision(family, checkpoint_dir, seed=seed, run_id=run_id)
+    producer = AIOKafkaProducer(**client_kwargs, enable_idempotence=True)
+    await producer.start()
+    try:
+        key, value, headers = serde.to_message(rev0)
+        await producer.send_and_wait(topics.POLICY_REVISIONS.name, value, key=key, headers=headers)
+    finally:
+        await producer.stop()
+    log.info("published revision 0", extra={"fields": {"service": "trainer", "family": family,
+                                                       "digest": rev0.checkpoint.digest}})
+    return rev0
+
+
 async def serve_trainer(cfg: Any, client_kwargs: dict[str, Any], stop: Any = None) -> None:
     from streams import topics
     from streams.transactions import TransactionalProcessor
 
     ckdir = cfg.checkpoint_dir or ".state/checkpoints"
+    await bootstrap_revision(client_kwargs, cfg.family, ckdir)
     proc = TransactionalProcessor(
         "trainer", [topics.TRAINER_BATCHES.name], topics.TRAINER_BATCHES.partitions,
         lambda p: TrainerTask(p, cfg.family, ckdir, lr=cfg.lr, epochs=cfg.epochs, producer=f"trainer{cfg.instance}"),
@@ -253,4 +316,6 @@ async def serve_trainer(cfg: Any, client_kwargs: dict[str, Any], stop: Any = Non
         proc.stopping = stop
     else:
         proc.install_signal_handlers()
+    log.info("service started", extra={"fields": {"service": "trainer", "instance": cfg.instance,
+                                                  "group": proc.group_id}})
     await proc.run()

@@ -456,6 +456,22 @@ class Arena:
             raise self._fatal
         return results
 
+    async def _admit(self, n: int, stop: asyncio.Event | None) -> bool:
+        """Admit a group of ``n`` (paced); False when ``stop`` is set first (a paused arena must still stop)."""
+        if stop is None:
+            await self.pacer.admit(n)
+            return True
+        admit, stopped = asyncio.ensure_future(self.pacer.admit(n)), asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({admit, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if admit in done:
+            admit.result()
+            return True
+        admit.cancel()
+        await asyncio.gather(admit, return_exceptions=True)
+        self.pacer.paused = False
+        return False
+
     async def run(self, num_groups: int | None = None, *, stop: asyncio.Event | None = None,
                   collect: bool = False) -> ArenaStats | tuple[ArenaStats, list[GenerateResult]]:
         """Admit ``num_groups`` groups (or until ``stop`` is set), paced; wait for all to be emitted."""
@@ -471,7 +487,8 @@ class Arena:
                     break
                 group = self.sample_request_group()
                 try:
-                    await self.pacer.admit(len(group))
+                    if not await self._admit(len(group), stop):
+                        break  # stopped while paused
                 except RuntimeError:
                     break  # self._fatal says why
                 admitted += 1

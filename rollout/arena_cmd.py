@@ -7,12 +7,14 @@ The learner target (a plan's learner has no base_url) is the local policy server
 ``--policy-port`` (default 8000, which is also where the example plans' fixed targets point) unless
 ``--policy-url`` names a running one. Topics are created if missing. ``--follow-revisions`` follows the
 policy-revisions topic (new revisions are loaded into the local policy server and pace admission).
+SIGTERM (or Ctrl-C) stops admission; the episodes in flight finish and are written before it exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -69,8 +71,11 @@ async def _main(args: argparse.Namespace) -> int:
         follower = RevisionFollower(settings.client_kwargs(), plan.family) if args.follow_revisions else None
         arena = Arena(plan, emitter=emitter, policy_base_url=url, concurrency=args.concurrency,
                       progress=not args.no_progress, run_id=run_id, revisions=follower, seed=args.seed)
+        stop = asyncio.Event()  # SIGTERM/SIGINT: admit no more, finish and emit what is in flight, exit 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         async with arena:
-            stats = await arena.run(num_groups=args.groups or None)
+            stats = await arena.run(num_groups=args.groups or None, stop=stop)
         print(json.dumps({"run_id": run_id, "plan": args.plan, **stats.as_dict(),
                           "transactions": emitter.stats.transactions, "messages": emitter.stats.messages,
                           "steps_topic": emitter.steps_topic, "rollouts_topic": emitter.rollouts_topic}))

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +160,7 @@ class LocalBroker:
     controller_port: int | None = None
     version: str = KAFKA_VERSION
     heap: str = "768m"
+    overrides: dict[str, str] = field(default_factory=dict)  # extra server.properties (tests)
 
     @classmethod
     def from_env(cls, port: int | None = None, state_dir: Path | None = None) -> LocalBroker:
@@ -249,6 +250,7 @@ class LocalBroker:
             "auto.create.topics.enable": "false",
             # The log is the source of truth: no broker-wide time/size expiry unless a topic sets it.
             "log.retention.hours": "-1",
+            **self.overrides,
         }
 
     def _java(self) -> str:

@@ -18,6 +18,15 @@ Why this shape (see README "Services and exactly-once"):
   the consumer position, so nothing is re-processed and nothing buffered is lost.
 * A failed transaction (anything but a fence) is aborted and that partition's task is rebuilt from
   the changelog and the committed offsets; a fenced one is dropped (someone else owns it now).
+* A commit is checked, not trusted. A broker restarted while a transaction commits can leave it
+  *hanging* (seen with Kafka 4.4, single node: the producer's EndTxn succeeded, the coordinator lost the
+  transaction, its records and offsets stay open on the partitions, and ``read_committed`` readers of
+  those partitions stop at them for good). aiokafka has neither KIP-890's per-transaction epoch bump
+  nor KIP-664's abort tooling, so the processor confirms that what it committed became visible (the
+  output partitions' last stable offset passes what it wrote; the group's committed offsets reach what
+  it committed) and, when not within ``ROLLOUT_CONFIRM_S``, commits again with the same producer and
+  epoch over the same partitions and offsets: the coordinator then writes the commit markers the
+  first commit should have, which is the outcome this producer was told.
 """
 
 from __future__ import annotations
@@ -123,6 +132,7 @@ class Stats:
     aborted: int = 0
     fenced: int = 0
     rebuilt: int = 0
+    recommitted: int = 0  # re-commits of transactions found hanging (see the module docstring)
     by_type: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
@@ -163,9 +173,14 @@ class TransactionalProcessor:
         self.pending: set[int] = set()
         self.epoch = 0  # bumped by every rebalance callback
         self._progress: dict[int, tuple[Any, float]] = {}
+        self._offsets_since: dict[int, tuple[Any, float]] = {}
         self._ends_failing_since: float | None = None
         self._closing: set[asyncio.Task] = set()
         self.txn_timeout_s = float(os.environ.get("ROLLOUT_TXN_TIMEOUT_S") or 30)
+        # what committed transactions wrote and must become visible: partition -> output tp -> (offset, since)
+        self.unconfirmed: dict[int, dict[TopicPartition, tuple[int, float]]] = defaultdict(dict)
+        self.confirm_s = float(os.environ.get("ROLLOUT_CONFIRM_S") or 10)
+        self._last_confirm = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def txn_id(self, p: int) -> str:
@@ -269,6 +284,7 @@ class TransactionalProcessor:
     async def _drop(self, p: int, *, broken: bool = False) -> None:
         self.tasks.pop(p, None)
         self.committed.pop(p, None)
+        self.unconfirmed.pop(p, None)
         self.snap_written.pop(p, None)
         prod = self.producers.pop(p, None)
         if prod is not None:
@@ -416,6 +432,9 @@ class TransactionalProcessor:
                             await self._drop(p, broken=True)
                         await asyncio.sleep(1.0)
                         return
+        if time.monotonic() - self._last_confirm >= self.confirm_s:
+            self._last_confirm = time.monotonic()
+            await self.confirm_commits()
         epoch = self.epoch
         batch = await self.consumer.getmany(timeout_ms=int(self.tick_s * 1000), max_records=self.max_records)
         async with self.lock:
@@ -507,7 +526,82 @@ class TransactionalProcessor:
         if next_off:
             await prod.send_offsets_to_transaction({TopicPartition(t, p): o for t, o in next_off.items()},
                                                    self.group_id)
-        await asyncio.gather(*futs)
+        written = await asyncio.gather(*futs)
+        await prod.commit_transaction()
+        now = time.monotonic()
+        for md in written:
+            tp = TopicPartition(md.topic, md.partition)
+            if md.offset >= self.unconfirmed[p].get(tp, (-1, now))[0]:
+                self.unconfirmed[p][tp] = (md.offset, now)
+
+    async def confirm_commits(self) -> list[int]:
+        """Re-commit the owned partitions whose committed transactions are not visible after ``confirm_s``.
+
+        Visible means: every output partition's last stable offset (what ``read_committed`` readers reach) is
+        past the last offset a commit wrote there, and the group's committed offsets reach what was committed.
+        Another producer's open transaction on a shared output partition also holds the last stable offset
+        back; re-committing is harmless then (same offsets, no records), so no attempt is made to tell the two
+        apart. Returns the partitions re-committed.
+        """
+        if self.consumer is None or not self.tasks:
+            return []
+        now = time.monotonic()
+        outs = {tp for entries in self.unconfirmed.values() for tp in entries}
+        owned = [TopicPartition(t, p) for p in self.committed for t in self.inputs]
+        try:
+            lso = await asyncio.wait_for(self.consumer.end_offsets(list(outs)), 10) if outs else {}
+            done = {tp: await asyncio.wait_for(self.consumer.committed(tp), 10) for tp in owned}
+        except Exception as e:  # noqa: BLE001 - broker away: the next round asks again
+            log.debug("%s: confirming commits: %s", self.service, e)
+            return []
+        due: dict[int, list[TopicPartition]] = {}
+        for p, entries in list(self.unconfirmed.items()):
+            for tp, (off, since) in list(entries.items()):
+                if lso.get(tp, 0) > off:
+                    del entries[tp]
+                elif now - since >= self.confirm_s:
+                    due.setdefault(p, []).append(tp)
+        for p, offs in self.committed.items():
+            behind = any((done.get(TopicPartition(t, p)) or 0) < o for t, o in offs.items())
+            seen, since = self._offsets_since.get(p, (None, now))
+            key = tuple(sorted(offs.items()))
+            if not behind or seen != key:
+                self._offsets_since[p] = (key, now)
+            elif now - since >= self.confirm_s:
+                due.setdefault(p, [])
+        for p, tps in sorted(due.items()):
+            await self._recommit(p, tps)
+        return sorted(due)
+
+    async def _recommit(self, p: int, tps: list[TopicPartition]) -> None:
+        async with self.lock:
+            prod, offs = self.producers.get(p), self.committed.get(p)
+            if prod is None or offs is None or p not in self.tasks:
+                return
+            log.warning("%s%s partition %d: committed transaction not visible after %.0fs (outputs %s); "
+                        "committing again over the same partitions and offsets", self.service, self.instance, p,
+                        self.confirm_s, [f"{tp.topic}-{tp.partition}" for tp in tps])
+            try:
+                await asyncio.wait_for(self._commit_again(prod, p, tps, offs), self.txn_timeout_s)
+            except Exception as e:  # noqa: BLE001 - a fence or a dead broker: the usual paths take over
+                log.warning("%s partition %d: re-commit failed (%s: %s)", self.service, p, type(e).__name__, e)
+                return
+            self.stats.recommitted += 1
+            now = time.monotonic()
+            for tp in tps:  # look again after another confirm_s
+                off, _ = self.unconfirmed[p].get(tp, (-1, now))
+                self.unconfirmed[p][tp] = (off, now)
+            self._offsets_since.pop(p, None)
+
+    async def _commit_again(self, prod: AIOKafkaProducer, p: int, tps: list[TopicPartition],
+                            offs: dict[str, int]) -> None:
+        """A transaction with no records over ``tps`` and partition ``p``'s committed offsets: the coordinator
+        adds the partitions and writes commit markers there (aiokafka adds a partition only when a record is
+        sent, hence its transaction manager's own hook)."""
+        await prod.begin_transaction()
+        for tp in tps:
+            prod._txn_manager.maybe_add_partition_to_txn(tp)
+        await prod.send_offsets_to_transaction({TopicPartition(t, p): o for t, o in offs.items()}, self.group_id)
         await prod.commit_transaction()
 
 
