@@ -257,8 +257,12 @@ async def latest_revision(client_kwargs: dict[str, Any], family: str, *, idle_po
         await c.seek_to_beginning(*tps)
         end = await c.end_offsets(tps)
         idle = 0
+
+        async def behind() -> bool:
+            return any([await c.position(tp) < end[tp] for tp in tps])
+
         # a trailing transaction marker can keep the position just short of the end: stop when idle too
-        while idle < idle_polls and any(await c.position(tp) < end[tp] for tp in tps):
+        while idle < idle_polls and await behind():
             got = await c.getmany(timeout_ms=500)
             idle = 0 if got else idle + 1
             for rec in (r for recs in got.values() for r in recs):

@@ -63,11 +63,12 @@ def _local(command: list[str], ckdir: Path) -> list[str]:
 
 
 @pytest.mark.integration
-def test_every_compose_service_starts_and_the_loop_closes(kafka_bootstrap, tmp_path):
+def test_every_compose_service_starts_and_the_loop_closes(kafka_bootstrap, tmp_path, monkeypatch):
     from consumers.trainer import latest_revision
     from streams.config import KafkaSettings
 
     prefix = f"compose-{uuid.uuid4().hex[:8]}."
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)  # this process reads the revisions topic too
     services = yaml.safe_load(_config({**os.environ, "ROLLOUT_TOPIC_PREFIX": prefix}))["services"]
     ckdir = tmp_path / "checkpoints"
     logs = {name: (tmp_path / f"{name}.log") for name in ("topics", *PIPELINE)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from consumers import testing
@@ -98,3 +99,23 @@ async def test_trainer_task_resumes_from_snapshot_state(tmp_path):
     task2.load_state(task.state())
     outs2 = await task2.process(Rec(codec.encode(b)))
     assert [o.event.revision for o in outs2] == [2] and outs2[0].event.parent_revision == 1
+
+
+@pytest.mark.integration
+async def test_trainer_bootstraps_revision_zero_once(kafka_settings, monkeypatch, tmp_path):
+    """A fresh log gets revision 0 (seeded, on disk, digest verified); a log that has one gets nothing new."""
+    import uuid
+
+    from consumers.services import ensure_topics
+    from consumers.trainer import bootstrap_revision, latest_revision
+
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", f"boot{uuid.uuid4().hex[:8]}.")
+    kw = kafka_settings.client_kwargs()
+    await ensure_topics("trainer", kw)
+    assert await latest_revision(kw, "tiny") is None
+    rev0 = await bootstrap_revision(kw, "tiny", tmp_path)
+    assert rev0 is not None and rev0.revision == 0
+    assert file_sha256(rev0.checkpoint.uri.removeprefix("file://")) == rev0.checkpoint.digest
+    assert await bootstrap_revision(kw, "tiny", tmp_path) is None
+    assert (await latest_revision(kw, "tiny")).checkpoint.digest == rev0.checkpoint.digest
+    assert await latest_revision(kw, "other-family") is None
