@@ -550,7 +550,8 @@ class TransactionalProcessor:
         owned = [TopicPartition(t, p) for p in self.committed for t in self.inputs]
         try:
             lso = await asyncio.wait_for(self.consumer.end_offsets(list(outs)), 10) if outs else {}
-            done = {tp: await asyncio.wait_for(self.consumer.committed(tp), 10) for tp in owned}
+            got = await asyncio.wait_for(asyncio.gather(*(self.consumer.committed(tp) for tp in owned)), 10)
+            done = dict(zip(owned, got))
         except Exception as e:  # noqa: BLE001 - broker away: the next round asks again
             log.debug("%s: confirming commits: %s", self.service, e)
             return []

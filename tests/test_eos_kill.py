@@ -25,7 +25,7 @@ import pytest
 
 from consumers.services import ensure_topics
 from streams import topics
-from tests.test_eos_pipeline import batch_record_ids, publish_revision, read_all, seed_groups
+from tests.test_eos_pipeline import batch_record_ids, publish_revision, read_all, reseed_missing, seed_groups
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,15 +163,16 @@ async def test_broker_restart_mid_run_exactly_once(monkeypatch, tmp_path):
         expected |= await seed_groups(kw, 100)
         # mid-run: the services are up and batches are flowing
         await read_all(kw, topics.TRAINER_BATCHES.name, until=lambda rs: len(rs) >= 2, timeout_s=60)
-        more = asyncio.create_task(seed_groups(kw, 100, start=100))
+        seeder = f"seed-{uuid.uuid4().hex[:6]}"
+        more = asyncio.create_task(seed_groups(kw, 100, start=100, transactional_id=seeder))
         await asyncio.sleep(0.3)
         await asyncio.to_thread(broker.down)
         await asyncio.sleep(2.0)
         await asyncio.to_thread(broker.up, 180)  # a loaded 2-core machine can take a while
         try:
             expected |= await more
-        except Exception:  # noqa: BLE001 - the seeder's transaction died with the broker: seed again
-            expected |= await seed_groups(kw, 100, start=100)
+        except Exception:  # noqa: BLE001 - the seeder's transaction died with the broker: write what is missing
+            expected |= await reseed_missing(kw, seeder, 100, start=100)
         recs = await read_all(kw, topics.TRAINER_BATCHES.name,
                               until=lambda rs: sum(batch_record_ids(rs).values()) >= len(expected), timeout_s=180)
         await asyncio.sleep(3)

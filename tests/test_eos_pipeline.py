@@ -17,7 +17,7 @@ from consumers import testing
 from consumers.services import ServiceConfig, build_processor, ensure_topics
 from schemas import codec
 from schemas.batch import verify_batch
-from schemas.events import DeadLetter, TrainerBatch
+from schemas.events import DeadLetter, Rollout, TrainerBatch
 from streams import serde, topics
 
 pytestmark = pytest.mark.integration
@@ -30,15 +30,23 @@ def prefix(monkeypatch):
     return p
 
 
+def group_record_ids(groups: int, size: int = 4, *, start: int = 0) -> set[str]:
+    """The TrainingRecord ids of the groups `seed_groups` writes (ids derive from the group ids alone)."""
+    from consumers.credit import record_id
+
+    return {record_id(ro.rollout_id, st.step_id) for g in range(start, start + groups)
+            for steps, ro in testing.arithmetic_group(f"g{g:06d}", size) for st in steps}
+
+
 async def seed_groups(kw, groups: int, size: int = 4, *, start: int = 0, extra: list | None = None,
-                      revision: int = 0) -> set[str]:
+                      revision: int = 0, transactional_id: str | None = None) -> set[str]:
     """Write `groups` arithmetic groups (steps then rollout, one transaction per 50 groups); return record ids."""
     from aiokafka import AIOKafkaProducer
 
     from consumers.credit import record_id
 
-    prod = AIOKafkaProducer(**kw, transactional_id=f"seed-{uuid.uuid4().hex[:6]}", enable_idempotence=True,
-                            max_request_size=8 * 1024 * 1024)
+    prod = AIOKafkaProducer(**kw, transactional_id=transactional_id or f"seed-{uuid.uuid4().hex[:6]}",
+                            enable_idempotence=True, max_request_size=8 * 1024 * 1024)
     await prod.start()
     expected: set[str] = set()
     try:
@@ -60,6 +68,23 @@ async def seed_groups(kw, groups: int, size: int = 4, *, start: int = 0, extra: 
     finally:
         await prod.stop()
     return expected
+
+
+async def reseed_missing(kw, transactional_id: str, groups: int, *, start: int = 0) -> set[str]:
+    """After `seed_groups(..., transactional_id=...)` raised (its broker went away mid-transaction): settle that
+    transactional id (a new producer with it aborts the open transaction, or lets a commit in flight finish),
+    then write again only the 50-group chunks that are not on the log. Re-seeding everything would put the
+    chunks that did commit on the log twice. Returns the record ids of all `groups`."""
+    from aiokafka import AIOKafkaProducer
+
+    settle = AIOKafkaProducer(**kw, transactional_id=transactional_id, enable_idempotence=True)
+    await settle.start()  # init_transactions: the previous incarnation's transaction is resolved
+    await settle.stop()
+    present = {codec.decode(r.value, Rollout).group_id for r in await read_all(kw, topics.ROLLOUTS.name, idle_s=2)}
+    for chunk in range(start, start + groups, 50):
+        if f"g{chunk:06d}" not in present:  # a chunk is one transaction: all of it or none
+            await seed_groups(kw, min(50, start + groups - chunk), start=chunk)
+    return group_record_ids(groups, start=start)
 
 
 async def publish_revision(kw, rev: int = 0) -> None:
