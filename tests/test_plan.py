@@ -14,7 +14,7 @@ from schemas.plan import (DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, GenerationPlan,
                           compile_plan_dict)
 
 REPO = Path(__file__).resolve().parents[1]
-PEER = Path(__file__).resolve().parents[2] / "shared" / "peer-configs" / "prime-rl"
+PEER = Path(__file__).resolve().parent / "fixtures" / "prime-rl"  # real recipes, vendored unchanged (see its README)
 EXAMPLES = REPO / "examples" / "plans"
 
 
