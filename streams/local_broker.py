@@ -150,7 +150,12 @@ async def fetch_metadata(client_kwargs: dict[str, Any], timeout_s: float = 10.0)
 
 
 def _kafka_uuid() -> str:
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    """A cluster id as Kafka makes them; never starting with '-' (the storage tool would read it as an option,
+    which is why Kafka's own Uuid.randomUuid() skips those too)."""
+    while True:
+        out = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not out.startswith("-"):
+            return out
 
 
 @dataclass
@@ -288,7 +293,7 @@ class LocalBroker:
                 cluster_id_file.write_text(_kafka_uuid() + "\n")
             fmt = subprocess.run(
                 [java, *self._jvm_args(libs), "kafka.tools.StorageTool", "format", "--ignore-formatted",
-                 "--standalone", "-t", cluster_id_file.read_text().strip(), "-c", str(self.config_file)],
+                 "--standalone", f"--cluster-id={cluster_id_file.read_text().strip()}", "-c", str(self.config_file)],
                 capture_output=True, text=True,
             )
             with self.log_file.open("a") as log:

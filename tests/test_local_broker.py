@@ -116,3 +116,11 @@ def test_unreachable_bootstrap_is_one_line(monkeypatch, capsys):
     assert rollout_main(["topics", "list"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("rollout: error: cannot reach Kafka at localhost:") and "\n" not in err
+
+
+def test_cluster_ids_never_look_like_options():
+    """1 in 64 random ids starts with '-', which the storage tool took for an option (a CI run failed so)."""
+    from streams.local_broker import _kafka_uuid
+
+    ids = [_kafka_uuid() for _ in range(3000)]
+    assert all(len(i) == 22 and not i.startswith("-") for i in ids) and len(set(ids)) == len(ids)

@@ -55,7 +55,7 @@ CP="$KAFKA_HOME/libs/*"
 LOG4J="-Dlog4j2.configurationFile=$KAFKA_HOME/config/log4j2.xml"
 
 if [[ -z ${KAFKA_SKIP_FORMAT:-} ]]; then
-  fmt=(format --ignore-formatted -t "$CLUSTER_ID" -c "$CONF")
+  fmt=(format --ignore-formatted --cluster-id="$CLUSTER_ID" -c "$CONF")
   # Without a static voter set (controller.quorum.voters), a single node bootstraps a dynamic quorum.
   grep -q '^controller\.quorum\.voters=' "$CONF" || fmt+=(--standalone)
   java $LOG4J -cp "$CP" kafka.tools.StorageTool "${fmt[@]}"
