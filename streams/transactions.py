@@ -117,6 +117,15 @@ def decode_snapshot(raw: bytes | None) -> tuple[dict[str, set[int]], dict[str, A
     return {t: _unranges(r) for t, r in d.get("buffered", {}).items()}, d.get("state", {})
 
 
+def _lasting(since: dict[int, tuple[Any, float]], p: int, key: Any, holds: bool, now: float, after_s: float) -> bool:
+    """True once ``holds`` has stayed true for partition ``p``, with ``key`` unchanged, for ``after_s``."""
+    seen, t0 = since.get(p, (None, now))
+    if not holds or seen != key:
+        since[p] = (key, now)
+        return False
+    return now - t0 >= after_s
+
+
 def changelog_topic(service: str, partitions: int) -> Topic:
     return Topic(f"{service}-changelog", partitions,
                  {"cleanup.policy": "compact", "segment.ms": "60000", "min.cleanable.dirty.ratio": "0.1",
@@ -389,16 +398,9 @@ class TransactionalProcessor:
         except Exception:  # noqa: BLE001 - cannot even ask: a stall too, once it lasts
             self._ends_failing_since = self._ends_failing_since or now
             return sorted(self.committed) if now - self._ends_failing_since >= after_s else []
-        out = []
-        for p, offs in list(self.committed.items()):
-            key = tuple(sorted(offs.items()))
-            behind = any(ends.get(TopicPartition(t, p), 0) > o for t, o in offs.items())
-            seen, since = self._progress.get(p, (None, now))
-            if seen != key or not behind:
-                self._progress[p] = (key, now)
-            elif now - since >= after_s:
-                out.append(p)
-        return out
+        return [p for p, offs in list(self.committed.items())
+                if _lasting(self._progress, p, tuple(sorted(offs.items())),
+                            any(ends.get(TopicPartition(t, p), 0) > o for t, o in offs.items()), now, after_s)]
 
     def lost_cluster(self) -> bool:
         """True when the consumer's client knows no broker at all (aiokafka does not re-bootstrap then)."""
@@ -529,10 +531,8 @@ class TransactionalProcessor:
         written = await asyncio.gather(*futs)
         await prod.commit_transaction()
         now = time.monotonic()
-        for md in written:
-            tp = TopicPartition(md.topic, md.partition)
-            if md.offset >= self.unconfirmed[p].get(tp, (-1, now))[0]:
-                self.unconfirmed[p][tp] = (md.offset, now)
+        for md in written:  # in send order: the last one per partition is its highest offset
+            self.unconfirmed[p][TopicPartition(md.topic, md.partition)] = (md.offset, now)
 
     async def confirm_commits(self) -> list[int]:
         """Re-commit the owned partitions whose committed transactions are not visible after ``confirm_s``.
@@ -564,11 +564,7 @@ class TransactionalProcessor:
                     due.setdefault(p, []).append(tp)
         for p, offs in self.committed.items():
             behind = any((done.get(TopicPartition(t, p)) or 0) < o for t, o in offs.items())
-            seen, since = self._offsets_since.get(p, (None, now))
-            key = tuple(sorted(offs.items()))
-            if not behind or seen != key:
-                self._offsets_since[p] = (key, now)
-            elif now - since >= self.confirm_s:
+            if _lasting(self._offsets_since, p, tuple(sorted(offs.items())), behind, now, self.confirm_s):
                 due.setdefault(p, [])
         for p, tps in sorted(due.items()):
             await self._recommit(p, tps)
