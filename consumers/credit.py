@@ -117,6 +117,8 @@ class CreditAssigner:
         self.timeout_s = float(self.params.get("group_timeout_s", 300.0))
 
     def add(self, scored: RolloutScored, now: float) -> list[TrainingRecord]:
+        if scored.evaluation:
+            return []  # held-out evaluation: scored for the record, never trained on (and never in a baseline)
         if self.strategy == "grpo":
             group = self.groups.add(scored, now)
             return self._grpo(group, "grpo") if group else []

@@ -352,7 +352,7 @@ def to_scored(rollout: Rollout, steps: Sequence[Step], verdict: Verdict, *, prod
         group_size=rollout.group_size, environment=rollout.environment, example_id=rollout.example_id,
         parent_rollout_id=rollout.parent_rollout_id, status=rollout.status, rewards=verdict.rewards,
         metrics=verdict.metrics, verifier=verdict.verifier or "verifier", verifier_version=VERIFIER_VERSION,
-        trainable_steps=trainable_steps(steps) if rollout.status != "failed" else [])
+        trainable_steps=trainable_steps(steps) if rollout.status != "failed" else [], evaluation=rollout.evaluation)
 
 
 def http_judge(targets: Mapping[str, Any], *, timeout_s: float = 60.0) -> Judge:

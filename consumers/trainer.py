@@ -5,9 +5,13 @@
   is 1 exactly on the completion tokens the record trains on; ``advantages[i, t]`` is the record's
   advantage broadcast over its tokens. ``packed=True`` concatenates the rows into one [1, sum(T)]
   sequence with ``cu_seqlens`` (for varlen kernels) instead of padding.
-* ``ReferenceTrainer``: a GRPO/PPO-style clipped policy-gradient step on the local tiny policy model
-  (``policy/``); after each step it writes a checkpoint (with its SHA-256) and returns the next
-  ``PolicyRevision``.
+* ``ReferenceTrainer``: a GRPO/PPO-style clipped policy-gradient step on the policy the checkpoint holds:
+  the tiny byte-level GRU (``policy/``, ``.pt``) or a Hugging Face causal LM (``policy.hf``, a
+  ``model.safetensors`` folder, trained with bf16 autocast on CPU); after each step it writes a checkpoint
+  of the same kind (with its SHA-256) and returns the next ``PolicyRevision``, whose ``metrics`` carry the
+  step's figures and the trainer-inference logprob mismatch: |logprob the trainer computes - logprob the
+  inference server reported| over the batch tokens that the trainer's current revision generated (the same
+  weights on both sides, so what remains is the engines' numerical difference).
 * ``TrainerTask`` runs inside ``streams.transactions``: the revision event and the batch's offset commit
   in one transaction; the current revision (with its checkpoint digest) is the task's snapshot state, so
   a restarted trainer resumes from exactly the weights the log says it published.
@@ -15,7 +19,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -79,11 +85,71 @@ def to_tensors(batch: TrainerBatch, *, pad_id: int = 0, packed: bool = False) ->
 TrainStep = Callable[[TrainerTensors, TrainerBatch], dict[str, float]]
 
 
+class TinyPolicy:
+    """The byte-level GRU of ``policy/``: ``.pt`` checkpoints."""
+
+    micro_batch = 0  # whole batch at once: the model is small
+
+    @staticmethod
+    def load(ref: CheckpointRef | str | Path) -> Any:
+        from policy.checkpoint import load_checkpoint
+
+        return load_checkpoint(ref)
+
+    @staticmethod
+    def save(model: Any, directory: Path, family: str, revision: int) -> CheckpointRef:
+        from policy.checkpoint import save_checkpoint
+
+        return save_checkpoint(model, directory, family, revision)
+
+    @staticmethod
+    def logprobs(model: Any, t: TrainerTensors) -> torch.Tensor:
+        logits, _ = model(t.input_ids[:, :-1])
+        return torch.log_softmax(logits.float(), dim=-1).gather(2, t.input_ids[:, 1:].unsqueeze(2)).squeeze(2)
+
+
+class HFPolicy:
+    """A transformers causal LM (``policy.hf``): ``model.safetensors`` folders, bf16 autocast on CPU."""
+
+    micro_batch = 8  # rows per forward/backward (gradients accumulate): bounds activation memory
+
+    @staticmethod
+    def load(ref: CheckpointRef | str | Path) -> Any:
+        from policy.hf import load_model
+
+        return load_model(ref)
+
+    @staticmethod
+    def save(model: Any, directory: Path, family: str, revision: int) -> CheckpointRef:
+        from policy.hf import save_checkpoint
+
+        return save_checkpoint(model, directory, family, revision)
+
+    @staticmethod
+    def logprobs(model: Any, t: TrainerTensors) -> torch.Tensor:
+        from policy.hf import token_logprobs
+
+        return token_logprobs(model, t.input_ids, t.attention_mask.long())
+
+
+def policy_kind(ref: CheckpointRef | str | Path) -> type[TinyPolicy] | type[HFPolicy]:
+    """What a checkpoint holds, from its file: ``.safetensors`` is an HF model, anything else the tiny GRU."""
+    from policy.hf import is_hf_checkpoint
+
+    return HFPolicy if is_hf_checkpoint(ref) else TinyPolicy
+
+
+def _rows(t: TrainerTensors, rows: slice) -> TrainerTensors:
+    return TrainerTensors(t.input_ids[rows], t.attention_mask[rows], t.loss_mask[rows], t.advantages[rows],
+                          t.old_logprobs[rows], t.prompt_lens[rows], t.seq_lens[rows])
+
+
 class ReferenceTrainer:
-    """Clipped policy gradient (PPO/GRPO objective, token-mean over the loss mask) on ``policy.PolicyModel``."""
+    """Clipped policy gradient (PPO/GRPO objective, token-mean over the loss mask) on the checkpoint's model."""
 
     def __init__(self, model: Any, family: str, revision: int, checkpoint_dir: str | Path, *, lr: float = 1e-3,
-                 clip: float = 0.2, max_grad_norm: float = 1.0, epochs: int = 1) -> None:
+                 clip: float = 0.2, max_grad_norm: float = 1.0, epochs: int = 1,
+                 kind: type[TinyPolicy] | type[HFPolicy] = TinyPolicy) -> None:
         self.model = model
         self.family = family
         self.revision = revision
@@ -92,12 +158,12 @@ class ReferenceTrainer:
         self.max_grad_norm = max_grad_norm
         self.lr = lr
         self.epochs = epochs  # optimizer passes over each batch (PPO epochs; the clip bounds how far they go)
-        self.opt = torch.optim.Adam(model.parameters(), lr=lr)
+        self.kind = kind
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0) if kind is HFPolicy \
+            else torch.optim.Adam(model.parameters(), lr=lr)
 
-    def loss(self, t: TrainerTensors) -> tuple[torch.Tensor, dict[str, float]]:
-        logits, _ = self.model(t.input_ids[:, :-1])
-        logp_all = torch.log_softmax(logits.float(), dim=-1)
-        new_lp = logp_all.gather(2, t.input_ids[:, 1:].unsqueeze(2)).squeeze(2)  # logp of token t+1
+    def loss(self, t: TrainerTensors, denom: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        new_lp = self.kind.logprobs(self.model, t)  # logp of token t+1
         mask = t.loss_mask[:, 1:]
         old_lp = t.old_logprobs[:, 1:]
         adv = t.advantages[:, 1:]
@@ -105,35 +171,65 @@ class ReferenceTrainer:
         unclipped = ratio * adv
         clipped = torch.clamp(ratio, 1 - self.clip, 1 + self.clip) * adv
         per_tok = -torch.minimum(unclipped, clipped)
-        denom = mask.sum().clamp(min=1.0)
+        denom = mask.sum().clamp(min=1.0) if denom is None else denom
         loss = (per_tok * mask).sum() / denom
         with torch.no_grad():
             frac = (((ratio - 1).abs() > self.clip).float() * mask).sum() / denom
             kl = ((old_lp - new_lp) * mask).sum() / denom
-        return loss, {"loss": float(loss.detach()), "clip_frac": float(frac), "approx_kl": float(kl)}
+        return loss, {"loss": float(loss.detach()), "clip_frac": float(frac), "approx_kl": float(kl),
+                      "new_lp": new_lp.detach()}
+
+    def _epoch(self, t: TrainerTensors) -> tuple[dict[str, float], torch.Tensor]:
+        """One optimizer step over the batch (micro-batches accumulate into it)."""
+        self.opt.zero_grad()
+        n = t.input_ids.shape[0]
+        size = self.kind.micro_batch or n
+        denom = t.loss_mask[:, 1:].sum().clamp(min=1.0)
+        totals = {"loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0}
+        new_lp = torch.zeros_like(t.old_logprobs[:, 1:])
+        for i in range(0, n, size):
+            part = _rows(t, slice(i, i + size))
+            loss, st = self.loss(part, denom)
+            loss.backward()
+            new_lp[i:i + size, :part.input_ids.shape[1] - 1] = st.pop("new_lp")
+            for k in totals:
+                totals[k] += st[k]
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.opt.step()
+        return totals, new_lp
 
     def step(self, t: TrainerTensors, batch: TrainerBatch) -> dict[str, float]:
+        t0 = time.perf_counter()
         self.model.train()
         for epoch in range(self.epochs):
-            self.opt.zero_grad()
-            loss, epoch_stats = self.loss(t)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-            self.opt.step()
-            # the first pass is on-policy (its loss is the batch's); later ones show how far the epochs moved
-            stats = epoch_stats if epoch == 0 else {**stats, "clip_frac": epoch_stats["clip_frac"],
-                                                    "approx_kl": epoch_stats["approx_kl"]}
+            epoch_stats, new_lp = self._epoch(t)
+            if epoch == 0:  # on-policy: the current weights, before any update
+                stats = {**epoch_stats, **self.mismatch(t, batch, new_lp)}
+            else:  # later passes show how far the epochs moved
+                stats.update(clip_frac=epoch_stats["clip_frac"], approx_kl=epoch_stats["approx_kl"])
         self.model.eval()
         stats["reward_mean"] = batch.reward.mean
+        stats["step_s"] = time.perf_counter() - t0
+        stats["tokens"] = float(t.loss_mask.sum())
         return stats
 
-    def publish(self, *, run_id: str, producer: str = "trainer") -> PolicyRevision:
-        from policy.checkpoint import save_checkpoint
+    def mismatch(self, t: TrainerTensors, batch: TrainerBatch, new_lp: torch.Tensor) -> dict[str, float]:
+        """|trainer logprob - inference logprob| over the tokens that this trainer's current weights generated."""
+        same = torch.tensor([r.policy.family == self.family and r.policy.revision == self.revision
+                             for r in batch.records], dtype=torch.bool)
+        mask = (t.loss_mask[:, 1:] > 0) & same.unsqueeze(1)
+        if not bool(mask.any()):
+            return {"mismatch_tokens": 0.0}
+        d = (new_lp - t.old_logprobs[:, 1:]).abs()[mask]
+        return {"mismatch_mean": float(d.mean()), "mismatch_max": float(d.max()), "mismatch_tokens": float(d.numel())}
 
+    def publish(self, *, run_id: str, producer: str = "trainer",
+                metrics: dict[str, float] | None = None) -> PolicyRevision:
         nxt = self.revision + 1
-        ref = save_checkpoint(self.model, self.dir, self.family, nxt)
+        ref = self.kind.save(self.model, self.dir, self.family, nxt)
         rev = PolicyRevision(run_id=run_id, producer=producer, family=self.family, revision=nxt, checkpoint=ref,
-                             parent_revision=self.revision)
+                             parent_revision=self.revision,
+                             metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)})
         self.revision = nxt
         return rev
 
@@ -157,7 +253,10 @@ class TrainerTask:
 
     def __init__(self, partition: int, family: str, checkpoint_dir: str | Path, *, lr: float = 1e-3,
                  epochs: int = 1, train_step: TrainStep | None = None, producer: str = "trainer",
-                 min_records: int = 1) -> None:
+                 min_records: int = 1,
+                 target_checkpoint: Callable[[Any], CheckpointRef] | None = None) -> None:
+        # target_checkpoint: where the first batch's target revision's weights are (default: this trainer's
+        # checkpoint_dir naming of the tiny model); the revisions topic says it, see checkpoint_from_log
         self.min_records = min_records
         self.pending: list[tuple[Any, TrainerBatch]] = []
         self.family = family
@@ -165,6 +264,7 @@ class TrainerTask:
         self.lr = lr
         self.epochs = epochs
         self.user_step = train_step
+        self.target_checkpoint = target_checkpoint
         self.producer = producer
         self.trainer: ReferenceTrainer | None = None
         self.current: dict[str, Any] = {}
@@ -189,20 +289,21 @@ class TrainerTask:
 
     def _ensure(self, batch: TrainerBatch) -> ReferenceTrainer:
         if self.trainer is None:
-            from policy.checkpoint import load_checkpoint
-
             if self.current:
-                model = load_checkpoint(CheckpointRef(**self.current["checkpoint"]))
+                ref = CheckpointRef(**self.current["checkpoint"])
                 rev = int(self.current["revision"])
-            else:  # first batch ever: start from the weights the batch targets
-                ck = batch.target
+            elif self.target_checkpoint is not None:  # first batch ever: the weights the batch targets
+                ref, rev = self.target_checkpoint(batch.target), batch.target.revision
+            else:
                 from policy.checkpoint import checkpoint_filename
 
+                ck = batch.target
                 ref = CheckpointRef(uri=(self.dir / checkpoint_filename(ck.family, ck.revision)).resolve().as_uri(),
                                     digest=ck.checkpoint_digest or "0" * 64)
-                model = load_checkpoint(ref)
                 rev = ck.revision
-            self.trainer = ReferenceTrainer(model, self.family, rev, self.dir, lr=self.lr, epochs=self.epochs)
+            kind = policy_kind(ref)
+            self.trainer = ReferenceTrainer(kind.load(ref), self.family, rev, self.dir, lr=self.lr,
+                                            epochs=self.epochs, kind=kind)
         return self.trainer
 
     async def process(self, rec: Any) -> list:
@@ -229,8 +330,9 @@ class TrainerTask:
         else:  # one step over all of them (records keep their own lineage; the step's target is the newest)
             merged = batches[-1].model_copy(update={"records": [r for b in batches for r in b.records]})
         tensors = to_tensors(merged)
-        stats = (self.user_step or trainer.step)(tensors, merged)
-        rev = trainer.publish(run_id=batch.run_id, producer=self.producer)
+        # in a worker thread: a real model's step takes seconds, and the services' clients must keep running
+        stats = await asyncio.to_thread(self.user_step or trainer.step, tensors, merged)
+        rev = await asyncio.to_thread(trainer.publish, run_id=batch.run_id, producer=self.producer, metrics=stats)
         stats.update(revision=rev.revision, batch_target=batch.target.revision, records=len(merged.records),
                      batches=len(batches))
         self.history.append(stats)

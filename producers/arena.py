@@ -18,10 +18,13 @@ Policy revisions
 ----------------
 ``revisions`` (a ``RevisionFollower`` on the policy-revisions topic, read_committed, no consumer group)
 delivers the trainer's ``PolicyRevision`` events for ``plan.family``. On each new one the arena makes it
-current: new calls use it (the local policy server is told to load its checkpoint when the arena owns
-the learner endpoint, ``load_weights=True``), and Steps of trainable members carry its ``PolicyRef`` (the
-revision the serving endpoint reports in its response wins, since it is the one that actually produced
-the tokens). Fixed targets' Steps carry ``policy=None``.
+current. When the arena owns the learner's weights (``weights``: a ``producers.weights.WeightLoader``; by
+default the local policy server's loader when the learner is the arena's own endpoint) it loads the
+checkpoint into the server under the ``RevisionGate``: calls in flight finish first, new calls wait, so
+each Step is stamped with exactly the revision whose weights produced all of its tokens. A revision the
+serving endpoint reports in its response wins (it is the one that produced the tokens). When nothing
+proves the revision (an endpoint the arena does not load and that does not report it), Steps carry the
+arena's current revision with ``policy_exact=False``. Fixed targets' Steps carry ``policy=None``.
 
 Admission pacing (backpressure)
 -------------------------------
@@ -47,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from contextlib import asynccontextmanager
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +61,7 @@ from producers.emitter import Emitter
 from producers.environment import Environment, Example, environment_from_spec
 from producers.episodes import Episode, EpisodeState, GenerateResult
 from producers.inference import Completion, InferenceClient, InferenceError
+from producers.weights import LocalPolicyWeights, RevisionGate, WeightLoader, WeightLoadError
 from schemas.envelope import new_id
 from schemas.events import ChatMessage, Rollout, Step
 from schemas.policy import PolicyRef, PolicyRevision
@@ -186,6 +191,7 @@ class EpisodeRequest:
     scoring: ScoringSpec | Callable[[Example, EpisodeState], ScoringSpec] | None = None  # default: env's
     parent_rollout_id: str | None = None
     rollout_id: str = field(default_factory=new_id)
+    evaluation: bool = False  # a held-out question: sampled with the arena's eval_sampling, never trained on
 
 
 class _Context:
@@ -210,16 +216,26 @@ class _Context:
             samp.update(self.arena.env_sampling.get(self.req.env.ref, {}))
         samp.update(episode.sampling.get(member_id, {}))
         samp.update(sampling or {})
+        if self.req.evaluation:
+            samp.update(self.arena.eval_sampling)
         index = len(self.steps)
         client = self.arena.client_for(target)
+        gated = target.is_learner and self.arena.weights is not None
         t0 = time.perf_counter()
-        comp = await client.chat(list(messages), sampling=samp, tools=tools,
-                                 seed=self.sample_seed * 1000 + index, require_tokens=trainable)
+        try:
+            async with self.arena.gate.call() if gated else _no_gate():
+                held = self.arena.current_policy  # no swap can start before this call ends
+                comp = await client.chat(list(messages), sampling=samp, tools=tools,
+                                         seed=self.sample_seed * 1000 + index, require_tokens=trainable)
+        except WeightLoadError as e:
+            raise InferenceError(str(e)) from None
         latency = time.perf_counter() - t0
-        policy = None
+        policy, exact = None, True
         if trainable:
-            policy = comp.policy if (comp.policy and comp.policy.family == self.arena.plan.family) \
-                else self.arena.current_policy
+            if comp.policy and comp.policy.family == self.arena.plan.family:
+                policy = comp.policy
+            else:
+                policy, exact = held, gated
         step = Step(
             run_id=self.arena.run_id, producer=self.arena.producer_name, step_id=f"{self.rollout_id}-{index:03d}",
             rollout_id=self.rollout_id, root_group_id=self.req.root_group_id, index=index, member_id=member_id,
@@ -227,7 +243,7 @@ class _Context:
             completion=[comp.message.model_copy(update={"name": member_id})],
             prompt_token_ids=comp.prompt_token_ids, completion_token_ids=comp.completion_token_ids,
             completion_logprobs=comp.logprobs, finish_reason=comp.finish_reason,
-            tool_calls=list(comp.message.tool_calls), latency_s=latency)
+            tool_calls=list(comp.message.tool_calls), latency_s=latency, policy_exact=exact)
         self.steps.append(step)
         self.arena.stats.steps += 1
         self.arena.stats.completion_tokens += len(comp.completion_token_ids)
@@ -239,7 +255,8 @@ class _Context:
         group_id = new_id()
         reqs = [EpisodeRequest(env=self.req.env, example=ex, group_id=group_id, root_group_id=self.req.root_group_id,
                                group_size=len(examples), sample_seed=self.arena.rng.getrandbits(31), episode=episode,
-                               scoring=scoring, parent_rollout_id=self.rollout_id) for ex in examples]
+                               scoring=scoring, parent_rollout_id=self.rollout_id, evaluation=self.req.evaluation)
+                for ex in examples]
         results = await asyncio.gather(*(self.arena.run_rollout(r) for r in reqs))
         self.state.children.extend(results)
         return list(results)
@@ -256,6 +273,8 @@ class ArenaStats:
     steps: int = 0
     completion_tokens: int = 0
     in_flight: int = 0
+    evaluations: int = 0  # held-out rollouts (counted here, not in rollouts)
+    evaluated_revisions: list[int] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
     def as_dict(self) -> dict[str, Any]:
@@ -267,8 +286,9 @@ class Arena:
     def __init__(self, plan: Any, environments: Mapping[str, Environment] | None = None, *, emitter: Emitter,
                  policy_base_url: str | None = None, concurrency: int = 32, progress: bool = False,
                  run_id: str | None = None, producer_name: str = "arena", revisions: RevisionFollower | None = None,
-                 load_weights: bool = True, seed: int = 0, base_revision: int | None = None,
-                 client_options: Mapping[str, Any] | None = None, manage_emitter: bool = True) -> None:
+                 weights: WeightLoader | None | str = "auto", seed: int = 0, base_revision: int | None = None,
+                 client_options: Mapping[str, Any] | None = None, manage_emitter: bool = True,
+                 evaluate: bool = False, eval_sampling: Mapping[str, Any] | None = None) -> None:
         self.plan = plan
         if environments is None:
             environments = {spec.id: environment_from_spec(spec) for spec in plan.environments}
@@ -291,7 +311,16 @@ class Arena:
         self.run_id = run_id or new_id()
         self.producer_name = producer_name
         self.revisions = revisions
-        self.load_weights = load_weights
+        if weights == "auto":  # the learner is this arena's own endpoint: load revisions into it
+            weights = LocalPolicyWeights(policy_base_url) \
+                if policy_base_url and plan.learner.is_learner and not plan.learner.base_urls else None
+        self.weights: WeightLoader | None = weights  # type: ignore[assignment]
+        self.gate = RevisionGate()
+        self.reload_s: list[float] = []
+        # evaluation: every environment's eval_dataset answered once by each revision made current (greedy by
+        # default); the next swap waits for it, so every revision is scored on the whole held-out set
+        self.evaluate = evaluate
+        self.eval_sampling = dict(eval_sampling if eval_sampling is not None else {"temperature": 0.0})
         self.rng = random.Random(seed)
         self.current_policy = PolicyRef(family=plan.family, revision=base_revision or 0)
         self.pacer = AdmissionPacer(plan.batch_size, plan.max_off_policy_steps, base_revision or 0)
@@ -357,18 +386,45 @@ class Arena:
         if rev.revision < self.current_policy.revision:
             return
         if rev.revision > self.current_policy.revision or (rev.checkpoint and not self.current_policy.checkpoint_digest):
-            if self.load_weights and rev.checkpoint is not None and self.plan.learner.is_learner \
-                    and not self.plan.learner.base_urls and self.policy_base_url and self._http is not None:
-                r = await self._http.post(self.policy_base_url.rstrip("/") + "/load_weights", json={
-                    "family": rev.family, "revision": rev.revision, "checkpoint": rev.checkpoint.model_dump()})
-                if r.status_code != 200:
-                    raise RuntimeError(f"policy server could not load {rev.family}@r{rev.revision}: {r.text[:300]}")
+            if self.weights is not None and rev.checkpoint is not None and self._http is not None:
+                async with self.gate.swap():  # a failed load leaves the gate shut: nothing is stamped with it
+                    figures = await self.weights.load(self._http, rev)
+                    self.current_policy = rev.ref()
+                self.reload_s.append(figures.get("reload_s", 0.0))
             self.current_policy = rev.ref()
             self.revision_log.append((time.monotonic(), rev.revision))
+            await self.pacer.on_revision(rev.revision)
+            self._revision_seen.set()
+            if self.evaluate:
+                await self.run_evaluation()
+            return
         await self.pacer.on_revision(rev.revision)
         self._revision_seen.set()
 
     # running ----------------------------------------------------------------------------------------
+
+    def eval_requests(self) -> list[EpisodeRequest]:
+        return [EpisodeRequest(env=env, example=ex, group_id=gid, root_group_id=gid, group_size=1,
+                               sample_seed=self.rng.getrandbits(31), evaluation=True)
+                for env in self.environments.values() for ex in env.eval_dataset for gid in [new_id()]]
+
+    async def run_evaluation(self) -> int:
+        """Answer every held-out example once with the current revision and emit the rollouts."""
+        reqs = self.eval_requests()
+        if reqs:
+            await self.generate(reqs)
+            self.stats.evaluated_revisions.append(self.current_policy.revision)
+        return len(reqs)
+
+    async def wait_for_revision(self, revision: int, timeout_s: float) -> bool:
+        """Wait until ``revision`` is current (and, with evaluate, evaluated); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self._fatal is None:
+            evaluated = not self.evaluate or revision in self.stats.evaluated_revisions
+            if self.current_policy.revision >= revision and evaluated:
+                return True
+            await asyncio.sleep(0.2)
+        return False
 
     def sample_request_group(self) -> list[EpisodeRequest]:
         env_id = self.rng.choices(list(self.environments), weights=[self.env_weights[k] for k in self.environments])[0]
@@ -424,8 +480,11 @@ class Arena:
             members=members, artifacts=_jsonable(artifacts), parent_rollout_id=req.parent_rollout_id,
             child_rollout_ids=[c.rollout.rollout_id for c in state.children], group_id=req.group_id,
             root_group_id=req.root_group_id, group_size=req.group_size, policy=policy, status=status,
-            failure_reason=failure)
-        self.stats.rollouts += 1
+            failure_reason=failure, evaluation=req.evaluation)
+        if req.evaluation:
+            self.stats.evaluations += 1
+        else:
+            self.stats.rollouts += 1
         self.stats.failed += status == "failed"
         self.stats.truncated += status == "truncated"
         return GenerateResult(rollout=rollout, steps=ctx.steps, children=list(state.children))
@@ -506,6 +565,11 @@ class Arena:
         if self._fatal is not None:
             raise self._fatal
         return (self.stats, results or []) if collect else self.stats
+
+
+@asynccontextmanager
+async def _no_gate() -> Any:
+    yield
 
 
 def _jsonable(value: Any) -> Any:

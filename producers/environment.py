@@ -100,6 +100,8 @@ class Environment:
     scoring: ScoringFor
     sampling: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+    # held-out questions, never sampled for training: the arena answers them at each revision (evaluation)
+    eval_dataset: Sequence[Example] = ()
     store: ArtifactStore = field(init=False)
 
     def __post_init__(self) -> None:
@@ -108,6 +110,9 @@ class Environment:
             raise ValueError(f"environment reference {self.ref!r} must look like name@version")
         if len(self.store) == 0:
             raise ValueError(f"environment {self.ref} has an empty dataset")
+        overlap = {e.id for e in self.eval_dataset} & {e.id for e in self.store}
+        if overlap:
+            raise ValueError(f"environment {self.ref}: eval examples {sorted(overlap)[:5]} are also training examples")
 
     @property
     def ref(self) -> str:

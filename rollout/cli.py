@@ -23,6 +23,7 @@ SUBCOMMANDS: list[str] = [
     "rollout.serve_cmd",  # rollout serve policy|<service> (services register in serve_cmd.SERVICES)
     "rollout.replay_cmd",  # rollout runs|replay|audit|sql|export|report: a run from the log in DuckDB
     "rollout.plan_cmd",  # rollout plan FILE [--json]: the compiled GenerationPlan
+    "rollout.model_cmd",  # rollout model prepare|info: the packaged model (SmolLM2-135M-Instruct)
 ]
 
 

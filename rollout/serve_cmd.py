@@ -5,6 +5,7 @@ module must define ``register_serve(subparsers)`` that adds its parser and sets 
 Keep module top levels light (heavy imports inside the command functions).
 
     rollout serve policy --port 8000      # the local policy server (producers.policy_server)
+    rollout serve vllm --port 8000        # vLLM on the packaged model (producers.vllm_server)
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import asyncio
 import importlib
 
 SERVICES: dict[str, str] = {
-    "policy": "rollout.serve_cmd",  # this module's register_serve below
+    "policy": "rollout.serve_cmd",  # this module's register_serve below (policy and vllm)
+    "vllm": "rollout.serve_cmd",
     "verifier": "consumers.cli",  # verifier, credit, batcher, trainer (consumers/cli.py)
     "credit": "consumers.cli",
     "batcher": "consumers.cli",
@@ -44,6 +46,7 @@ def register_serve(ssub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="init seed (without --checkpoint)")
     p.add_argument("--max-batch", type=int, default=64, help="requests generated together")
     p.set_defaults(func=cmd_policy)
+    _register_vllm(ssub)
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
@@ -52,3 +55,48 @@ def cmd_policy(args: argparse.Namespace) -> int:
     asyncio.run(serve(args.host, args.port, checkpoint=args.checkpoint, family=args.family,
                       revision=args.revision, seed=args.seed, max_batch=args.max_batch))
     return 0
+
+
+def _register_vllm(ssub: argparse._SubParsersAction) -> None:
+    p = ssub.add_parser(
+        "vllm", help="vLLM's OpenAI-compatible server on the packaged SmolLM2-135M-Instruct (or --model DIR)",
+        description="Starts `python -m vllm.entrypoints.openai.api_server` with VLLM_SERVER_DEV_MODE=1 (weight "
+                    "reloads without a restart), waits until it answers, and stops it cleanly on SIGTERM/Ctrl-C. "
+                    "Point an arena at it with `rollout arena PLAN --policy vllm --policy-url http://HOST:PORT/v1`.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", help="HF model folder (default: the packaged model, prepared on first use)")
+    p.add_argument("--kv-cache-gb", type=int, default=2, help="KV cache size on a CPU host (GiB)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--compile", action="store_true",
+                   help="let vLLM torch.compile the model (faster decoding, 90-130 s start on 2 cores)")
+    p.set_defaults(func=cmd_vllm)
+
+
+def cmd_vllm(args: argparse.Namespace) -> int:
+    import signal
+    import sys
+
+    from policy.hf import ModelUnavailable, prepare_model
+    from producers.vllm_server import VllmServer, VllmStartError
+
+    async def main() -> int:
+        try:
+            model = args.model or prepare_model(log=lambda s: print(s, file=sys.stderr)).path
+            server = VllmServer(model, host=args.host, port=args.port, kv_cache_gb=args.kv_cache_gb,
+                                max_model_len=args.max_model_len, compile=args.compile)
+            print(f"starting vLLM on {model} (log follows)", file=sys.stderr)
+            await server.start(progress=lambda line: print(line, file=sys.stderr))
+        except (VllmStartError, ModelUnavailable) as e:
+            print(f"rollout serve vllm: error: {e}", file=sys.stderr)
+            return 1
+        print(f"vLLM ready: {server.base_url} (model {server.served_model_name})", flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        waiter = asyncio.ensure_future(server.proc.wait())
+        await asyncio.wait([waiter, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        rc = await server.stop()
+        return 0 if stop.is_set() else (rc or 1)
+
+    return asyncio.run(main())

@@ -48,6 +48,9 @@ class Step(Event):
     target: str = Field(min_length=1, description="the GenerationPlan target that served the call")
     trainable: bool = Field(description="whether this member was the learner for this rollout")
     policy: PolicyRef | None = Field(description="revision that produced the tokens; None for fixed targets")
+    policy_exact: bool = Field(default=True, description=(
+        "True when every token is known to come from `policy` (the serving endpoint reported it, or the arena "
+        "drained calls around each weight swap); False when the revision is the arena's best knowledge only"))
     prompt: list[ChatMessage]
     completion: list[ChatMessage]
     prompt_token_ids: TokenIds
@@ -91,6 +94,7 @@ class Rollout(Event):
     policy: PolicyRef | None = Field(description="learner revision current when the episode was admitted")
     status: RolloutStatus
     failure_reason: str | None = None
+    evaluation: bool = Field(default=False, description="a held-out evaluation rollout: scored, never trained on")
 
     @model_validator(mode="after")
     def _status_consistent(self) -> Rollout:
@@ -132,6 +136,7 @@ class RolloutScored(Event):
     verifier: str = Field(min_length=1)
     verifier_version: str = Field(min_length=1)
     trainable_steps: list[StepTokens] = Field(default_factory=list)
+    evaluation: bool = Field(default=False, description="copied from the Rollout: credit assignment skips it")
 
 
 class TrainingRecord(Event):

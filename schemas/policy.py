@@ -40,6 +40,10 @@ class PolicyRevision(Event):
     revision: int = Field(ge=0, description="monotonically increasing within a family")
     checkpoint: CheckpointRef | None = None
     parent_revision: int | None = Field(default=None, ge=0)
+    metrics: dict[str, float] = Field(default_factory=dict, description=(
+        "the training step that made this revision: loss, clip fraction, step seconds, and the trainer-inference "
+        "logprob mismatch (mean/max |logprob(trainer) - logprob(inference)| over the batch's tokens that the "
+        "parent revision generated)"))
 
     @model_validator(mode="after")
     def _parent_precedes(self) -> PolicyRevision:

