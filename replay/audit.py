@@ -16,13 +16,16 @@ Violations (the audit fails):
 * ``record_unbatched``    a record in no batch (and not dead-lettered);
 * ``record_multi_batch``  a record in two or more batches;
 * ``off_policy``          a batch with a record outside its off-policy bound (too stale, ahead, other family);
-* ``unknown_revision``    a step, record or batch target whose policy revision was never published;
+* ``unknown_revision``    a step, record or batch target whose policy revision was never published (every
+                          trainable step must name one: that is how its tokens are tied to weights);
 * ``checkpoint_mismatch`` a revision referenced with a checkpoint digest other than the published one;
 * ``revision_conflict``   a revision published twice with different checkpoints;
-* ``undecodable``         a message of the run that could not be decoded (see replay_errors).
+* ``undecodable``         a message of the run that could not be decoded (see replay_errors);
+* ``evaluation_trained``  a training record (or batched record) of an evaluation rollout, which is held out.
 
 Warnings (reported, not failing): missing steps of a rollout (steps may have a shorter retention),
-dead letters, harmless re-emissions (same content, new event id).
+dead letters, harmless re-emissions (same content, new event id), and steps whose revision is the
+arena's belief only (``policy_exact`` false: ``inexact_policy``, one finding per revision with the count).
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ from schemas.policy import PolicyRef
 
 VIOLATIONS = ("record_digest", "record_conflict", "batch_digest", "lineage_digest", "batch_sources", "record_mismatch",
               "replayed_lineage", "batch_record_missing", "batch_conflict", "record_unbatched", "record_multi_batch",
-              "off_policy", "unknown_revision", "checkpoint_mismatch", "revision_conflict", "undecodable")
-WARNINGS = ("missing_step", "dead_letter", "re_emitted")
+              "off_policy", "unknown_revision", "checkpoint_mismatch", "revision_conflict", "undecodable",
+              "evaluation_trained")
+WARNINGS = ("missing_step", "dead_letter", "re_emitted", "inexact_policy")
 
 
 @dataclass
@@ -96,7 +100,9 @@ class AuditReport:
                   f"({c.get('batch_records', 0)} batched records), {c.get('dead_letters', 0)} dead letters")
         checks = (f"{k.get('record_digests', 0)} record digests, {k.get('batch_digests', 0)} batch digests and "
                   f"{k.get('lineage_digests', 0)} lineage digests recomputed; {k.get('bound_checks', 0)} batched records "
-                  f"checked against the off-policy bound; {k.get('revision_refs', 0)} revision references resolved")
+                  f"checked against the off-policy bound; {k.get('revision_refs', 0)} revision references resolved "
+                  f"({k.get('trainable_steps', 0)} trainable steps, {k.get('inexact_steps', 0)} of all steps not "
+                  "exact about their revision)")
         if self.ok:
             return (f"audit OK (run {self.run_id}): {counts}. {checks}. Every record is in exactly one batch "
                     f"(or dead-lettered), no batch breaks its off-policy bound, every revision is known."
@@ -278,14 +284,16 @@ def audit(con: duckdb.DuckDBPyConnection) -> AuditReport:
             "HAVING count(DISTINCT coalesce(checkpoint_digest, '')) > 1").fetchall():
         report.add("revision_conflict", f"{fam}@r{rev}", f"revision {fam}@r{rev} published with different checkpoints {ckpts}")
     refs = """
-        SELECT 'step' AS kind, step_id AS id, policy_family AS fam, policy_revision AS rev, policy_checkpoint_digest AS ckpt
-          FROM steps WHERE policy_family IS NOT NULL
+        SELECT CASE WHEN trainable THEN 'trainable step' ELSE 'step' END AS kind, step_id AS id,
+               policy_family AS fam, policy_revision AS rev, policy_checkpoint_digest AS ckpt
+          FROM steps WHERE policy_family IS NOT NULL OR trainable
         UNION ALL SELECT 'training record', record_id, policy_family, policy_revision, policy_checkpoint_digest
           FROM training_records
         UNION ALL SELECT 'batch target', batch_id, family, target_revision, target_checkpoint_digest FROM trainer_batches
         UNION ALL SELECT 'rollout', rollout_id, policy_family, policy_revision, policy_checkpoint_digest
           FROM rollouts WHERE policy_family IS NOT NULL"""
     report.checked["revision_refs"] = con.execute(f"SELECT count(*) FROM ({refs})").fetchone()[0]
+    report.checked["trainable_steps"] = con.execute("SELECT count(*) FROM steps WHERE trainable").fetchone()[0]
     for kind, ident, fam, rev in con.execute(f"""
             SELECT kind, id, fam, rev FROM ({refs}) r
             WHERE NOT EXISTS (SELECT 1 FROM policy_revisions p WHERE p.family = r.fam AND p.revision = r.rev)
@@ -297,6 +305,21 @@ def audit(con: duckdb.DuckDBPyConnection) -> AuditReport:
             WHERE r.ckpt IS NOT NULL AND p.checkpoint_digest IS DISTINCT FROM r.ckpt ORDER BY kind, id""").fetchall():
         report.add("checkpoint_mismatch", ident, f"{kind} {ident} names {fam}@r{rev} with checkpoint {ckpt[:12]}, "
                    f"published as {(published or 'none')[:12]}")
+    n_inexact = 0
+    for fam, rev, n, trainable in con.execute(
+            "SELECT policy_family, policy_revision, count(*), count(*) FILTER (WHERE trainable) FROM steps "
+            "WHERE NOT policy_exact GROUP BY ALL ORDER BY ALL").fetchall():
+        n_inexact += n
+        report.add("inexact_policy", f"{fam}@r{rev}", f"{n} steps ({trainable} trainable) attributed to {fam}@r{rev} "
+                   "are not known to come from it exactly (policy_exact = false)")
+    report.checked["inexact_steps"] = n_inexact
+
+    # -- evaluation rollouts are held out: nothing of theirs is trained on
+    for kind, ident, rid in con.execute("""
+            SELECT * FROM (SELECT 'training record' AS kind, record_id, rollout_id FROM training_records
+                           UNION SELECT 'record in batch ' || batch_id, record_id, rollout_id FROM batch_records)
+            WHERE rollout_id IN (SELECT rollout_id FROM v_eval_rollouts) ORDER BY ALL""").fetchall():
+        report.add("evaluation_trained", ident, f"{kind} {ident} comes from evaluation rollout {rid}")
 
     # -- undecodable messages, dead letters, missing steps
     for topic, part, off, err in con.execute(

@@ -89,6 +89,8 @@ def policy_revisions(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, 
         "checkpoint_uri": [e.checkpoint.uri if e.checkpoint else None for e in events],
         "checkpoint_digest": [e.checkpoint.digest if e.checkpoint else None for e in events],
         "parent_revision": [e.parent_revision for e in events],
+        "metrics": [list(e.metrics.items()) for e in events],
+        **{name: [e.metrics.get(name) for e in events] for name in T.REVISION_METRIC_COLUMNS},
     } | _kafka(metas)
     return {"policy_revisions": _table(T.POLICY_REVISIONS, cols)}
 
@@ -105,6 +107,7 @@ def steps(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
         "target": [e.target for e in events],
         "trainable": [e.trainable for e in events],
         **_policy([e.policy for e in events]),
+        "policy_exact": [e.policy_exact for e in events],
         "prompt": [_MESSAGES.dump_json(e.prompt).decode() for e in events],
         "completion": [_MESSAGES.dump_json(e.completion).decode() for e in events],
         "tool_calls": [_TOOL_CALLS.dump_json(e.tool_calls).decode() if e.tool_calls else "[]" for e in events],
@@ -138,6 +141,7 @@ def rollouts(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table
         **_policy([e.policy for e in events]),
         "status": [e.status for e in events],
         "failure_reason": [e.failure_reason for e in events],
+        "evaluation": [e.evaluation for e in events],
     } | _kafka(metas)
     return {"rollouts": _table(T.ROLLOUTS, cols)}
 
@@ -157,6 +161,7 @@ def scores(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
         "verifier": [e.verifier for e in events],
         "verifier_version": [e.verifier_version for e in events],
         "trainable_step_ids": _str_lists([[s.step_id for s in e.trainable_steps] for e in events]),
+        "evaluation": [e.evaluation for e in events],
     } | _kafka(metas)
     rewards = [(e.event_id, e.rollout_id, m, r) for e in events for m, r in e.rewards.items()]
     long = dict(zip(("score_event_id", "rollout_id", "member_id", "reward"), map(list, zip(*rewards)))) if rewards else {

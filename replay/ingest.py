@@ -5,6 +5,10 @@ by hand, starts at the earliest retained offset (or where the previous replay in
 stopped) and reads ``read_committed`` up to the last stable offset seen at start. It never
 commits offsets, so the live services' consumer groups are neither joined nor moved.
 
+Runs are found under any topic prefix on the cluster (``demo-1a2b3c4d.steps`` as well as
+``rollout.steps``) unless ``ROLLOUT_TOPIC_PREFIX`` is set, which restricts to that prefix; the prefix
+a database was replayed from is kept in its ``_replay_meta`` so later replays read the same topics.
+
 Messages of other runs are skipped on their ``run_id`` header, without decoding. Decoded events
 are buffered per event type and flushed as Arrow tables; each flush inserts the data and the
 per-partition next offsets in ONE DuckDB transaction, so a replay killed midway resumes exactly
@@ -80,6 +84,7 @@ class Until:
 class ReplayResult:
     run_id: str
     db: str
+    prefix: str | None  # the topic prefix read (None: events loaded without Kafka)
     rows: dict[str, int]
     messages: int = 0
     bytes: int = 0
@@ -94,17 +99,46 @@ class ReplayResult:
     def summary(self) -> str:
         added = ", ".join(f"{n} {t}" for t, n in self.rows.items() if n) or "nothing new"
         rate = self.bytes / self.seconds / 1e6 if self.seconds else 0.0
-        return (f"replayed run {self.run_id} into {self.db}: {added} "
+        return (f"replayed run {self.run_id} (topics {self.prefix}*) into {self.db}: {added} "
                 f"({self.messages} messages of this run, {self.other_runs} of other runs skipped, "
                 f"{self.errors} undecodable; {self.bytes / 1e6:.1f} MB in {self.seconds:.2f} s, {rate:.1f} MB/s)"
                 + (f"; {self.retention_gap} offsets were already deleted by retention" if self.retention_gap else ""))
 
 
-def default_topics() -> dict[str, str]:
-    """event table -> topic name, from streams.topics (the one place topic names live)."""
+def topics_for(prefix: str) -> dict[str, str]:
+    """topic key (streams.topics, e.g. "steps") -> topic name under ``prefix``."""
     from streams import topics
 
-    return {t.key: t.name for t in topics.TOPICS.values()}
+    return {key: prefix + key for key in topics.TOPICS}
+
+
+def default_topics() -> dict[str, str]:
+    """topic key -> topic name under the current ROLLOUT_TOPIC_PREFIX (streams.topics' default when unset)."""
+    from streams import topics
+
+    return topics_for(topics.topic_prefix())
+
+
+def explicit_prefix() -> str | None:
+    """ROLLOUT_TOPIC_PREFIX when set (even to ""): then runs are looked for under that prefix only."""
+    return os.environ.get("ROLLOUT_TOPIC_PREFIX")
+
+
+def split_topic(name: str) -> tuple[str, str] | None:
+    """(prefix, key) of a pipeline topic name: the prefix is whatever precedes a known topic key."""
+    from streams import topics
+
+    if name.startswith("__"):  # Kafka's internal topics
+        return None
+    for key in topics.TOPICS:
+        if name.endswith(key):
+            return name[:-len(key)], key
+    return None
+
+
+def discover_prefixes(topic_names: Iterable[str]) -> list[str]:
+    """Every topic prefix with at least one pipeline topic among ``topic_names``, sorted."""
+    return sorted({sp[0] for sp in map(split_topic, topic_names) if sp is not None})
 
 
 def consumer_kwargs(settings: Any, **extra: Any) -> dict[str, Any]:
@@ -144,9 +178,10 @@ async def _assign(consumer: Any, topic_names: Iterable[str]) -> list[Any]:
 @dataclass
 class RunInfo:
     run_id: str
+    prefix: str  # the topic prefix the run was found under
     first_ts: int
     last_ts: int
-    messages: dict[str, int]
+    messages: dict[str, int]  # topic key -> messages of this run read
 
     @property
     def first(self) -> datetime:
@@ -157,51 +192,62 @@ class RunInfo:
         return datetime.fromtimestamp(self.last_ts / 1000, UTC)
 
 
-async def list_runs(settings: Any, topic_names: Iterable[str] | None = None) -> list[RunInfo]:
-    """Runs found on the given topics (default: the policy-revisions topic, where every run seeds its
-    revision 0; falls back to every topic when that one is empty), most recently started first.
-    Reads headers only."""
+async def list_runs(settings: Any, *, prefixes: Iterable[str] | None = None, all_topics: bool = False) -> list[RunInfo]:
+    """Runs under the given topic prefixes (default: ROLLOUT_TOPIC_PREFIX when set, else every prefix found
+    on the cluster), most recently started first. Per prefix, its policy-revisions topic is read (every run
+    seeds its revision 0 there); a prefix with no run there, or ``all_topics``, has every pipeline topic
+    read. Reads headers only."""
     from aiokafka import AIOKafkaConsumer
 
-    all_topics = list(default_topics().values())
-    if topic_names is None:
-        from streams import topics
+    from streams import topics
 
-        runs = await list_runs(settings, [topics.POLICY_REVISIONS.name])
-        return runs or await list_runs(settings, all_topics)
     consumer = AIOKafkaConsumer(**consumer_kwargs(settings))
     await consumer.start()
     try:
-        tps = await _assign(consumer, topic_names)
-        if not tps:
-            return []
-        consumer.assign(tps)
-        start = await consumer.beginning_offsets(tps)
-        end = await consumer.end_offsets(tps)
-        todo = {tp for tp in tps if end[tp] > start[tp]}
-        for tp in tps:
-            consumer.seek(tp, start[tp])
-        runs: dict[str, RunInfo] = {}
-        while todo:
-            batch = await consumer.getmany(*todo, timeout_ms=500, max_records=10000)
-            for tp, records in batch.items():
-                for r in records:
-                    if r.offset >= end[tp]:
-                        break
-                    raw = _header(r.headers, "run_id")
-                    run = raw.decode(errors="replace") if raw is not None else "?"
-                    info = runs.get(run)
-                    if info is None:
-                        info = runs[run] = RunInfo(run, r.timestamp, r.timestamp, defaultdict(int))
-                    info.first_ts = min(info.first_ts, r.timestamp)
-                    info.last_ts = max(info.last_ts, r.timestamp)
-                    info.messages[tp.topic] += 1
-            for tp in list(todo):
-                if await consumer.position(tp) >= end[tp]:
-                    todo.discard(tp)
-        return sorted(runs.values(), key=lambda r: r.first_ts, reverse=True)
+        if prefixes is None:
+            prefixes = [explicit_prefix()] if explicit_prefix() is not None else \
+                discover_prefixes((await consumer._client.fetch_all_metadata()).topics())
+        prefixes = list(prefixes)
+        runs = [] if all_topics else await _scan_runs(consumer, [p + topics.POLICY_REVISIONS.key for p in prefixes])
+        found = {r.prefix for r in runs}
+        runs += await _scan_runs(consumer, [name for p in prefixes if p not in found for name in topics_for(p).values()])
+        return sorted(runs, key=lambda r: r.first_ts, reverse=True)
     finally:
         await consumer.stop()
+
+
+async def _scan_runs(consumer: Any, topic_names: list[str]) -> list[RunInfo]:
+    """Every (prefix, run_id) on these topics, from the run_id headers up to the current end offsets."""
+    tps = await _assign(consumer, topic_names)
+    if not tps:
+        return []
+    consumer.assign(tps)
+    start = await consumer.beginning_offsets(tps)
+    end = await consumer.end_offsets(tps)
+    todo = {tp for tp in tps if end[tp] > start[tp]}
+    for tp in tps:
+        consumer.seek(tp, start[tp])
+    split = {tp.topic: split_topic(tp.topic) for tp in tps}
+    runs: dict[tuple[str, str], RunInfo] = {}
+    while todo:
+        batch = await consumer.getmany(*todo, timeout_ms=500, max_records=10000)
+        for tp, records in batch.items():
+            prefix, key = split[tp.topic]
+            for r in records:
+                if r.offset >= end[tp]:
+                    break
+                raw = _header(r.headers, "run_id")
+                run = raw.decode(errors="replace") if raw is not None else "?"
+                info = runs.get((prefix, run))
+                if info is None:
+                    info = runs[(prefix, run)] = RunInfo(run, prefix, r.timestamp, r.timestamp, defaultdict(int))
+                info.first_ts = min(info.first_ts, r.timestamp)
+                info.last_ts = max(info.last_ts, r.timestamp)
+                info.messages[key] += 1
+        for tp in list(todo):
+            if await consumer.position(tp) >= end[tp]:
+                todo.discard(tp)
+    return list(runs.values())
 
 
 # ---------------------------------------------------------------------------------------------- replay
@@ -249,10 +295,13 @@ def _max_ts_ms(con: duckdb.DuckDBPyConnection) -> int | None:
 
 
 class Replayer:
-    """One replay of one run into one DuckDB file. ``await Replayer(...).run()``."""
+    """One replay of one run into one DuckDB file. ``await Replayer(...).run()``.
+
+    ``prefix``: the topic prefix to read (default: the one stored in the database, else
+    ROLLOUT_TOPIC_PREFIX when set, else the prefix the run is found under)."""
 
     def __init__(self, db: str, settings: Any, *, run_id: str | None = None, until: Until | None = None,
-                 topics: Mapping[str, str] | None = None, flush_messages: int = 4000,
+                 prefix: str | None = None, flush_messages: int = 4000,
                  flush_bytes: int = 32 * 1024 * 1024, progress: Callable[[ReplayResult], None] | None = None,
                  duckdb_threads: int | None = None, compress: bool | None = None,
                  stall_timeout_s: float = 60.0, writer_thread: bool = True) -> None:
@@ -260,7 +309,7 @@ class Replayer:
         self.settings = settings
         self.run_id = run_id
         self.until = until
-        self.topics = dict(topics or default_topics())
+        self.prefix = prefix
         self.flush_messages = flush_messages
         self.flush_bytes = flush_bytes
         self.progress = progress
@@ -282,29 +331,46 @@ class Replayer:
         finally:
             con.close()
 
-    async def _resolve_run(self, con: duckdb.DuckDBPyConnection) -> str:
-        stored = _meta(con, "run_id")
+    async def _resolve_run(self, con: duckdb.DuckDBPyConnection) -> tuple[str, str]:
+        """(run id, topic prefix): given, else stored in the database, else found on the log."""
+        stored, stored_prefix = _meta(con, "run_id"), _meta(con, "topic_prefix")
         if self.run_id and stored and self.run_id != stored:
             raise ReplayError(f"{self.db} holds run {stored}; replay run {self.run_id} into another --db")
-        if self.run_id or stored:
-            return self.run_id or stored  # type: ignore[return-value]
-        runs = await list_runs(self.settings, None if self.topics == default_topics() else list(self.topics.values()))
+        want = self.prefix if self.prefix is not None else explicit_prefix()
+        if want is not None and stored_prefix is not None and want != stored_prefix:
+            raise ReplayError(f"{self.db} holds run {stored} from topics {stored_prefix}*, not {want}* "
+                              "(unset ROLLOUT_TOPIC_PREFIX, or replay into another --db)")
+        run_id = self.run_id or stored
+        prefix = want if want is not None else stored_prefix
+        if run_id and prefix is not None:
+            return run_id, prefix
+        scope = None if prefix is None else [prefix]
+        runs = await list_runs(self.settings, prefixes=scope)
+        if run_id:
+            runs = [r for r in runs if r.run_id == run_id] or \
+                [r for r in await list_runs(self.settings, prefixes=scope, all_topics=True) if r.run_id == run_id]
+            if not runs:
+                raise ReplayError(f"run {run_id} is not on the log" + (f" under topics {prefix}*" if scope else ""))
+            if len({r.prefix for r in runs}) > 1:
+                raise ReplayError(f"run {run_id} is on the log under several topic prefixes "
+                                  f"({', '.join(sorted({r.prefix for r in runs}))}): set ROLLOUT_TOPIC_PREFIX")
         if not runs:
             raise ReplayError("no run found on the log (nothing carries a run_id header)")
-        return runs[0].run_id
+        return runs[0].run_id, runs[0].prefix
 
     async def _run(self, con: duckdb.DuckDBPyConnection) -> ReplayResult:
         from aiokafka import AIOKafkaConsumer
 
         t0 = time.perf_counter()
-        run_id = await self._resolve_run(con)
+        run_id, prefix = await self._resolve_run(con)
+        topic_names = topics_for(prefix)
         run_b = run_id.encode()
         if self.until and self.until.timestamp_ms is not None:
             newest = _max_ts_ms(con)
             if newest is not None and newest > self.until.timestamp_ms:
                 raise ReplayError(f"{self.db} already holds events after --until {self.until.describe()}; "
                                   "replay into a fresh --db to see an earlier state")
-        result = ReplayResult(run_id=run_id, db=self.db, rows={name: 0 for name in T.TABLES})
+        result = ReplayResult(run_id=run_id, db=self.db, prefix=prefix, rows={name: 0 for name in T.TABLES})
         tm = result.timings
         consumer = AIOKafkaConsumer(**consumer_kwargs(self.settings))
         await consumer.start()
@@ -316,10 +382,10 @@ class Replayer:
         gc_was_enabled = gc.isenabled()
         gc.disable()  # decoded events are long-lived until flushed: cyclic GC passes over them cost, free nothing
         try:
-            tps = await _assign(consumer, self.topics.values())
+            tps = await _assign(consumer, topic_names.values())
             result.partitions = len(tps)
             if not tps:
-                raise ReplayError(f"none of the topics {sorted(self.topics.values())} exists")
+                raise ReplayError(f"none of the topics {sorted(topic_names.values())} exists")
             stored = stored_offsets(con)
             consumer.assign(tps)  # before the offset lookups: they need the topics in the client's metadata
             begin = await consumer.beginning_offsets(tps)
@@ -330,7 +396,7 @@ class Replayer:
                 unknown = sorted(f"{t}:{p}" for t, p in self.until.offsets if (t, p) not in by_name)
                 if unknown:
                     raise ReplayError(f"--until names partitions that are not part of the run's topics: "
-                                      f"{', '.join(unknown)} (topics: {', '.join(sorted(self.topics.values()))})")
+                                      f"{', '.join(unknown)} (topics: {', '.join(sorted(topic_names.values()))})")
                 for key, off in self.until.offsets.items():
                     end[by_name[key]] = min(end[by_name[key]], off)
             next_off: dict[Any, int] = {}
@@ -474,6 +540,8 @@ def write(con: duckdb.DuckDBPyConnection, buf: _Buffer, next_offsets: Mapping[tu
                 'INSERT OR REPLACE INTO _replay_offsets (topic, "partition", next_offset) VALUES (?, ?, ?)',
                 [[t, p, off] for (t, p), off in next_offsets.items()])
         con.execute("INSERT OR REPLACE INTO _replay_meta VALUES ('run_id', ?)", [result.run_id])
+        if result.prefix is not None:
+            con.execute("INSERT OR REPLACE INTO _replay_meta VALUES ('topic_prefix', ?)", [result.prefix])
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")
@@ -484,7 +552,8 @@ def write(con: duckdb.DuckDBPyConnection, buf: _Buffer, next_offsets: Mapping[tu
     result.errors += len(buf.bad)
 
 
-def load_events(con: duckdb.DuckDBPyConnection, run_id: str, items: Iterable[tuple[C.Meta, Any]]) -> ReplayResult:
+def load_events(con: duckdb.DuckDBPyConnection, run_id: str, items: Iterable[tuple[C.Meta, Any]],
+                prefix: str | None = None) -> ReplayResult:
     """Load already-decoded events (with where they sat on the log) without Kafka: tests, fixtures, tools."""
     T.ensure_schema(con)
     buf = _Buffer()
@@ -492,7 +561,7 @@ def load_events(con: duckdb.DuckDBPyConnection, run_id: str, items: Iterable[tup
         buf.events[event.event_type].append(event)
         buf.metas[event.event_type].append(meta)
         buf.count += 1
-    result = ReplayResult(run_id=run_id, db="", rows={name: 0 for name in T.TABLES})
+    result = ReplayResult(run_id=run_id, db="", prefix=prefix, rows={name: 0 for name in T.TABLES})
     write(con, buf, {}, result)
     return result
 

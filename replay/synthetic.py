@@ -10,7 +10,10 @@ rollouts, a debate with a trainable and a fixed seat, a proposer whose children 
 rollouts) with the learner's current revision (every other group one revision behind, as an
 asynchronous arena would); the verifier scores them; credit assignment emits one record per
 trainable step (group-relative advantage); the batcher emits a batch for the current revision;
-the trainer publishes the next revision.
+the trainer publishes the next revision, with its step statistics (loss, logprob mismatch) in
+``metrics``. Optionally (``eval_questions``) the arena also answers a fixed set of held-out
+evaluation questions with the current revision each round (scored, never credited or batched), and
+(``inexact``) the steps played one revision behind are marked ``policy_exact=False``.
 """
 
 from __future__ import annotations
@@ -48,15 +51,17 @@ class SyntheticRun:
 
 def _revision(run_id: str, rev: int) -> PolicyRevision:
     digest = hashlib.sha256(f"{run_id}/{FAMILY}/{rev}".encode()).hexdigest()
+    metrics = {"loss": 1.0 / (rev + 1), "mismatch_mean": 0.01 * rev, "mismatch_max": 0.1 * rev,
+               "mismatch_tokens": 100.0 * rev} if rev else {}
     return PolicyRevision(run_id=run_id, producer="trainer", family=FAMILY, revision=rev,
                           checkpoint=CheckpointRef(uri=f"file:///ckpt/{run_id}/r{rev}.pt", digest=digest),
-                          parent_revision=rev - 1 if rev else None)
+                          parent_revision=rev - 1 if rev else None, metrics=metrics)
 
 
 def generate_run(run_id: str, *, rounds: int = 3, groups: int = 3, group_size: int = 4, prompt_tokens: int = 32,
                  completion_tokens: int = 48, max_off_policy_steps: int = 1, seed: int = 0,
                  environments: Sequence[str] = ("arithmetic", "debate", "proposer_solver"),
-                 tag: str | None = None) -> SyntheticRun:
+                 tag: str | None = None, eval_questions: int = 0, inexact: bool = False) -> SyntheticRun:
     """``tag`` (default: the run id's first 8 characters) goes into every generated id."""
     rng = np.random.default_rng(seed)
     run = SyntheticRun(run_id)
@@ -74,6 +79,7 @@ def generate_run(run_id: str, *, rounds: int = 3, groups: int = 3, group_size: i
         return Step(run_id=run_id, producer="arena", step_id=ids("step"), rollout_id=rollout_id, root_group_id=root,
                     index=index, member_id=member, target="learner" if rev else "fixed-judge",
                     trainable=rev is not None, policy=rev.ref() if rev else None,
+                    policy_exact=not (inexact and rev is not None and rev is not revisions[-1]),
                     prompt=[ChatMessage(role="user", content=text)],
                     completion=[ChatMessage(role="assistant", content=f"answer to {text}")],
                     prompt_token_ids=rng.integers(0, 50000, prompt_tokens, dtype=np.int32),
@@ -160,6 +166,25 @@ def generate_run(run_id: str, *, rounds: int = 3, groups: int = 3, group_size: i
                             completion_token_ids=s.completion_token_ids, completion_logprobs=s.completion_logprobs,
                             loss_mask=mask, reward=rewards[s.member_id], advantage=rewards[s.member_id] - baseline,
                             credit="grpo"))
+        # held-out evaluation: the same questions every round, answered by the current revision
+        eval_group = ids("group") if eval_questions else ""
+        for q in range(eval_questions):
+            rid = ids("rollout")
+            s = step(rid, eval_group, 0, "solver", current, f"eval question {q}")
+            roll = Rollout(run_id=run_id, producer="arena", rollout_id=rid, episode_type="arithmetic",
+                           environment="arithmetic@1", example_id=f"eval-{q}", seed={"q": q}, step_ids=[s.step_id],
+                           members={"solver": True}, group_id=eval_group, root_group_id=eval_group,
+                           group_size=eval_questions, policy=current.ref(), status="completed", evaluation=True)
+            arena += [("steps", s), ("rollouts", roll)]
+            scored.append(("scores", RolloutScored(
+                run_id=run_id, producer="verifier", causation_id=roll.event_id, rollout_id=rid, group_id=eval_group,
+                root_group_id=eval_group, group_size=eval_questions, environment=roll.environment,
+                example_id=roll.example_id, status="completed", rewards={"solver": float(rng.integers(0, 2))},
+                verifier="exact_match", verifier_version="1", evaluation=True,
+                trainable_steps=[StepTokens(step_id=s.step_id, member_id="solver", policy=s.policy,
+                                            prompt_token_ids=s.prompt_token_ids,
+                                            completion_token_ids=s.completion_token_ids,
+                                            completion_logprobs=s.completion_logprobs)])))
         run.transactions.append(arena)
         run.transactions.append(scored)
         run.transactions.append([("training-records", r) for r in records])

@@ -32,6 +32,11 @@ ENVELOPE = [
 KAFKA = [pa.field("_topic", STR), pa.field("_partition", I32), pa.field("_offset", I64), pa.field("_ts", KAFKA_TS)]
 
 
+def column(name: str, type_: pa.DataType, default: str) -> pa.Field:
+    """A column added after the first release: ``default`` (SQL) fills it in rows of an older database."""
+    return pa.field(name, type_, metadata={"default": default})
+
+
 def policy_fields(prefix: str = "policy") -> list[pa.Field]:
     return [pa.field(f"{prefix}_family", STR), pa.field(f"{prefix}_revision", I64),
             pa.field(f"{prefix}_checkpoint_digest", STR)]
@@ -48,15 +53,21 @@ def _table(name: str, fields: list[pa.Field], doc: str, *, envelope: bool = True
     return Table(name, pa.schema((ENVELOPE if envelope else []) + fields + (KAFKA if kafka else [])), doc)
 
 
+# PolicyRevision.metrics with a typed column of their own in policy_revisions
+REVISION_METRIC_COLUMNS = ("mismatch_mean", "mismatch_max", "mismatch_tokens")
+
 POLICY_REVISIONS = _table("policy_revisions", [
     pa.field("family", STR), pa.field("revision", I64), pa.field("checkpoint_uri", STR),
     pa.field("checkpoint_digest", STR), pa.field("parent_revision", I64),
-], "PolicyRevision events: which weights exist (family, revision, checkpoint)")
+    column("metrics", pa.map_(STR, F64), "NULL"),
+    *(column(name, F64, "NULL") for name in REVISION_METRIC_COLUMNS),
+], "PolicyRevision events: which weights exist (family, revision, checkpoint) and the trainer's statistics "
+   "for the step that made them (metrics; mismatch_* copied out of it)")
 
 STEPS = _table("steps", [
     pa.field("step_id", STR), pa.field("rollout_id", STR), pa.field("root_group_id", STR),
     pa.field("step_index", I32), pa.field("member_id", STR), pa.field("target", STR),
-    pa.field("trainable", pa.bool_()), *policy_fields(),
+    pa.field("trainable", pa.bool_()), *policy_fields(), column("policy_exact", pa.bool_(), "true"),
     pa.field("prompt", STR), pa.field("completion", STR), pa.field("tool_calls", STR),
     pa.field("prompt_token_ids", pa.list_(I32)), pa.field("completion_token_ids", pa.list_(I32)),
     pa.field("completion_logprobs", pa.list_(pa.float32())),
@@ -71,6 +82,7 @@ ROLLOUTS = _table("rollouts", [
     pa.field("parent_rollout_id", STR), pa.field("child_rollout_ids", STR_LIST),
     pa.field("group_id", STR), pa.field("root_group_id", STR), pa.field("group_size", I32),
     *policy_fields(), pa.field("status", STR), pa.field("failure_reason", STR),
+    column("evaluation", pa.bool_(), "false"),
 ], "Rollout events: finished episodes with their step ids, parent/child rollouts and group")
 
 SCORES = _table("scores", [
@@ -79,7 +91,7 @@ SCORES = _table("scores", [
     pa.field("parent_rollout_id", STR), pa.field("status", STR),
     pa.field("rewards", pa.map_(STR, F64)), pa.field("metrics", pa.map_(STR, F64)),
     pa.field("verifier", STR), pa.field("verifier_version", STR),
-    pa.field("trainable_step_ids", STR_LIST),
+    pa.field("trainable_step_ids", STR_LIST), column("evaluation", pa.bool_(), "false"),
 ], "RolloutScored events: the verifier's rewards (member -> reward) and metrics per rollout")
 
 SCORE_REWARDS = _table("score_rewards", [
@@ -154,8 +166,13 @@ def duck_type(t: pa.DataType) -> str:
     return _DUCK_TYPES[t]
 
 
+def column_sql(f: pa.Field) -> str:
+    default = (f.metadata or {}).get(b"default")
+    return f'"{f.name}" {duck_type(f.type)}' + (f" DEFAULT {default.decode()}" if default else "")
+
+
 def create_table_sql(table: Table) -> str:
-    cols = ",\n  ".join(f'"{f.name}" {duck_type(f.type)}' for f in table.schema)
+    cols = ",\n  ".join(column_sql(f) for f in table.schema)
     return f"CREATE TABLE IF NOT EXISTS {table.name} (\n  {cols}\n)"
 
 
@@ -166,25 +183,66 @@ META_SQL = [
 ]
 
 # Views a user wants out of the box. Steps are attributed to the revision that produced their
-# tokens; a step earns its rollout's reward for the member that spoke it.
+# tokens; a step earns its rollout's reward for the member that spoke it. Evaluation rollouts
+# (held out, never trained on) are left out of the training views (reward, pass rates), carry an
+# `evaluation` column where a view lists everything (v_step_rewards, v_token_counts), and have
+# views of their own (v_eval_*). Views are created in this order (later ones use earlier ones).
 VIEWS: dict[str, str] = {
+    "v_eval_rollouts": """
+SELECT rollout_id FROM rollouts WHERE evaluation UNION SELECT rollout_id FROM scores WHERE evaluation""",
     "v_step_rewards": """
 SELECT s.step_id, s.rollout_id, s.member_id AS role, s.trainable, s.policy_family, s.policy_revision,
-       s.n_prompt_tokens, s.n_completion_tokens, r.reward
+       s.policy_exact, s.n_prompt_tokens, s.n_completion_tokens, r.reward,
+       s.rollout_id IN (SELECT rollout_id FROM v_eval_rollouts) AS evaluation
 FROM steps s LEFT JOIN score_rewards r ON r.rollout_id = s.rollout_id AND r.member_id = s.member_id""",
     "v_reward_by_revision": """
 SELECT s.policy_family, s.policy_revision, s.member_id AS role, bool_or(s.trainable) AS trainable,
        count(*) AS steps, count(r.reward) AS scored_steps, avg(r.reward) AS mean_reward,
        stddev_pop(r.reward) AS std_reward, min(r.reward) AS min_reward, max(r.reward) AS max_reward,
-       sum(s.n_completion_tokens) AS completion_tokens
+       sum(s.n_completion_tokens) AS completion_tokens, count(*) FILTER (WHERE NOT s.policy_exact) AS inexact_steps
 FROM steps s LEFT JOIN score_rewards r ON r.rollout_id = s.rollout_id AND r.member_id = s.member_id
+WHERE s.rollout_id NOT IN (SELECT rollout_id FROM v_eval_rollouts)
 GROUP BY ALL ORDER BY s.policy_family, s.policy_revision, role""",
     "v_reward_by_admission_revision": """
 SELECT ro.policy_family, ro.policy_revision, sr.member_id AS role,
        list_contains(ro.trainable_members, sr.member_id) AS trainable,
        count(*) AS rollouts, avg(sr.reward) AS mean_reward, stddev_pop(sr.reward) AS std_reward
 FROM score_rewards sr JOIN rollouts ro ON ro.rollout_id = sr.rollout_id
+WHERE sr.rollout_id NOT IN (SELECT rollout_id FROM v_eval_rollouts)
 GROUP BY ALL ORDER BY ro.policy_family, ro.policy_revision, role""",
+    # Per evaluation answer (rollout x trainable member), attributed to the revision of that member's
+    # steps (the latest, if a weight swap fell inside the episode: mixed_revision). Correct = the
+    # verifier's exact_match metric for the member when it reports one, else reward >= 1.
+    "v_eval_answers": """
+WITH sc AS (SELECT DISTINCT ON (rollout_id) * FROM scores WHERE evaluation ORDER BY rollout_id, _offset),
+learner AS (
+  SELECT rollout_id, member_id, policy_family, max(policy_revision) AS policy_revision,
+         count(DISTINCT policy_revision) > 1 AS mixed_revision, bool_and(policy_exact) AS policy_exact
+  FROM steps WHERE trainable AND rollout_id IN (SELECT rollout_id FROM sc) GROUP BY ALL)
+SELECT l.policy_family, l.policy_revision, sc.rollout_id, l.member_id AS role, sc.environment, sc.example_id,
+       sc.status, sc.rewards[l.member_id] AS reward,
+       coalesce(sc.metrics[l.member_id || '/metric/exact_match'], sc.metrics[l.member_id || '/reward/exact_match'],
+                CASE WHEN sc.rewards[l.member_id] >= 1 THEN 1.0 ELSE 0.0 END) >= 1 AS correct,
+       l.mixed_revision, l.policy_exact
+FROM sc JOIN learner l ON l.rollout_id = sc.rollout_id""",
+    "v_eval_accuracy_by_revision": """
+SELECT policy_family, policy_revision, count(DISTINCT rollout_id) AS rollouts, count(*) AS answers,
+       avg(reward) AS mean_reward, avg(CASE WHEN correct THEN 1.0 ELSE 0.0 END) AS accuracy,
+       count(*) FILTER (WHERE correct) AS correct, count(*) FILTER (WHERE mixed_revision) AS mixed_revision,
+       count(*) FILTER (WHERE NOT policy_exact) AS inexact
+FROM v_eval_answers GROUP BY ALL ORDER BY policy_family, policy_revision""",
+    # PolicyRevision.metrics in long form, and the trainer-inference logprob mismatch it reports:
+    # measured while training `revision` on the tokens `measured_revision` (its parent) generated.
+    "v_revision_metrics": """
+SELECT family, revision, e.key AS name, e.value
+FROM (SELECT DISTINCT ON (family, revision) family, revision, metrics FROM policy_revisions
+      ORDER BY family, revision, _offset), unnest(map_entries(metrics)) AS u(e)
+ORDER BY family, revision, name""",
+    "v_logprob_mismatch": """
+SELECT DISTINCT ON (family, revision) family, revision, parent_revision AS measured_revision,
+       mismatch_mean, mismatch_max, mismatch_tokens
+FROM policy_revisions WHERE mismatch_mean IS NOT NULL OR mismatch_max IS NOT NULL
+ORDER BY family, revision, _offset""",
     "v_batch_staleness": """
 SELECT b.batch_id, b._offset AS batch_offset, b.family, b.target_revision, b.max_off_policy_steps,
        br.record_id, br.policy_revision AS source_revision, b.target_revision - br.policy_revision AS staleness,
@@ -208,6 +266,7 @@ WITH per_rollout AS (
   LEFT JOIN score_rewards sr ON sr.score_event_id = sc.event_id
   LEFT JOIN (SELECT DISTINCT ON (rollout_id) rollout_id, trainable_members FROM rollouts) ro
          ON ro.rollout_id = sc.rollout_id
+  WHERE sc.rollout_id NOT IN (SELECT rollout_id FROM v_eval_rollouts)
   GROUP BY ALL)
 SELECT environment, count(*) AS rollouts,
        avg(CASE WHEN coalesce(trainable_reward, any_reward) > 0 THEN 1.0 ELSE 0.0 END) AS pass_rate,
@@ -216,7 +275,8 @@ SELECT environment, count(*) AS rollouts,
        avg(CASE WHEN status = 'truncated' THEN 1.0 ELSE 0.0 END) AS truncated_rate
 FROM per_rollout GROUP BY environment ORDER BY environment""",
     "v_token_counts": """
-SELECT ro.environment, s.member_id AS role, s.policy_family, s.policy_revision, count(*) AS steps,
+SELECT ro.environment, s.member_id AS role, s.policy_family, s.policy_revision,
+       s.rollout_id IN (SELECT rollout_id FROM v_eval_rollouts) AS evaluation, count(*) AS steps,
        sum(s.n_prompt_tokens) AS prompt_tokens, sum(s.n_completion_tokens) AS completion_tokens,
        avg(s.n_completion_tokens) AS mean_completion_tokens
 FROM steps s LEFT JOIN (SELECT DISTINCT ON (rollout_id) rollout_id, environment FROM rollouts) ro
@@ -258,6 +318,12 @@ MACROS = [
 def ensure_schema(con) -> None:  # con: duckdb.DuckDBPyConnection
     for t in TABLES.values():
         con.execute(create_table_sql(t))
+        # a database replayed by an older version: add the columns it lacks (older events had their defaults)
+        have = {c for (c,) in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = ?",
+                                          [t.name]).fetchall()}
+        for f in t.schema:
+            if f.name not in have:
+                con.execute(f"ALTER TABLE {t.name} ADD COLUMN {column_sql(f)}")
         con.execute(f"COMMENT ON TABLE {t.name} IS '{t.doc.replace(chr(39), chr(39) * 2)}'")
     for sql in META_SQL:
         con.execute(sql)
