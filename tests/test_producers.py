@@ -175,7 +175,7 @@ async def test_single_turn_arithmetic_rollouts(policy_server):
     by_group: dict[str, list] = {}
     for r in em.rollouts:
         by_group.setdefault(r.group_id, []).append(r)
-        assert r.environment == "arithmetic@1.1.0" and r.episode_type == "single_turn"
+        assert r.environment == "arithmetic@1.2.0" and r.episode_type == "single_turn"
         assert r.members == {"solver": True} and len(r.step_ids) == 1 and r.root_group_id == r.group_id
         assert r.artifacts["scoring"]["kind"] == "rubric" and r.artifacts["scoring"]["answer"] == r.seed["answer"]
         assert r.policy.family == "tiny-byte-lm"
@@ -363,7 +363,7 @@ async def test_dead_endpoint_gives_failed_rollouts_that_are_still_emitted():
 
 def test_load_environment_by_module_path_and_short_name():
     env = load_environment("producers.examples.arithmetic:load_environment", num_examples=5)
-    assert env.ref == "arithmetic@1.1.0" and len(env.store) == 5
+    assert env.ref == "arithmetic@1.2.0" and len(env.store) == 5
     assert load_environment("proposer-solver", num_solvers=2).ref == "proposer-solver@1.0.0"
     with pytest.raises(ImportError):
         load_environment("no_such_pkg.mod:load_environment")

@@ -110,7 +110,7 @@ async def test_every_example_episode_through_kafka(kafka_settings, pipeline_topi
             expected += groups * per_group
     rollouts, steps = await _check_log(kw, pipeline_topics, expected)
     envs = {r.environment for r in rollouts}
-    assert envs == {"arithmetic@1.1.0", "debate@1.0.0", "proposer-solver@1.0.0"}
+    assert envs == {"arithmetic@1.2.0", "debate@1.0.0", "proposer-solver@1.0.0"}
     by_id = {r.rollout_id: r for r in rollouts}
     children = [r for r in rollouts if r.parent_rollout_id]
     assert len(children) == 16

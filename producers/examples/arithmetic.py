@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 from producers.environment import Environment, Example
 from producers.episodes import SingleTurnEpisode
 from schemas.scoring import ScoringSpec, WeightedFunc
 
-VERSION = "1.1.0"
+VERSION = "1.2.0"
 SYSTEM = "You are a careful calculator. Reply with the number only."
 _INT = re.compile(r"-?\d+")
 SHAPED = [WeightedFunc(fn=f"{__name__}:exact_answer", weight=1.0),
@@ -27,13 +28,24 @@ SHAPED = [WeightedFunc(fn=f"{__name__}:exact_answer", weight=1.0),
           WeightedFunc(fn=f"{__name__}:closeness", weight=0.5)]
 
 
-def make_dataset(num_examples: int = 200, max_operand: int = 20, seed: int = 0, ops: str = "+-") -> list[Example]:
+def make_dataset(num_examples: int = 200, max_operand: int = 20, seed: int = 0, ops: str = "+-",
+                 digits: Sequence[int] | None = None, question: str = "What is {a} {op} {b}?",
+                 exclude: Iterable[str] = (), id_prefix: str = "arith") -> list[Example]:
+    """``digits``: each question draws a digit count from it and operands with that many digits at most
+    (e.g. ``[1, 2]`` mixes 1- and 2-digit sums, so a small model's GRPO groups hold right and wrong answers);
+    without it operands are 0..max_operand. Prompts in ``exclude`` are never produced (a held-out set)."""
     rng = random.Random(seed)
-    out = []
-    for i in range(num_examples):
-        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(ops)
+    seen = set(exclude)
+    out: list[Example] = []
+    while len(out) < num_examples:
+        hi = 10 ** rng.choice(list(digits)) - 1 if digits else max_operand
+        a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice(ops)
+        prompt = question.format(a=a, b=b, op=op)
+        if prompt in seen:
+            continue
+        seen.add(prompt)
         answer = a + b if op == "+" else a - b if op == "-" else a * b
-        out.append(Example(id=f"arith-{seed}-{i}", prompt=f"What is {a} {op} {b}?", answer=str(answer),
+        out.append(Example(id=f"{id_prefix}-{seed}-{len(out)}", prompt=prompt, answer=str(answer),
                            info={"a": a, "b": b, "op": op}))
     return out
 
@@ -61,7 +73,11 @@ def closeness(completion: list[dict[str, Any]], answer: str) -> float:
 
 
 def load_environment(num_examples: int = 200, max_operand: int = 20, seed: int = 0, ops: str = "+-",
-                     system_prompt: str = SYSTEM, reward: Literal["exact", "shaped"] = "exact") -> Environment:
+                     system_prompt: str | None = SYSTEM, reward: Literal["exact", "shaped"] = "exact",
+                     digits: Sequence[int] | None = None, question: str = "What is {a} {op} {b}?",
+                     eval_examples: int = 0) -> Environment:
+    """``eval_examples``: a held-out set of that many questions (none of them in the training set), answered
+    at each revision by the arena's evaluation."""
     if reward not in ("exact", "shaped"):
         raise ValueError(f"arithmetic: reward must be 'exact' or 'shaped', got {reward!r}")
 
@@ -71,7 +87,9 @@ def load_environment(num_examples: int = 200, max_operand: int = 20, seed: int =
         return ScoringSpec(kind="exact_match", answer=example.answer,
                            params={"member": "solver", "extract": "last_integer"})
 
-    return Environment(name="arithmetic", version=VERSION,
-                       dataset=make_dataset(num_examples, max_operand, seed, ops),
+    train = make_dataset(num_examples, max_operand, seed, ops, digits, question)
+    held_out = make_dataset(eval_examples, max_operand, seed + 1, ops, digits, question,
+                            exclude=[e.prompt for e in train], id_prefix="arith-eval") if eval_examples else []
+    return Environment(name="arithmetic", version=VERSION, dataset=train, eval_dataset=held_out,
                        episode=SingleTurnEpisode(system_prompt=system_prompt, member="solver"), scoring=scoring,
                        description=f"single-turn arithmetic, {reward} reward")
