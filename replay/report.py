@@ -1,7 +1,9 @@
 """`rollout report`: one self-contained HTML page (inline SVG, no scripts, no downloads) of a replayed run.
 
-Reward curves by policy revision and role, the trainer's batch reward over batches, staleness
-histograms (overall and per batch), pass rates per environment, token counts and the audit verdict.
+Reward curves by policy revision and role (training rollouts), the trainer's batch reward over
+batches, staleness histograms (overall and per batch), pass rates per environment, held-out
+evaluation accuracy by revision, the trainer-inference logprob mismatch per training step, token
+counts and the audit verdict.
 """
 
 from __future__ import annotations
@@ -149,6 +151,21 @@ def _table(con: duckdb.DuckDBPyConnection, sql: str, limit: int = 50) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _revision_section(con: duckdb.DuckDBPyConnection, view: str, keys: tuple[str, str], columns: dict[str, str],
+                      title: str, xlabel: str, ylabel: str, absent: str) -> str:
+    """A per-revision view as a line chart (one series per column and family) and a table; ``absent`` when empty."""
+    fam, rev = keys
+    rows = con.execute(f"SELECT {fam}, {rev}, {', '.join(columns)} FROM {view} ORDER BY ALL").fetchall()
+    if not rows:
+        return f'<p class="dim">{_esc(absent)}</p>'
+    series: dict[str, list[tuple[float, float]]] = {}
+    for family, revision, *values in rows:
+        for label, v in zip(columns.values(), values):
+            series.setdefault(f"{label} ({family})", []).append((revision, v))
+    return (f'<div class="card">{line_chart(title, series, xlabel, ylabel)}</div>'
+            + _table(con, f"SELECT * FROM {view}", 500))
+
+
 CSS = """body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1320px;color:#222}
 h1{font-size:22px}h2{font-size:16px;margin-top:28px}.grid{display:flex;flex-wrap:wrap;gap:16px}
 .card{border:1px solid #ddd;border-radius:6px;padding:8px;background:#fff}
@@ -202,6 +219,15 @@ def build_report(con: duckdb.DuckDBPyConnection, *, audit_summary: str | None = 
     charts.append(bar_chart("Pass rate per environment", [e for e, _, _ in envs], {"pass rate": [p or 0 for _, p, _ in envs]},
                             "environment", "pass rate"))
 
+    evaluation = _revision_section(
+        con, "v_eval_accuracy_by_revision", ("policy_family", "policy_revision"),
+        {"accuracy": "accuracy", "mean_reward": "mean reward"}, "Held-out evaluation by policy revision",
+        "policy revision", "accuracy / mean reward", "no evaluation rollouts in this run")
+    mismatch = _revision_section(
+        con, "v_logprob_mismatch", ("family", "revision"), {"mismatch_mean": "mean |Δ|", "mismatch_max": "max |Δ|"},
+        "Trainer–inference logprob mismatch", "revision trained (on its parent’s tokens)", "|Δ logprob|",
+        "no logprob mismatch reported by the trainer in this run")
+
     verdict = ""
     if audit_summary is not None:
         cls = "ok" if audit_ok else "bad"
@@ -212,8 +238,10 @@ def build_report(con: duckdb.DuckDBPyConnection, *, audit_summary: str | None = 
 <h1>Run {_esc(run_id)}</h1><p class="dim">replayed from the log; report generated {now}</p>
 {verdict}
 <h2>Rewards and staleness</h2><div class="grid">{"".join(f'<div class="card">{c}</div>' for c in charts)}</div>
+<h2>Held-out evaluation accuracy by revision</h2>{evaluation}
+<h2>Trainer–inference logprob mismatch</h2>{mismatch}
 <h2>Counts</h2>{_table(con, "SELECT * FROM v_counts")}
-<h2>Reward by revision and role</h2>{_table(con, "SELECT * FROM v_reward_by_revision")}
+<h2>Reward by revision and role (training rollouts)</h2>{_table(con, "SELECT * FROM v_reward_by_revision")}
 <h2>Staleness per batch</h2>{_table(con, "SELECT batch_id, target_revision, max_off_policy_steps, records, min_staleness, "
                                       "mean_staleness, max_staleness, out_of_bound FROM v_staleness_summary", 200)}
 <h2>Pass rates per environment</h2>{_table(con, "SELECT * FROM v_env_pass_rates")}

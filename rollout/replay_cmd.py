@@ -1,12 +1,15 @@
 """`rollout runs | replay | audit | sql | export | report`: a run from the log, in DuckDB.
 
-    rollout runs                                   runs on the log, most recent first
+    rollout runs                                   runs on the log (every topic prefix), most recent first
     rollout replay --db run.duckdb [--run ID] [--until TIME|TOPIC:PART:OFFSET,...]
     rollout audit  --db run.duckdb [--format text|json]      exit 1 on any violation
     rollout sql    --db run.duckdb "SELECT * FROM v_reward_by_revision" [--format table|csv|json|parquet --out F]
     rollout sql    --db run.duckdb                 an interactive prompt
     rollout export --db run.duckdb --out DIR       every table and view as Parquet
     rollout report --db run.duckdb --out report.html
+
+Runs are looked for under every topic prefix on the cluster (``rollout.``, ``demo-1a2b3c4d.``, ...);
+ROLLOUT_TOPIC_PREFIX, when set, restricts both commands to that prefix.
 """
 
 from __future__ import annotations
@@ -16,14 +19,15 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("runs", help="list the runs on the log (most recent first)")
+    p = sub.add_parser("runs", help="list the runs on the log under every topic prefix (most recent first)")
     p.add_argument("--all-topics", action="store_true",
                    help="count every topic's messages per run (reads every topic's headers)")
     p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("replay", help="replay a run from the log into a DuckDB database (incremental)")
     p.add_argument("--db", required=True, help="DuckDB file (created if missing; a second replay appends what is new)")
-    p.add_argument("--run", dest="run_id", help="run id (default: the run already in --db, else the most recent run)")
+    p.add_argument("--run", dest="run_id", help="run id, under any topic prefix (default: the run already in --db, "
+                                                 "else the most recent run)")
     p.add_argument("--until", help="stop at a Kafka record time (ISO 8601, or @epoch_ms; inclusive) or before "
                                    "offsets topic:partition:offset[,...]")
     p.add_argument("--compress", action="store_true",
@@ -72,16 +76,16 @@ def _settings():
 def cmd_runs(args: argparse.Namespace) -> int:
     import asyncio
 
-    from replay.ingest import default_topics, list_runs
+    from replay.ingest import list_runs
     from replay.query import print_table
 
-    runs = asyncio.run(list_runs(_settings(), list(default_topics().values()) if args.all_topics else None))
+    runs = asyncio.run(list_runs(_settings(), all_topics=args.all_topics))
     if not runs:
         print("no runs on the log")
         return 0
-    rows = [(r.run_id, r.first.isoformat(timespec="seconds"), r.last.isoformat(timespec="seconds"),
+    rows = [(r.run_id, r.prefix, r.first.isoformat(timespec="seconds"), r.last.isoformat(timespec="seconds"),
              ", ".join(f"{t}: {n}" for t, n in sorted(r.messages.items()))) for r in runs]
-    print_table(["run_id", "first", "last", "messages"], rows)
+    print_table(["run_id", "topic prefix", "first", "last", "messages"], rows)
     return 0
 
 
