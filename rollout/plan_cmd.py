@@ -38,21 +38,52 @@ def _kv(d: dict) -> str:
     return ", ".join(f"{k}={json.dumps(v)}" for k, v in d.items()) or "-"
 
 
+def _algorithm(a) -> str:
+    head = f"{a.type} ({a.origin})" + (f" {_kv(a.params)}" if a.params else "")
+    if a.credit is None:
+        return f"{head} -> CANNOT RUN HERE (services refuse it): {a.note}"
+    return f"{head} -> credit {a.credit}" + (f" ({_kv(a.credit_params)})" if a.credit_params else "") + f": {a.note}"
+
+
+def _env_line(e, top) -> str:
+    parts = [f"id {e.id}"]
+    if e.args:
+        parts.append(f"args {_kv(e.args)}")
+    if "weight" in e.options:
+        parts.append(f"weight {e.options['weight']:g}")
+    for k in ("group_size", "num_examples", "interval"):
+        if k in e.options:
+            parts.append(f"{k} {e.options[k]}")
+    if e.sampling:
+        parts.append(f"sampling {_kv(e.sampling)}")
+    if e.seats:
+        parts.append("seats " + ", ".join(f"{n}->{s.target}{'' if s.trainable else ' (fixed)'}"
+                                          for n, s in e.seats.items()))
+    line = f"  {e.display_name}: " + "; ".join(parts)
+    if e.algorithm is not None and e.algorithm != top:
+        line += f"\n    algorithm {_algorithm(e.algorithm)}"
+    return line
+
+
 def render(plan, rollout: str | None = None, seed: int = 0, members: list[str] | None = None) -> str:
     from schemas.plan import LEARNER
 
     prov = plan.provenance
     out = [f"plan {plan.source}",
            f"  family                {plan.family}",
-           f"  environments          " + "; ".join(
-               f"{e.name or e.id} (id {e.id}{', args ' + _kv(e.args) if e.args else ''})" for e in plan.environments),
            f"  group_size            {plan.group_size}   ({prov.get('group_size', '?')})",
-           f"  batch_size            {plan.batch_size}   ({prov.get('batch_size', '?')})",
+           f"  batch_size            {plan.batch_size}   ({prov.get('batch_size', '?')})"
+           + (f"; token_batch_size {plan.token_batch_size}" if plan.token_batch_size else ""),
            f"  max_off_policy_steps  {plan.max_off_policy_steps}   ({prov.get('max_off_policy_steps', '?')})",
            f"  max_async_level       {plan.max_async_level}   ({prov.get('max_async_level', '?')})",
-           f"  advantage             {plan.advantage.type}" + (f" ({_kv(plan.advantage.params)})"
-                                                               if plan.advantage.params else ""),
-           "", "targets"]
+           f"  algorithm             {_algorithm(plan.advantage)}",
+           "", "environments (training)"]
+    out += [_env_line(e, plan.advantage) for e in plan.environments]
+    if plan.eval_environments:
+        out += ["", "environments (evaluation: scored, never trained)"]
+        out += [_env_line(e, None) for e in plan.eval_environments]
+    out += [
+        "", "targets"]
     width = max(len(n) for n in plan.targets)
     for name, t in plan.targets.items():
         where = ", ".join(t.base_urls) if t.base_urls else "(the run's local policy server)"
@@ -85,6 +116,9 @@ def render(plan, rollout: str | None = None, seed: int = 0, members: list[str] |
             target, trainable = plan.route(m, rollout, seed)
             out.append(f"  {m:<{w[0]}}  -> {target.name} ({target.model}){'  trainable' if trainable else ''}")
 
+    if plan.passthrough_sampling:
+        out += ["", "sampling keys passed to the inference server as is (extra_body): "
+                + ", ".join(plan.passthrough_sampling)]
     out += ["", "ignored sections: " + (", ".join(plan.ignored_sections) or "none"),
             "ignored keys:     " + (", ".join(plan.ignored_keys) or "none")]
     return "\n".join(out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import textwrap
 from collections import Counter
 from pathlib import Path
@@ -11,10 +12,11 @@ import pytest
 
 from schemas.errors import ContractError
 from schemas.plan import (DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, GenerationPlan, PlanError, compile_plan,
-                          compile_plan_dict)
+                          compile_plan_dict, credit_strategy)
 
 REPO = Path(__file__).resolve().parents[1]
 PEER = Path(__file__).resolve().parent / "fixtures" / "prime-rl"  # real recipes, vendored unchanged (see its README)
+PEER_2026 = Path(__file__).resolve().parent / "fixtures" / "prime-rl-2026-08"  # today's format (see its README)
 EXAMPLES = REPO / "examples" / "plans"
 
 
@@ -74,9 +76,12 @@ def test_debate_external_opponent_recipe() -> None:
     assert plan.learner.timeout_s == 3600.0 and plan.learner.sampling == {"temperature": 1.0, "max_tokens": 8192}
     assert plan.advantage.type == "ema_per_member" and plan.advantage.params == {"momentum": 0.9}
     assert plan.group_size == 4 and plan.batch_size == 128
-    assert {"wandb", "ckpt", "trainer", "inference", "orchestrator.renderer", "orchestrator.eval"} <= set(
-        plan.ignored_sections)
+    assert {"wandb", "ckpt", "trainer", "inference", "orchestrator.renderer"} <= set(plan.ignored_sections)
     assert "orchestrator.oversampling_factor" in plan.ignored_keys
+    [ev] = plan.eval_environments  # evaluation, not training
+    assert ev.evaluation and ev.name == "gpqa-debate-eval" and ev.options["group_size"] == 2
+    assert ev.options["num_examples"] == 32 and ev.options["interval"] == 25
+    assert credit_strategy(plan) == ("ema_per_member", {"alpha": 0.9})  # the fork's momentum is our alpha
 
 
 def test_train_one_picks_exactly_one_learner_seat_deterministically() -> None:
@@ -104,7 +109,9 @@ def test_debate_selfplay_recipe() -> None:
     assert plan.selected_member("r", 1) is None
     assert plan.trainable_members(["debater_a", "debater_b", "judge"], "r", 1) == {"debater_a", "debater_b"}
     assert plan.route("judge", "r", 1) == (plan.learner, False)  # drop_judge: served, never trained
-    assert {"orchestrator.buffer", "orchestrator.val", "orchestrator.eval"} <= set(plan.ignored_sections)
+    assert {"orchestrator.buffer", "orchestrator.val"} <= set(plan.ignored_sections)
+    assert [e.name for e in plan.eval_environments] == ["gpqa-debate-eval"]
+    assert plan.eval_environments[0].options["group_size"] == 2  # its rollouts_per_example
 
 
 def test_example_plans() -> None:
@@ -255,7 +262,7 @@ id = "e"
 name = "m"
 [orchestrator]
 batch_size = 8
-""", ["orchestrator.train.env", "no environment"]),
+""", ["orchestrator.train.source", "no training source"]),
     "group_size_not_integer": (GOOD_HEAD.replace("group_size = 4", 'group_size = "4"'),
                                ["orchestrator.group_size", "expected an integer"]),
     "group_size_conflict": (GOOD_HEAD.replace("group_size = 4", "group_size = 4\nrollouts_per_example = 8"),
@@ -316,7 +323,8 @@ def test_cli_plan_prints_routes_and_ignored_sections(capsys: pytest.CaptureFixtu
     assert main(["plan", str(PEER / "rl-debate-external-opponent.toml"), "--rollout", "r-1", "--seed", "5"]) == 0
     out = capsys.readouterr().out
     assert "debater_a  learner | opponent  when selected  train_one" in out
-    assert "ignored sections: wandb, ckpt, trainer, inference, orchestrator.renderer, orchestrator.eval" in out
+    assert "ignored sections: wandb, ckpt, trainer, inference, orchestrator.renderer" in out
+    assert "environments (evaluation: scored, never trained)\n  gpqa-debate-eval: id gpqa-debate" in out
     plan = peer("rl-debate-external-opponent.toml")
     chosen = plan.selected_member("r-1", 5)
     assert f"rollout 'r-1' seed 5: selected '{chosen}'" in out
@@ -338,3 +346,229 @@ def test_cli_plan_error_names_field_and_file(tmp_path: Path, capsys: pytest.Capt
     assert main(["plan", str(bad)]) == 1
     err = capsys.readouterr().err
     assert str(bad) in err and "sampling.temprature" in err and "did you mean 'temperature'" in err
+
+
+# -- today's prime-rl (2026-08): [[train.source]] with seats, [algo], ratio, eval sources -----------
+
+
+def peer26(name: str) -> GenerationPlan:
+    return compile_plan(PEER_2026 / name)
+
+
+def test_all_2026_samples_compile_and_the_trainer_only_one_is_refused() -> None:
+    files = sorted(PEER_2026.glob("*.toml"))
+    assert len(files) == 10
+    for f in files:
+        if f.name == "configs_debug_fake_rl.toml":
+            with pytest.raises(PlanError, match=r"trainer-only config with fake data .*not a generation recipe"):
+                compile_plan(f)
+            continue
+        plan = compile_plan(f)
+        assert plan.environments and all(not e.evaluation for e in plan.environments)
+        assert all(e.evaluation for e in plan.eval_environments)
+        assert GenerationPlan.model_validate_json(plan.model_dump_json()) == plan
+
+
+def test_two_seat_recipe_routes_both_seats() -> None:
+    plan = peer26("configs_debug_algo_rae.toml")
+    [env] = plan.environments
+    assert env.id == "kuhn-poker" and env.name == "kuhn-poker"
+    assert set(env.seats) == {"player0", "player1"}
+    for seat in ("player0", "player1"):
+        assert env.seats[seat].target == LEARNER and env.seats[seat].trainable
+        assert env.seats[seat].options["harness"] == {"id": "null"}
+        assert plan.route(seat, "r-1", 3) == (plan.learner, True)
+    assert plan.trainable_members(["player0", "player1"], "r-1", 3) == {"player0", "player1"}
+    rows = {r["member"]: r for r in plan.route_table()}
+    assert rows["player0"]["rule"] == "seat of kuhn-poker, kuhn-poker (eval)" and rows["player1"]["trainable"] is True
+    # rae is role-conditioned advantage estimation: our ema_per_member, alpha = decay (default 0.95)
+    assert plan.advantage.type == "rae" and plan.advantage.origin == "orchestrator.algo"
+    assert credit_strategy(plan) == ("ema_per_member", {"alpha": 0.95})
+    assert plan.group_size == 1 and plan.batch_size == 32
+    assert plan.learner.sampling == {"max_tokens": 512}
+    assert plan.eval_environments[0].sampling == {"max_tokens": 512}
+
+
+def test_sources_ratio_is_the_weight_and_eval_sources_are_evaluation() -> None:
+    plan = peer26("examples_advanced_intellect-3.1_rl.toml")
+    assert [(e.name, e.id, e.options["weight"]) for e in plan.environments] == [
+        ("swe", "r2e-gym", 0.3), ("deepdive", "deepdive", 0.2), ("math", "i3_math", 0.3),
+        ("logic", "i3_logic", 0.2), ("code", "i3_code", 0.2)]
+    assert plan.environments[3].args == {"filter": {"max": 0.874}}  # taskset knobs are the env's args
+    assert "curriculum" in plan.environments[0].options
+    assert [(e.name, e.id) for e in plan.eval_environments] == [("swe-bench-verified", "swebench-verified"),
+                                                                ("aime2025", "aime25")]
+    assert plan.eval_environments[0].options["interval"] == 25
+    assert plan.batch_size == 2048 and plan.group_size == 1
+    assert credit_strategy(plan) == ("grpo", {"scale_std": False})  # prime-rl's default algorithm
+
+
+def test_orchestrator_only_form() -> None:
+    plan = peer26("k8s_prime-rl_examples_reverse-text_orch.toml")
+    assert plan.family == "PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT"
+    assert (plan.batch_size, plan.group_size) == (128, 16)
+    assert plan.provenance["batch_size"] == "batch_size"
+    assert plan.environments[0].id == "reverse-text" and plan.learner.sampling == {"max_tokens": 128}
+    assert "renderer" in plan.ignored_sections
+
+
+def test_single_seat_named_player_and_wordle() -> None:
+    plan = peer26("examples_basic_wordle_rl.toml")
+    assert set(plan.environments[0].seats) == {"player"}
+    assert plan.learner.sampling == {"max_tokens": 1024}
+
+
+def test_per_source_algorithms_compile_and_the_unrunnable_one_is_refused_by_credit() -> None:
+    plan = peer26("configs_debug_algo_mixed_grpo_opd.toml")
+    grpo, opd = plan.environments
+    assert grpo.algorithm.type == "grpo" and grpo.algorithm.credit == "grpo"
+    assert opd.algorithm.type == "opd" and opd.algorithm.credit is None
+    assert opd.algorithm.origin == "orchestrator.train.source[1].algo"
+    assert opd.algorithm.params["teacher"]["base_url"] == "http://localhost:8001/v1"
+    with pytest.raises(PlanError, match=r"algorithm 'opd' \(source 'reverse-text-opd'\) cannot run here: "
+                                        r"on-policy distillation needs the teacher's logprobs"):
+        credit_strategy(plan)
+
+
+def test_fork_recipe_passes_unknown_sampling_keys_to_the_server() -> None:
+    plan = peer26("fork-debate-pcd4.toml")
+    assert plan.passthrough_sampling == ["orchestrator.train.sampling.thinking_token_budget"]
+    assert plan.learner.sampling["extra_body"] == {"thinking_token_budget": 8192, "top_k": 20, "min_p": 0.0,
+                                                   "presence_penalty": 1.5}
+    assert plan.learner.sampling["max_tokens"] == 16384
+    judge = plan.targets["judge"]
+    assert judge.model == "qwen/qwen3.5-9b" and judge.base_urls == ["https://openrouter.ai/api/v1"]
+    assert plan.route("judge", "r", 0) == (judge, False)
+    assert [e.name for e in plan.eval_environments] == ["gpqa-openended-debate-bs512-eval"]
+    assert plan.eval_environments[0].options["group_size"] == 8
+    # the fork's [advantage] type = "rae" (with a length penalty) is not one of our strategies: shown, refused
+    assert plan.advantage.type == "rae" and plan.advantage.credit is None
+    with pytest.raises(PlanError, match="advantage type 'rae' is not a credit strategy here"):
+        credit_strategy(plan)
+
+
+def _src(extra: str = "", algo: str = "") -> dict:
+    import tomllib
+    return tomllib.loads(textwrap.dedent(f"""
+        [model]
+        name = "m"
+        [orchestrator]
+        batch_size = 8
+        {algo}
+        [[orchestrator.train.source]]
+        name = "s"
+        [orchestrator.train.source.env.taskset]
+        id = "t"
+        {extra}
+        """))
+
+
+ALGOS = {  # prime-rl type -> what the credit service runs (None: refused, with this reason)
+    'type = "grpo"': ("grpo", {"scale_std": False}),
+    'type = "rae"\ndecay = 0.8': ("ema_per_member", {"alpha": 0.8}),
+    'type = "max_rl"': "normalises by the mean",
+    'type = "echo"': "cross-entropy loss on env-provided",
+    'type = "hierarchical_grpo"\nepisode_agents = ["solver"]': "per proposed problem",
+    'type = "opd"\nteacher = { name = "t", base_url = "http://h/v1" }': "teacher's logprobs",
+    'type = "opsd"': "demonstration-conditioned",
+    'type = "sft"\nsampling = { source = { name = "t", base_url = "http://h/v1" } }': "trains cross-entropy",
+    'type = "grpo"\nlength_penalty = { type = "linear" }': "no length shaping",
+    'type = "my_fork_algo"': "not one of prime-rl's",
+}
+
+
+@pytest.mark.parametrize("algo", sorted(ALGOS))
+def test_algorithm_mapping_never_falls_back_to_grpo(algo: str) -> None:
+    plan = compile_plan_dict(_src(algo="[orchestrator.algo]\n" + algo), "a.toml")
+    want = ALGOS[algo]
+    if isinstance(want, tuple):
+        assert credit_strategy(plan) == want
+    else:
+        assert plan.advantage.credit is None and want in plan.advantage.note
+        with pytest.raises(PlanError, match="cannot run here") as info:
+            credit_strategy(plan)
+        assert want in str(info.value) and plan.advantage.type in str(info.value)
+
+
+def test_pinned_seat_is_a_fixed_target() -> None:
+    plan = compile_plan_dict(_src(extra="""
+        [orchestrator.train.source.env.player0]
+        harness = { id = "null" }
+        [orchestrator.train.source.env.player1]
+        model = "gpt-4.1-mini"
+        client = { base_url = "https://api.openai.com/v1", api_key_var = "OPENAI_API_KEY" }
+        sampling = { temperature = 0.0 }
+        """), "s.toml")
+    seats = plan.environments[0].seats
+    assert seats["player0"].target == LEARNER and seats["player0"].trainable
+    assert seats["player1"].target == "player1" and not seats["player1"].trainable
+    fixed = plan.targets["player1"]
+    assert (fixed.model, fixed.base_urls, fixed.api_key_var) == ("gpt-4.1-mini", ["https://api.openai.com/v1"],
+                                                                 "OPENAI_API_KEY")
+    assert fixed.sampling == {"temperature": 0.0}
+    assert plan.route("player1", "r", 0) == (fixed, False) and plan.route("player0", "r", 0) == (plan.learner, True)
+
+
+REFUSED_2026 = {
+    "near_miss_sampling": ('[orchestrator.train.sampling]\ntemprature = 0.5',
+                           ["orchestrator.train.sampling.temprature", "did you mean 'temperature'"]),
+    "near_miss_source_key": ('ratoi = 2', ["orchestrator.train.source[0].ratoi", "'ratio'"]),
+    "near_miss_seat_key": ('[orchestrator.train.source.env.agent]\nharnes = { id = "null" }\nruntime = {}',
+                           ["orchestrator.train.source[0].env.agent.harnes", "'harness'"]),
+    "near_miss_algo_type": ('[orchestrator.algo]\ntype = "gpro"', ["orchestrator.algo.type", "did you mean 'grpo'"]),
+    "algo_unknown_param": ('[orchestrator.algo]\ntype = "rae"\ndecya = 0.9', ["orchestrator.algo.decya", "'decay'"]),
+    "opd_without_teacher": ('[orchestrator.algo]\ntype = "opd"', ["orchestrator.algo.teacher", "teacher"]),
+    "env_level_harness": ('[orchestrator.train.source.env.harness]\nid = "null"',
+                          ["orchestrator.train.source[0].env.harness", "belongs to a seat"]),
+    "eval_without_source": ('[orchestrator.eval]\ninterval = 5', ["orchestrator.eval.source", "at least one"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_2026))
+def test_2026_refusals_name_the_field(case: str, tmp_path: Path) -> None:
+    extra, expected = REFUSED_2026[case]
+    text = ("[model]\nname = 'm'\n[orchestrator]\nbatch_size = 8\n[[orchestrator.train.source]]\nname = 's'\n"
+            "env = { taskset = { id = 't' } }\n")
+    if extra.startswith("[orchestrator.train.source.env"):
+        text = text.replace("env = { taskset = { id = 't' } }\n", "[orchestrator.train.source.env.taskset]\nid = 't'\n")
+    path = tmp_path / f"{case}.toml"
+    path.write_text(text + extra + "\n")
+    with pytest.raises(PlanError) as info:
+        compile_plan(path)
+    for part in [str(path), *expected]:
+        assert part in str(info.value), f"{part!r} not in {info.value}"
+
+
+@pytest.mark.parametrize("text,what", [
+    ("[data]\nname = 'ds'\n[optim]\nlr = 1e-5\n", "an SFT trainer config"),
+    ("[vllm]\ntensor_parallel_size = 8\n", "an inference-server config"),
+    ("model = 'x'\n[[eval.source]]\nname = 'e'\nenv = { taskset = { id = 't' } }\n", "an eval-only config"),
+    ("[model]\nname = 'm'\n", "a config with only [model]"),
+])
+def test_files_that_are_not_recipes_say_what_they_are(text: str, what: str, tmp_path: Path) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text(text)
+    with pytest.raises(PlanError, match=f"{re.escape(what)}.*not a generation recipe"):
+        compile_plan(path)
+
+
+def test_unknown_sampling_key_in_a_seat_and_eval_source_passes_through() -> None:
+    plan = compile_plan_dict(_src(extra="""
+        [orchestrator.train.source.env.agent]
+        sampling = { skip_special_tokens = false }
+        """), "p.toml")
+    assert plan.environments[0].seats["agent"].sampling == {"extra_body": {"skip_special_tokens": False}}
+    assert plan.passthrough_sampling == ["orchestrator.train.source[0].env.agent.sampling.skip_special_tokens"]
+
+
+def test_cli_shows_algorithm_refusal_and_passthrough(capsys: pytest.CaptureFixture) -> None:
+    from rollout.cli import main
+
+    assert main(["plan", str(PEER_2026 / "fork-debate-pcd4.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "CANNOT RUN HERE (services refuse it)" in out
+    assert "passed to the inference server as is (extra_body): orchestrator.train.sampling.thinking_token_budget" in out
+    assert main(["plan", str(PEER_2026 / "configs_debug_algo_rae.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "player0  learner  yes        seat of kuhn-poker, kuhn-poker (eval)" in out
+    assert "rae (orchestrator.algo) -> credit ema_per_member (alpha=0.95)" in out
