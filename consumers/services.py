@@ -487,15 +487,17 @@ def config_from_args(args: Any) -> ServiceConfig:
                         checkpoint_dir=args.checkpoint_dir, lr=args.lr, epochs=args.epochs)
     if args.plan:
         try:
-            from schemas.plan import compile_plan  # type: ignore[import-not-found]
+            from schemas.plan import PlanError, compile_plan, credit_strategy  # type: ignore[import-not-found]
         except ImportError as e:
             raise SystemExit(f"--plan needs schemas.plan: {e}") from None
         plan = compile_plan(args.plan)
         cfg.family = getattr(plan, "family", cfg.family)
-        adv = getattr(plan, "advantage", None)
-        if adv is not None:
-            cfg.credit = getattr(adv, "type", cfg.credit)
-            cfg.credit_params.update(getattr(adv, "params", {}) or {})
+        try:  # the plan's algorithm, mapped to a credit strategy; one we cannot run stops credit and trainer
+            cfg.credit, params = credit_strategy(plan)
+            cfg.credit_params.update(params)
+        except PlanError as e:
+            if getattr(args, "name", None) in ("credit", "trainer"):
+                raise SystemExit(f"rollout serve {args.name}: refusing the plan: {e}") from None
         cfg.max_off_policy_steps = getattr(plan, "max_off_policy_steps", cfg.max_off_policy_steps)
         cfg.batch_records = getattr(plan, "batch_size", cfg.batch_records)
         cfg.judge_targets = dict(getattr(plan, "targets", {}) or {})

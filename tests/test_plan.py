@@ -572,3 +572,19 @@ def test_cli_shows_algorithm_refusal_and_passthrough(capsys: pytest.CaptureFixtu
     out = capsys.readouterr().out
     assert "player0  learner  yes        seat of kuhn-poker, kuhn-poker (eval)" in out
     assert "rae (orchestrator.algo) -> credit ema_per_member (alpha=0.95)" in out
+
+
+def test_credit_and_trainer_services_refuse_an_algorithm_they_cannot_run() -> None:
+    import argparse
+
+    from consumers.services import add_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    mixed = str(PEER_2026 / "configs_debug_algo_mixed_grpo_opd.toml")
+    for service in ("credit", "trainer"):
+        with pytest.raises(SystemExit, match=f"rollout serve {service}: refusing the plan: .*algorithm 'opd'"):
+            config_from_args(parser.parse_args([service, "--plan", mixed]))
+    config_from_args(parser.parse_args(["verifier", "--plan", mixed]))  # does not assign credit: unaffected
+    cfg = config_from_args(parser.parse_args(["credit", "--plan", str(PEER_2026 / "configs_debug_algo_rae.toml")]))
+    assert (cfg.credit, cfg.credit_params["alpha"]) == ("ema_per_member", 0.95)
