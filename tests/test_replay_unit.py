@@ -18,7 +18,7 @@ import pytest
 
 from replay import columns as C
 from replay.audit import audit
-from replay.ingest import ReplayError, Until, load_events
+from replay.ingest import ReplayError, Until, discover_prefixes, load_events, split_topic, topics_for
 from replay.query import export, interactive, run_query
 from replay.report import build_report
 from replay.synthetic import generate_run
@@ -293,3 +293,140 @@ def test_report_png_is_a_png_or_a_clear_refusal(run, tmp_path):
         assert "report.html" in str(e)
     else:
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+# -- topic prefixes ------------------------------------------------------------------------------------
+
+def test_topic_prefixes_are_whatever_precedes_a_topic_key():
+    names = ["__consumer_offsets", "rollout.steps", "rollout.policy-revisions", "demo-1a2b3c4d.policy-revisions",
+             "demo-1a2b3c4d.trainer-batches", "demo-1a2b3c4d.rollout.steps", "rollout.demo", "unrelated", "steps"]
+    assert discover_prefixes(names) == ["", "demo-1a2b3c4d.", "demo-1a2b3c4d.rollout.", "rollout."]
+    assert split_topic("demo-1a2b3c4d.dead-letters") == ("demo-1a2b3c4d.", "dead-letters")
+    assert split_topic("rollout.demo") is None and split_topic("__transaction_state") is None
+    assert topics_for("demo-1a2b3c4d.")["training-records"] == "demo-1a2b3c4d.training-records"
+    assert set(topics_for("x.")) == set(TOPIC_TABLE)
+
+
+def test_the_topic_prefix_is_kept_in_the_database(run):
+    con = duckdb.connect()
+    load_events(con, run.run_id, placed(flat(run)[:5]), prefix="demo-1a2b3c4d.")
+    assert dict(con.execute("SELECT * FROM _replay_meta").fetchall()) == {
+        "run_id": run.run_id, "topic_prefix": "demo-1a2b3c4d."}
+
+
+# -- evaluation rollouts, policy_exact, revision metrics ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def eval_run():
+    return generate_run("unit-eval-0001", rounds=3, groups=3, group_size=3, eval_questions=5, inexact=True)
+
+
+def test_new_columns_match_the_events(eval_run):
+    con = load(flat(eval_run), eval_run.run_id)
+    exact = dict(con.execute("SELECT step_id, policy_exact FROM steps").fetchall())
+    assert exact == {s.step_id: s.policy_exact for s in eval_run.events("steps")}
+    assert 0 < sum(not v for v in exact.values()) < len(exact)
+    for table, key in (("rollouts", "rollouts"), ("scores", "scores")):
+        got = dict(con.execute(f"SELECT rollout_id, evaluation FROM {table}").fetchall())
+        assert got == {e.rollout_id: e.evaluation for e in eval_run.events(key)}
+        assert sum(got.values()) == 3 * 5
+    revs = {r.revision: r for r in eval_run.events("policy-revisions")}
+    for rev, metrics, mean, mx, n in con.execute(
+            "SELECT revision, metrics, mismatch_mean, mismatch_max, mismatch_tokens FROM policy_revisions").fetchall():
+        assert dict(metrics) == pytest.approx(revs[rev].metrics)
+        assert (mean, mx, n) == tuple(revs[rev].metrics.get(k) for k in ("mismatch_mean", "mismatch_max", "mismatch_tokens"))
+    long = con.execute("SELECT family, revision, name, value FROM v_revision_metrics").fetchall()
+    assert sorted(long) == sorted((r.family, r.revision, k, v) for r in revs.values() for k, v in r.metrics.items())
+    mismatch = con.execute("SELECT revision, measured_revision, mismatch_mean, mismatch_max, mismatch_tokens "
+                           "FROM v_logprob_mismatch ORDER BY revision").fetchall()
+    assert mismatch == [(r.revision, r.parent_revision, r.metrics["mismatch_mean"], r.metrics["mismatch_max"],
+                         r.metrics["mismatch_tokens"]) for r in sorted(revs.values(), key=lambda r: r.revision) if r.metrics]
+
+
+def test_eval_accuracy_by_revision_and_training_views_without_evaluation(eval_run):
+    con = load(flat(eval_run), eval_run.run_id)
+    evals = {r.rollout_id for r in eval_run.events("rollouts") if r.evaluation}
+    steps = eval_run.events("steps")
+    rewards = {s.rollout_id: s.rewards for s in eval_run.events("scores")}
+    want = defaultdict(list)
+    for s in steps:
+        if s.rollout_id in evals and s.trainable:
+            want[s.policy.revision].append(rewards[s.rollout_id][s.member_id])
+    got = {rev: (n, mean, acc) for rev, n, mean, acc in con.execute(
+        "SELECT policy_revision, rollouts, mean_reward, accuracy FROM v_eval_accuracy_by_revision").fetchall()}
+    assert set(got) == set(want) == {0, 1, 2}
+    for rev, rs in want.items():
+        assert got[rev] == (len(rs), pytest.approx(np.mean(rs)), pytest.approx(np.mean([r >= 1 for r in rs])))
+    # training views: evaluation rollouts are left out; v_token_counts lists them with evaluation = true
+    train_steps = [s for s in steps if s.rollout_id not in evals]
+    assert con.execute("SELECT sum(steps) FROM v_reward_by_revision").fetchone()[0] == len(train_steps)
+    assert con.execute("SELECT sum(inexact_steps) FROM v_reward_by_revision").fetchone()[0] == \
+        sum(not s.policy_exact for s in train_steps)
+    assert con.execute("SELECT sum(rollouts) FROM v_env_pass_rates").fetchone()[0] == \
+        len(eval_run.events("scores")) - len(evals)
+    assert con.execute("SELECT sum(rollouts) FROM v_reward_by_admission_revision").fetchone()[0] == \
+        sum(len(s.rewards) for s in eval_run.events("scores") if s.rollout_id not in evals)
+    assert dict(con.execute("SELECT evaluation, sum(steps) FROM v_token_counts GROUP BY 1").fetchall()) == {
+        True: len(steps) - len(train_steps), False: len(train_steps)}
+    assert con.execute("SELECT count(*) FROM v_step_rewards WHERE evaluation").fetchone()[0] == len(steps) - len(train_steps)
+
+
+def test_eval_accuracy_prefers_the_exact_match_metric(eval_run):
+    """A shaped reward below 1 counts as correct when the verifier's exact_match metric says so (and vice versa)."""
+    items = []
+    for k, e in flat(eval_run):
+        if k == "scores" and e.evaluation:
+            hit = e.rewards["solver"] >= 1
+            e = e.model_copy(update={"rewards": {"solver": 0.5 if hit else 1.0},
+                                     "metrics": {"solver/metric/exact_match": 1.0 if hit else 0.0}})
+        items.append((k, e))
+    con = load(items, eval_run.run_id)
+    hits = [e.rewards["solver"] >= 1 for e in eval_run.events("scores") if e.evaluation]
+    assert con.execute("SELECT sum(correct) FROM v_eval_accuracy_by_revision").fetchone()[0] == sum(hits)
+
+
+def test_audit_warns_about_inexact_steps_and_catches_trained_evaluation(eval_run):
+    report = audit(load(flat(eval_run), eval_run.run_id))
+    assert report.ok, report.violations
+    inexact = [s for s in eval_run.events("steps") if not s.policy_exact]
+    warned = [f for f in report.warnings if f.kind == "inexact_policy"]
+    assert {f.subject for f in warned} == {f"toy@r{s.policy.revision}" for s in inexact}
+    assert report.checked["inexact_steps"] == len(inexact)
+    assert sum(int(f.message.split()[0]) for f in warned) == len(inexact)
+    assert report.checked["trainable_steps"] == sum(s.trainable for s in eval_run.events("steps"))
+    # a training record made from an evaluation rollout, and a trainable step of an unpublished revision
+    ev = next(r for r in eval_run.events("rollouts") if r.evaluation)
+    rec = eval_run.events("training-records")[0].model_copy(update={"record_id": "from-eval", "rollout_id": ev.rollout_id})
+    step = next(s for s in eval_run.events("steps") if s.trainable)
+    ghost = step.model_copy(update={"step_id": "ghost", "policy": PolicyRef(family="toy", revision=42)})
+    report = audit(load(flat(eval_run) + [("training-records", rec), ("steps", ghost)], eval_run.run_id))
+    found = {(f.kind, f.subject) for f in report.violations}
+    assert ("evaluation_trained", "from-eval") in found and ("unknown_revision", "ghost") in found
+    assert "trainable step ghost" in next(f.message for f in report.violations if f.subject == "ghost")
+
+
+def test_report_shows_evaluation_and_mismatch_or_says_there_is_none(run, eval_run):
+    page = build_report(load(flat(eval_run), eval_run.run_id))
+    assert "Held-out evaluation by policy revision" in page and "Trainer–inference logprob mismatch</text>" in page
+    assert "no evaluation rollouts in this run" not in page
+    bare = [(k, e.model_copy(update={"metrics": {}}) if k == "policy-revisions" else e) for k, e in flat(run)]
+    page = build_report(load(bare))
+    assert "no evaluation rollouts in this run" in page and "no logprob mismatch reported" in page
+
+
+def test_an_older_database_gets_the_new_columns_with_their_defaults(run):
+    from replay import tables as T
+
+    con = load(flat(run))
+    for name in T.VIEWS:
+        con.execute(f"DROP VIEW {name}")
+    for table, col in (("steps", "policy_exact"), ("rollouts", "evaluation"), ("scores", "evaluation"),
+                       ("policy_revisions", "metrics"), ("policy_revisions", "mismatch_mean")):
+        con.execute(f"ALTER TABLE {table} DROP COLUMN {col}")
+    T.ensure_schema(con)
+    assert con.execute("SELECT bool_and(policy_exact), count(*) FROM steps").fetchone() == (True, run.counts()["steps"])
+    assert con.execute("SELECT bool_or(evaluation) FROM rollouts").fetchone()[0] is False
+    assert con.execute("SELECT count(*) FROM policy_revisions WHERE mismatch_mean IS NULL").fetchone()[0] == \
+        run.counts()["policy-revisions"]
+    load_events(con, run.run_id, placed(flat(run)[:3]))  # and takes new rows
+    assert audit(con).checked["inexact_steps"] == 0
