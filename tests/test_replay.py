@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from replay.audit import audit, run_audit
-from replay.ingest import Replayer, ReplayError, Until, default_topics, list_runs
+from replay.ingest import Replayer, ReplayError, Until, default_topics, list_runs, topics_for
 from replay.synthetic import generate_run, produce
+from rollout.cli import main
 from schemas import codec
 from schemas.events import TrainingRecord
 from streams import topics
@@ -195,9 +196,71 @@ async def test_runs_are_listed_and_the_latest_is_the_default(log, tmp_path):
     db = str(tmp_path / "latest.duckdb")
     result = await Replayer(db, log).run()
     assert result.run_id == newer.run_id
-    from rollout.cli import main
 
     assert await asyncio.to_thread(main, ["runs"]) == 0
+
+
+async def test_runs_under_every_topic_prefix(kafka_settings, monkeypatch, tmp_path, capsys):
+    """Without ROLLOUT_TOPIC_PREFIX, runs are found under any prefix (as `rollout demo` writes them); the
+    prefix a database was replayed from is kept; setting the variable restricts to its prefix."""
+    monkeypatch.setenv("ROLLOUT_BOOTSTRAP_SERVERS", kafka_settings.bootstrap)
+    tag = uuid.uuid4().hex[:8]
+    demo, other = f"demo-{tag}.", f"test.replay.{tag}."
+    for prefix in (demo, other):
+        monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
+        await topics.create_topics(kafka_settings.admin_kwargs())
+    monkeypatch.delenv("ROLLOUT_TOPIC_PREFIX")
+    kw = kafka_settings.client_kwargs()
+    older = generate_run(uuid.uuid4().hex, rounds=1, seed=3)
+    newer = generate_run(uuid.uuid4().hex, rounds=3, seed=4, eval_questions=3, inexact=True)
+    await produce(older.transactions, kw, topics_for(other), transactional_id=f"test-{uuid.uuid4().hex[:8]}")
+    await asyncio.sleep(0.05)
+    first, rest = newer.transactions[:4], newer.transactions[4:]
+    await produce(first, kw, topics_for(demo), transactional_id=f"test-{uuid.uuid4().hex[:8]}")
+
+    runs = await list_runs(kafka_settings)
+    where = {r.run_id: r.prefix for r in runs}
+    assert where[older.run_id] == other and where[newer.run_id] == demo
+    assert runs[0].run_id == newer.run_id  # the most recent run of the whole cluster
+    assert await asyncio.to_thread(main, ["runs"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if newer.run_id in x)
+    assert demo in line
+
+    # no --run: the most recent run, under its prefix, which the database remembers
+    db = str(tmp_path / "latest.duckdb")
+    r1 = await Replayer(db, kafka_settings).run()
+    assert (r1.run_id, r1.prefix, r1.messages) == (newer.run_id, demo, sum(len(tx) for tx in first))
+    await produce(rest, kw, topics_for(demo), transactional_id=f"test-{uuid.uuid4().hex[:8]}")
+    r2 = await Replayer(db, kafka_settings).run()
+    assert r2.messages == sum(len(tx) for tx in rest)
+    assert {t: n for t, n in counts(db).items() if n} == {TABLE[k]: n for k, n in newer.counts().items()}
+    # the new fields made it through Kafka
+    con = duckdb.connect(db, read_only=True)
+    assert dict(con.execute("SELECT step_id, policy_exact FROM steps").fetchall()) == \
+        {s.step_id: s.policy_exact for s in newer.events("steps")}
+    assert con.execute("SELECT count(*) FILTER (WHERE evaluation) FROM rollouts").fetchone()[0] == 3 * 3 == \
+        con.execute("SELECT sum(rollouts) FROM v_eval_accuracy_by_revision").fetchone()[0]
+    assert {r: dict(m) for r, m in con.execute("SELECT revision, metrics FROM policy_revisions").fetchall()} == \
+        {r.revision: r.metrics for r in newer.events("policy-revisions")}
+    assert con.execute("SELECT count(*) FROM v_logprob_mismatch").fetchone()[0] == 3
+    con.close()
+    report = run_audit(db)
+    assert report.ok, report.violations[:5]
+    assert report.checked["inexact_steps"] == sum(not s.policy_exact for s in newer.events("steps")) > 0
+
+    # --run finds a run under any prefix
+    old_db = str(tmp_path / "older.duckdb")
+    r3 = await Replayer(old_db, kafka_settings, run_id=older.run_id).run()
+    assert r3.prefix == other and r3.messages == sum(older.counts().values())
+    with pytest.raises(ReplayError, match="not on the log"):
+        await Replayer(str(tmp_path / "none.duckdb"), kafka_settings, run_id="no-such-run").run()
+
+    # ROLLOUT_TOPIC_PREFIX restricts to its prefix
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", other)
+    assert [r.run_id for r in await list_runs(kafka_settings)] == [older.run_id]
+    with pytest.raises(ReplayError, match=f"from topics {demo}"):
+        await Replayer(db, kafka_settings).run()
+    assert (await Replayer(str(tmp_path / "restricted.duckdb"), kafka_settings).run()).run_id == older.run_id
 
 
 async def test_replay_while_services_are_live_leaves_their_groups_alone(log, tmp_path):

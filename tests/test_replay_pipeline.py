@@ -27,32 +27,38 @@ def prefix(monkeypatch):
     return p
 
 
-async def seed(kw, run_id: str, groups: int) -> tuple[int, int]:
-    """Revision 0, then `groups` arithmetic groups (steps, rollout) in transactions; (steps, rollouts)."""
+async def seed(kw, run_id: str, groups: int, eval_groups: int = 0) -> tuple[int, int, list[bool]]:
+    """Revision 0, then `groups` arithmetic groups (steps, rollout) in transactions, then `eval_groups`
+    groups of held-out evaluation rollouts; (training steps, rollouts, whether each evaluation answer is right)."""
     from aiokafka import AIOKafkaProducer
 
     prod = AIOKafkaProducer(**kw, transactional_id=f"arena-{uuid.uuid4().hex[:6]}", enable_idempotence=True,
                             max_request_size=8 * 1024 * 1024)
     await prod.start()
     n_steps = n_rollouts = 0
+    right: list[bool] = []
     try:
         async with prod.transaction():
             k, v, h = serde.to_message(testing.revision(0, run_id=run_id))
             await prod.send(topics.POLICY_REVISIONS.name, v, key=k, headers=h)
-        for chunk in range(0, groups, 10):
+        for chunk in range(0, groups + eval_groups, 10):
             async with prod.transaction():
-                for g in range(chunk, min(chunk + 10, groups)):
+                for g in range(chunk, min(chunk + 10, groups + eval_groups)):
+                    evaluation = g >= groups
                     for steps, ro in testing.arithmetic_group(f"{run_id[:6]}-g{g:04d}", 4, run_id=run_id):
                         for st in steps:
                             k, v, h = serde.to_message(st)
                             await prod.send(topics.STEPS.name, v, key=k, headers=h)
-                            n_steps += 1
+                            n_steps += not evaluation
+                        if evaluation:
+                            ro = ro.model_copy(update={"evaluation": True})
+                            right.append(steps[-1].completion[-1].content.endswith(f" {ro.artifacts['scoring']['answer']}"))
                         k, v, h = serde.to_message(ro)
                         await prod.send(topics.ROLLOUTS.name, v, key=k, headers=h)
                         n_rollouts += 1
     finally:
         await prod.stop()
-    return n_steps, n_rollouts
+    return n_steps, n_rollouts, right
 
 
 async def group_offsets(admin) -> dict:
@@ -79,7 +85,7 @@ async def test_replay_of_a_run_from_the_real_pipeline(kafka_settings, prefix, tm
     await admin.start()
     db = str(tmp_path / "pipeline.duckdb")
     try:
-        n_steps, n_rollouts = await seed(kw, run_id, groups=30)
+        n_steps, n_rollouts, right = await seed(kw, run_id, groups=30, eval_groups=3)
         # wait until the batcher has batched every record (one per trainable step)
         deadline = time.monotonic() + 120
         while True:
@@ -109,13 +115,20 @@ async def test_replay_of_a_run_from_the_real_pipeline(kafka_settings, prefix, tm
     await Replayer(db, kafka_settings).run()
     con = duckdb.connect(db, read_only=True)
     got = dict(con.execute("SELECT * FROM v_counts").fetchall())
+    evals = con.execute("SELECT count(*) FROM scores WHERE evaluation").fetchone()[0]
+    eval_acc = con.execute("SELECT policy_revision, answers, accuracy FROM v_eval_accuracy_by_revision").fetchall()
+    env_rollouts = con.execute("SELECT sum(rollouts) FROM v_env_pass_rates").fetchone()[0]
     con.close()
     assert got["policy_revisions"] == 1
-    assert got["steps"] == n_steps and got["rollouts"] == n_rollouts
+    assert got["steps"] == n_steps + len(right) and got["rollouts"] == n_rollouts
     assert got["scores"] == n_rollouts  # the verifier scored each rollout once
-    assert got["training_records"] == n_steps  # credit: one record per trainable step, exactly once
+    assert got["training_records"] == n_steps  # credit: one record per trainable training step, exactly once
     assert got["batch_records"] == n_steps  # each record in exactly one batch
     assert got["replay_errors"] == 0 and got["dead_letters"] == 0
+    # held-out evaluation: scored (the verifier keeps the flag), never credited, on the eval views only
+    assert evals == len(right) == 3 * 4
+    assert eval_acc == [(0, len(right), pytest.approx(sum(right) / len(right)))]
+    assert env_rollouts == n_rollouts - len(right)
     report = run_audit(db)
     assert report.ok, report.findings[:5]
     assert report.checked["batch_digests"] == got["trainer_batches"]
