@@ -40,6 +40,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from replay.tables import open_read_only
 from schemas.digests import batch_digest, lineage_digest, record_digest
 from schemas.events import TrainingRecord
 from schemas.policy import PolicyRef
@@ -341,7 +342,7 @@ def _fmt_sources(c: Counter) -> str:
 
 
 def run_audit(db: str) -> AuditReport:
-    con = duckdb.connect(db, read_only=True)
+    con = open_read_only(db)
     try:
         return audit(con)
     finally:

@@ -37,6 +37,7 @@ from schemas import codec
 from schemas.errors import EventDecodeError
 
 FETCH_BYTES = 64 * 1024 * 1024
+NO_RUN = "?"  # the run of messages without a run_id header, as listed
 
 
 class ReplayError(Exception):
@@ -237,7 +238,7 @@ async def _scan_runs(consumer: Any, topic_names: list[str]) -> list[RunInfo]:
                 if r.offset >= end[tp]:
                     break
                 raw = _header(r.headers, "run_id")
-                run = raw.decode(errors="replace") if raw is not None else "?"
+                run = raw.decode(errors="replace") if raw is not None else NO_RUN
                 info = runs.get((prefix, run))
                 if info is None:
                     info = runs[(prefix, run)] = RunInfo(run, prefix, r.timestamp, r.timestamp, defaultdict(int))
@@ -344,18 +345,19 @@ class Replayer:
         prefix = want if want is not None else stored_prefix
         if run_id and prefix is not None:
             return run_id, prefix
-        scope = None if prefix is None else [prefix]
-        runs = await list_runs(self.settings, prefixes=scope)
-        if run_id:
-            runs = [r for r in runs if r.run_id == run_id] or \
-                [r for r in await list_runs(self.settings, prefixes=scope, all_topics=True) if r.run_id == run_id]
+        if run_id:  # under which prefix? (its revision 0 tells; else every topic is read)
+            runs = [r for r in await list_runs(self.settings) if r.run_id == run_id] or \
+                [r for r in await list_runs(self.settings, all_topics=True) if r.run_id == run_id]
             if not runs:
-                raise ReplayError(f"run {run_id} is not on the log" + (f" under topics {prefix}*" if scope else ""))
+                raise ReplayError(f"run {run_id} is not on the log")
             if len({r.prefix for r in runs}) > 1:
                 raise ReplayError(f"run {run_id} is on the log under several topic prefixes "
                                   f"({', '.join(sorted({r.prefix for r in runs}))}): set ROLLOUT_TOPIC_PREFIX")
-        if not runs:
-            raise ReplayError("no run found on the log (nothing carries a run_id header)")
+        else:
+            runs = [r for r in await list_runs(self.settings, prefixes=None if prefix is None else [prefix])
+                    if r.run_id != NO_RUN]
+            if not runs:
+                raise ReplayError("no run found on the log" + (f" under topics {prefix}*" if prefix is not None else ""))
         return runs[0].run_id, runs[0].prefix
 
     async def _run(self, con: duckdb.DuckDBPyConnection) -> ReplayResult:

@@ -250,7 +250,9 @@ def build_report(con: duckdb.DuckDBPyConnection, *, audit_summary: str | None = 
 
 
 def write_report(db: str, out: str, *, with_audit: bool = True) -> str:
-    con = duckdb.connect(db, read_only=True)
+    from replay.tables import open_read_only
+
+    con = open_read_only(db)
     try:
         summary = ok = None
         if with_audit:

@@ -315,6 +315,24 @@ MACROS = [
 ]
 
 
+class OutdatedSchema(RuntimeError):
+    """A database replayed by an older version, opened read-only (it is upgraded by the next replay into it)."""
+
+
+def open_read_only(db: str):  # -> duckdb.DuckDBPyConnection
+    """The database for reading, refused with a clear reason when it lacks this version's views."""
+    import duckdb
+
+    con = duckdb.connect(db, read_only=True)
+    have = {v for (v,) in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+    missing = sorted(set(VIEWS) - have)
+    if missing:
+        con.close()
+        raise OutdatedSchema(f"{db} was replayed by an older version (no {', '.join(missing)}): run "
+                             f"`rollout replay --db {db}` once more to upgrade it")
+    return con
+
+
 def ensure_schema(con) -> None:  # con: duckdb.DuckDBPyConnection
     for t in TABLES.values():
         con.execute(create_table_sql(t))

@@ -115,8 +115,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     from replay.audit import run_audit, to_rows
     from replay.query import print_table
+    from replay.tables import OutdatedSchema
 
-    report = run_audit(args.db)
+    try:
+        report = run_audit(args.db)
+    except OutdatedSchema as e:
+        print(f"rollout audit: error: {e}", file=sys.stderr)
+        return 2
     if args.format == "json":
         print(report.to_json())
     else:

@@ -414,15 +414,26 @@ def test_report_shows_evaluation_and_mismatch_or_says_there_is_none(run, eval_ru
     assert "no evaluation rollouts in this run" in page and "no logprob mismatch reported" in page
 
 
-def test_an_older_database_gets_the_new_columns_with_their_defaults(run):
+def test_an_older_database_gets_the_new_columns_with_their_defaults(run, tmp_path, capsys):
     from replay import tables as T
+    from replay.audit import run_audit
+    from rollout.cli import main
 
-    con = load(flat(run))
+    db = str(tmp_path / "old.duckdb")
+    con = duckdb.connect(db)
+    load_events(con, run.run_id, placed(flat(run)))
     for name in T.VIEWS:
         con.execute(f"DROP VIEW {name}")
     for table, col in (("steps", "policy_exact"), ("rollouts", "evaluation"), ("scores", "evaluation"),
                        ("policy_revisions", "metrics"), ("policy_revisions", "mismatch_mean")):
         con.execute(f"ALTER TABLE {table} DROP COLUMN {col}")
+    con.close()
+    # read-only commands refuse it with the way out; a replay into it (ensure_schema) upgrades it
+    with pytest.raises(T.OutdatedSchema, match="rollout replay --db"):
+        run_audit(db)
+    assert main(["audit", "--db", db]) == 2 and "older version" in capsys.readouterr().err
+    assert main(["report", "--db", db, "--out", str(tmp_path / "r.html")]) == 1
+    con = duckdb.connect(db)
     T.ensure_schema(con)
     assert con.execute("SELECT bool_and(policy_exact), count(*) FROM steps").fetchone() == (True, run.counts()["steps"])
     assert con.execute("SELECT bool_or(evaluation) FROM rollouts").fetchone()[0] is False
@@ -430,3 +441,6 @@ def test_an_older_database_gets_the_new_columns_with_their_defaults(run):
         run.counts()["policy-revisions"]
     load_events(con, run.run_id, placed(flat(run)[:3]))  # and takes new rows
     assert audit(con).checked["inexact_steps"] == 0
+    con.close()
+    assert run_audit(db).checked["trainable_steps"] == sum(s.trainable for s in run.events("steps")) + \
+        sum(s.trainable for k, s in flat(run)[:3] if k == "steps")
