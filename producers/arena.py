@@ -416,13 +416,20 @@ class Arena:
             self.stats.evaluated_revisions.append(self.current_policy.revision)
         return len(reqs)
 
-    async def wait_for_revision(self, revision: int, timeout_s: float) -> bool:
-        """Wait until ``revision`` is current (and, with evaluate, evaluated); False on timeout."""
+    async def wait_for_revision(self, revision: int, timeout_s: float, idle_s: float = 60.0) -> bool:
+        """Wait until ``revision`` is current (and, with evaluate, evaluated); False after ``timeout_s``, or
+        after ``idle_s`` without a new revision (records refused as stale can leave the last batch unfilled)."""
         deadline = time.monotonic() + timeout_s
+        last = (self.current_policy.revision, len(self.stats.evaluated_revisions), time.monotonic())
         while time.monotonic() < deadline and self._fatal is None:
             evaluated = not self.evaluate or revision in self.stats.evaluated_revisions
             if self.current_policy.revision >= revision and evaluated:
                 return True
+            now = (self.current_policy.revision, len(self.stats.evaluated_revisions))
+            if now != last[:2]:
+                last = (*now, time.monotonic())
+            elif time.monotonic() - last[2] > idle_s:
+                return False
             await asyncio.sleep(0.2)
         return False
 

@@ -191,6 +191,8 @@ class InferenceClient:
         for k, v in (sampling or {}).items():
             if k in SAMPLING_KEYS and v is not None:
                 body[k] = v
+        # sampling keys the plan passes through (vLLM's extra sampling parameters: top_k, min_p, ...)
+        body.update((sampling or {}).get("extra_body") or {})
         if body.get("n", 1) != 1:
             raise ValueError("one completion per call: a group is n separate calls, each its own Step")
         if tools:

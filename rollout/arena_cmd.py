@@ -3,11 +3,20 @@
     rollout arena examples/plans/arithmetic.toml --groups 8
     rollout arena examples/plans/debate.toml --groups 4 --follow-revisions
 
-The learner target (a plan's learner has no base_url) is the local policy server: started in-process on
-``--policy-port`` (default 8000, which is also where the example plans' fixed targets point) unless
-``--policy-url`` names a running one. Topics are created if missing. ``--follow-revisions`` follows the
-policy-revisions topic (new revisions are loaded into the local policy server and pace admission).
-SIGTERM (or Ctrl-C) stops admission; the episodes in flight finish and are written before it exits.
+The learner target (a plan's learner has no base_url) is served by ``--policy``:
+
+* ``local`` (default): the tiny byte-level model's policy server, started in-process on ``--policy-port``
+  (default 8000, which is also where the example plans' fixed targets point) unless ``--policy-url`` names
+  a running one;
+* ``vllm``: vLLM on the packaged SmolLM2-135M-Instruct, started on ``--policy-port`` unless ``--policy-url``
+  names a running vLLM server (started with ``VLLM_SERVER_DEV_MODE=1``; e.g. your own ``vllm serve`` on a GPU
+  host, which must be able to read the trainer's checkpoint folders).
+
+Topics are created if missing. ``--follow-revisions`` follows the policy-revisions topic: each new revision's
+checkpoint is loaded into the server without a restart (calls in flight drain first, so every Step names the
+revision that produced all of its tokens) and paces admission. ``--evaluate`` answers every environment's
+held-out questions with each revision (Rollouts marked ``evaluation``). SIGTERM (or Ctrl-C) stops admission;
+the episodes in flight finish and are written before it exits.
 """
 
 from __future__ import annotations
@@ -22,10 +31,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("plan", help="GenerationPlan TOML (e.g. examples/plans/arithmetic.toml)")
     p.add_argument("--groups", type=int, default=4, help="groups to admit (each plan.group_size rollouts); 0 = forever")
     p.add_argument("--concurrency", type=int, default=32, help="rollouts in flight at most")
-    p.add_argument("--policy-url", help="learner endpoint (default: start the local policy server)")
-    p.add_argument("--policy-port", type=int, default=8000, help="port of the in-process local policy server")
+    p.add_argument("--policy", choices=("local", "vllm"), default="local",
+                   help="what serves the learner: the tiny model's local server, or vLLM (default: local)")
+    p.add_argument("--policy-url", help="a running learner endpoint (default: start one on --policy-port)")
+    p.add_argument("--policy-port", type=int, default=8000, help="port of the server this command starts")
     p.add_argument("--checkpoint", help="checkpoint for the local policy server (default: seeded init)")
-    p.add_argument("--follow-revisions", action="store_true", help="follow the policy-revisions topic (pacing)")
+    p.add_argument("--follow-revisions", action="store_true",
+                   help="follow the policy-revisions topic: load each revision into the server, pace admission")
+    p.add_argument("--evaluate", action="store_true",
+                   help="answer each environment's held-out questions with every revision (evaluation rollouts)")
+    p.add_argument("--await-final-revision", type=float, default=0.0, metavar="SECONDS",
+                   help="after the last group, wait up to this long for the revision trained on the last batch "
+                        "(and its evaluation) before exiting")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     p.add_argument("--run-id", help="run id stamped on every event (default: random)")
     p.add_argument("--seed", type=int, default=0, help="arena sampling seed")
@@ -50,9 +67,23 @@ async def _main(args: argparse.Namespace) -> int:
         settings = settings.with_bootstrap(ensure_broker(settings))
     await topics.create_topics(settings.admin_kwargs())
     run_id = args.run_id or new_id()
-    server = None
+    server = vllm = None
     url = args.policy_url
-    if url is None and not plan.learner.base_urls:
+    weights: object = "auto"
+    if args.policy == "vllm":
+        from producers.weights import VllmWeights
+
+        if url is None and not plan.learner.base_urls:
+            from policy.hf import prepare_model
+            from producers.vllm_server import VllmServer
+
+            vllm = VllmServer(prepare_model().path, port=args.policy_port, served_model_name=plan.family)
+            print(f"starting vLLM on port {args.policy_port} ...", flush=True)
+            await vllm.start()
+            url = vllm.base_url
+            print(f"vLLM: {url} serving {plan.family}", flush=True)
+        weights = VllmWeights(url or plan.learner.base_urls[0])
+    elif url is None and not plan.learner.base_urls:
         from policy import PolicyModel
         from policy.checkpoint import load_checkpoint_info
         from producers.policy_server import PolicyServer
@@ -70,18 +101,25 @@ async def _main(args: argparse.Namespace) -> int:
         emitter = KafkaEmitter(settings.client_kwargs(), f"arena-{run_id}")
         follower = RevisionFollower(settings.client_kwargs(), plan.family) if args.follow_revisions else None
         arena = Arena(plan, emitter=emitter, policy_base_url=url, concurrency=args.concurrency,
-                      progress=not args.no_progress, run_id=run_id, revisions=follower, seed=args.seed)
+                      progress=not args.no_progress, run_id=run_id, revisions=follower, seed=args.seed,
+                      weights=weights, evaluate=args.evaluate)
         stop = asyncio.Event()  # SIGTERM/SIGINT: admit no more, finish and emit what is in flight, exit 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         async with arena:
             stats = await arena.run(num_groups=args.groups or None, stop=stop)
+            if args.await_final_revision > 0 and follower is not None and not stop.is_set():
+                final = arena.pacer.base_revision + arena.pacer.admitted // plan.batch_size
+                await arena.wait_for_revision(final, args.await_final_revision)
         print(json.dumps({"run_id": run_id, "plan": args.plan, **stats.as_dict(),
+                          "reload_s": [round(x, 3) for x in arena.reload_s],
                           "transactions": emitter.stats.transactions, "messages": emitter.stats.messages,
                           "steps_topic": emitter.steps_topic, "rollouts_topic": emitter.rollouts_topic}))
     finally:
         if server is not None:
             await server.stop()
+        if vllm is not None:
+            await vllm.stop()
     return 0
 
 

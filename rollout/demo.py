@@ -1,17 +1,16 @@
-"""`rollout demo`: the full loop, locally.
+"""`rollout demo`: the full loop, locally: a real LLM served by vLLM, trained from the log.
 
 Broker up (ROLLOUT_BOOTSTRAP_SERVERS, else the local one), fresh topics for this run (prefix
-``demo-<run>.``), revision 0 of the tiny policy written to disk and published; then the services
-(verifier, credit, batcher, reference trainer) run in this process while the arena
-(``rollout arena examples/plans/arithmetic.toml --follow-revisions``, with its local policy server) generates
-single-turn arithmetic rollouts in a subprocess, loading each new revision the trainer publishes. Ends with
-a summary: rollouts, batches, revisions, mean reward by the revision that generated the rollouts.
+``demo-<run>.``), vLLM started on the packaged SmolLM2-135M-Instruct, revision 0 (the model as packaged)
+published; then the services (verifier, credit, batcher, reference trainer) run in this process while the
+arena (``rollout arena PLAN --policy vllm --follow-revisions --evaluate``) generates arithmetic rollouts in a
+subprocess. Every revision the trainer publishes is loaded into the running vLLM (no restart) and answers a
+held-out question set (evaluation rollouts, never trained on). A live line shows the phase, revisions, the
+last batch's reward and the eval accuracy; the summary gives eval accuracy and training reward by revision,
+the trainer-inference logprob mismatch, step and reload times, and what to run next.
 
-    rollout demo [--groups 192] [--plan examples/plans/arithmetic.toml] [--lr 2e-2] [--epochs 4]
-
-The example plan scores arithmetic with a shaped rubric (exact answer + a numeric reply + closeness),
-so the tiny model has something to climb within a couple of minutes; the summary shows each reward
-component by revision, exact match included.
+    rollout demo                      # vLLM + SmolLM2-135M-Instruct, ~10 minutes on 2 cores
+    rollout demo --policy tiny        # the byte-level GRU and its local server: the fast loop (~1 minute)
 """
 
 from __future__ import annotations
@@ -25,19 +24,47 @@ import sys
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@dataclass(frozen=True)
+class Profile:
+    """The defaults of one policy kind (each overridable on the command line)."""
+
+    plan: str
+    groups: int
+    lr: float
+    epochs: int
+
+
+PROFILES = {
+    "vllm": Profile(str(ROOT / "examples" / "plans" / "arithmetic-smollm2.toml"), groups=96, lr=2e-5, epochs=2),
+    "tiny": Profile(str(ROOT / "examples" / "plans" / "arithmetic.toml"), groups=192, lr=2e-2, epochs=4),
+}
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the full loop: broker, policy server, arena, services, trainer, summary")
-    p.add_argument("--plan", default=str(ROOT / "examples" / "plans" / "arithmetic.toml"))
-    p.add_argument("--groups", type=int, default=192, help="groups the arena admits (plan.group_size rollouts each)")
-    p.add_argument("--lr", type=float, default=2e-2, help="reference trainer learning rate")
-    p.add_argument("--epochs", type=int, default=4, help="reference trainer: optimizer passes over each batch")
-    p.add_argument("--batch-records", type=int, default=None, help="default: the plan's batch_size")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p = sub.add_parser(
+        "demo", help="the main job: Kafka, vLLM with SmolLM2-135M-Instruct, the services, a real trainer, a summary",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", choices=sorted(PROFILES), default="vllm",
+                   help="vllm: SmolLM2-135M-Instruct on vLLM (default); tiny: the byte-level GRU (fast)")
+    p.add_argument("--plan", help="GenerationPlan (default: arithmetic-smollm2.toml, or arithmetic.toml for tiny)")
+    p.add_argument("--groups", type=int, help="groups the arena admits (plan.group_size rollouts each); "
+                                              "default 96 (vllm) / 192 (tiny)")
+    p.add_argument("--lr", type=float, help="reference trainer learning rate (default 2e-5 vllm / 2e-2 tiny)")
+    p.add_argument("--epochs", type=int, help="optimizer passes over each batch (default 2 vllm / 4 tiny)")
+    p.add_argument("--batch-records", type=int, default=None, help="batcher batch size (default: the plan's "
+                                                                   "batch_size spread over the partitions)")
+    p.add_argument("--vllm-port", type=int, default=0, help="vLLM's port (default: a free one)")
+    p.add_argument("--vllm-url", help="use this running vLLM server (http://host:port/v1, started with "
+                                      "VLLM_SERVER_DEV_MODE=1 on the packaged model) instead of starting one")
+    p.add_argument("--timeout", type=float, default=1200.0, help="give up on the arena after this many seconds")
+    p.add_argument("--no-progress", action="store_true", help="no live progress line")
     p.set_defaults(func=cmd_demo)
 
 
@@ -47,45 +74,207 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from streams.config import KafkaSettings, ensure_broker
 
     logging.basicConfig(level=logging.ERROR)
+    prof = PROFILES[args.policy]
+    args.plan = args.plan or prof.plan
+    args.groups = args.groups or prof.groups
+    args.lr = args.lr or prof.lr
+    args.epochs = args.epochs or prof.epochs
     settings = KafkaSettings.from_env()
     where = "configured cluster" if settings.external else "local broker"
     settings = settings.with_bootstrap(ensure_broker(settings))
-    print(f"Kafka: {where} at {settings.bootstrap}")
-    return asyncio.run(_demo(settings, args))
+    print(f"Kafka: {where} at {settings.bootstrap}", flush=True)
+    from policy.hf import ModelUnavailable
+    from producers.vllm_server import VllmStartError
+    from schemas.plan import PlanError
 
+    try:
+        return asyncio.run(_demo(settings, args))
+    except (ModelUnavailable, VllmStartError, PlanError) as e:
+        print(f"rollout demo: error: {e}", file=sys.stderr)
+        return 1
+
+
+# -- live view of the run --------------------------------------------------------------------------------
+
+@dataclass
+class Progress:
+    """What the live line and the summary show, fed by a tail of the scores and revisions topics."""
+
+    phase: str = "starting"
+    train: dict[int, list[float]] = field(default_factory=dict)   # revision -> rewards of training rollouts
+    parts: dict[str, dict[int, list[float]]] = field(default_factory=dict)  # reward component -> revision -> values
+    evals: dict[int, list[float]] = field(default_factory=dict)   # revision -> correct (0/1) per eval question
+    revisions: dict[int, dict[str, float]] = field(default_factory=dict)  # revision -> trainer metrics
+    scored: int = 0       # training rollouts scored
+    eval_scored: int = 0  # evaluation rollouts scored
+    started: float = field(default_factory=time.monotonic)
+
+    def add_score(self, s: Any) -> None:
+        if s.evaluation:
+            self.eval_scored += 1
+        else:
+            self.scored += 1
+        rev = s.trainable_steps[0].policy.revision if s.trainable_steps else None
+        if rev is None:
+            return
+        if s.evaluation:
+            exact = next((v for k, v in s.metrics.items() if k.endswith("/reward/exact_answer")), None)
+            value = exact if exact is not None else max(s.rewards.values(), default=0.0)
+            self.evals.setdefault(rev, []).append(1.0 if value >= 1.0 else 0.0)
+            return
+        self.train.setdefault(rev, []).extend(s.rewards.values())
+        for name, v in s.metrics.items():
+            if "/reward/" in name:
+                self.parts.setdefault(name.rsplit("/", 1)[-1], {}).setdefault(rev, []).append(v)
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self.started
+        out = [f"[{elapsed:5.0f}s] {self.phase}"]
+        if self.revisions:
+            r = max(self.revisions)
+            m = self.revisions[r]
+            out.append(f"revision r{r}")
+            if "reward_mean" in m:
+                out.append(f"batch reward {m['reward_mean']:.3f}")
+            if "mismatch_mean" in m:
+                out.append(f"mismatch {m['mismatch_mean']:.3f}")
+        done = {k: v for k, v in self.evals.items() if v}
+        if done:
+            r = max(done)
+            out.append(f"eval r{r} {_mean(done[r]):.0%} (r{min(done)} {_mean(done[min(done)]):.0%})")
+        out.append(f"scored {self.scored}")
+        return "  ".join(out)
+
+
+def _mean(v: list[float]) -> float:
+    return sum(v) / len(v) if v else 0.0
+
+
+async def _tail(kw: dict, progress: Progress, stop: asyncio.Event) -> None:
+    """Follow scores and revisions (read_committed, no group) until ``stop``, then read to the end."""
+    from aiokafka import AIOKafkaConsumer
+
+    from schemas import codec
+    from schemas.events import PolicyRevision, RolloutScored
+    from streams import topics
+
+    c = AIOKafkaConsumer(topics.SCORES.name, topics.POLICY_REVISIONS.name, **kw, group_id=None,
+                         isolation_level="read_committed", auto_offset_reset="earliest",
+                         max_partition_fetch_bytes=64 * 1024 * 1024)
+    await c.start()
+    idle = 0
+    try:
+        while not stop.is_set() or idle < 3:
+            got = await c.getmany(timeout_ms=300)
+            idle = 0 if got else idle + 1
+            for recs in got.values():
+                for r in recs:
+                    try:
+                        ev = codec.decode(r.value)
+                    except Exception:  # noqa: BLE001 - the services dead-letter bad frames; not ours to show
+                        continue
+                    if isinstance(ev, RolloutScored):
+                        progress.add_score(ev)
+                    elif isinstance(ev, PolicyRevision):
+                        progress.revisions[ev.revision] = dict(ev.metrics)
+    finally:
+        await c.stop()
+
+
+async def _show(progress: Progress, stop: asyncio.Event, enabled: bool) -> None:
+    if not enabled:
+        return
+    from rich.console import Console
+    from rich.live import Live
+
+    with Live(progress.line(), console=Console(stderr=True), refresh_per_second=2, transient=False) as live:
+        while not stop.is_set():
+            live.update(progress.line())
+            await asyncio.sleep(0.5)
+        live.update(progress.line())
+
+
+# -- the run ----------------------------------------------------------------------------------------------
 
 async def _demo(settings, args) -> int:
-    from consumers.services import ServiceConfig, build_processor, ensure_topics
-    from consumers.trainer import TrainerTask, initial_revision
+    from consumers.trainer import initial_revision
     from schemas.plan import compile_plan
-    from streams import serde, topics
+    from schemas.policy import PolicyRevision
     from streams.local_broker import free_port
-    from streams.transactions import TransactionalProcessor
 
+    t0 = time.monotonic()
     run = uuid.uuid4().hex[:8]
     prefix = f"demo-{run}."
     os.environ["ROLLOUT_TOPIC_PREFIX"] = prefix
     kw = settings.client_kwargs()
     plan = compile_plan(args.plan)
     family = plan.family
-    ckdir = ROOT / ".state" / "demo" / run
+    rundir = ROOT / ".state" / "demo" / run
+    ckdir = rundir / "checkpoints"
     print(f"run {run}: topics {prefix}*, checkpoints {ckdir}, plan {args.plan} (family {family}, "
           f"group_size {plan.group_size}, batch_size {plan.batch_size}, max_off_policy_steps "
-          f"{plan.max_off_policy_steps}, advantage {plan.advantage.type})")
-    for svc in ("verifier", "credit", "batcher", "trainer"):
-        await ensure_topics(svc, kw)
-    rev0 = initial_revision(family, ckdir, seed=0, run_id=run)
+          f"{plan.max_off_policy_steps}, advantage {plan.advantage.type}), policy {args.policy}", flush=True)
+    progress = Progress()
+    stop_view = asyncio.Event()
+    view = asyncio.create_task(_show(progress, stop_view, not args.no_progress))
+    vllm = None
+    arena_args: list[str] = []
+    try:
+        if args.policy == "vllm":
+            from policy.hf import prepare_model
+            from producers.vllm_server import VllmServer
+
+            progress.phase = "preparing the model"
+            model = await asyncio.to_thread(prepare_model)
+            rev0 = PolicyRevision(run_id=run, producer="demo", family=family, revision=0, checkpoint=model.checkpoint)
+            url = args.vllm_url
+            if url is None:
+                port = args.vllm_port or free_port()
+                vllm = VllmServer(model.path, port=port, served_model_name=family, log_path=rundir / "vllm.log")
+                rundir.mkdir(parents=True, exist_ok=True)
+                progress.phase = f"vLLM starting on port {port} (log {rundir / 'vllm.log'})"
+                t_start = time.monotonic()
+                await vllm.start()
+                url = vllm.base_url
+                print(f"vLLM ready at {url} in {time.monotonic() - t_start:.0f}s", flush=True)
+            arena_args = ["--policy", "vllm", "--policy-url", url]
+        else:
+            rev0 = initial_revision(family, ckdir, seed=0, run_id=run)
+            arena_args = ["--policy", "local", "--policy-port", str(free_port()),
+                          "--checkpoint", rev0.checkpoint.uri.removeprefix("file://")]
+        rc, summary = await _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress)
+    finally:
+        stop_view.set()
+        await asyncio.gather(view, return_exceptions=True)
+        if vllm is not None:
+            await vllm.stop()
+    summary["seconds"] = round(time.monotonic() - t0, 1)
+    _print_summary(summary)
+    print(json.dumps(summary))
+    return rc
+
+
+async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress) -> tuple[int, dict]:
     from aiokafka import AIOKafkaProducer
 
+    from consumers.services import ServiceConfig, build_processor, ensure_topics
+    from consumers.trainer import TrainerTask
+    from streams import serde, topics
+    from streams.transactions import TransactionalProcessor
+
+    progress.phase = "creating topics"
+    for svc in ("verifier", "credit", "batcher", "trainer"):
+        await ensure_topics(svc, kw)
     prod = AIOKafkaProducer(**kw)
     await prod.start()
     k, v, h = serde.to_message(rev0)
     await prod.send_and_wait(topics.POLICY_REVISIONS.name, v, key=k, headers=h)
     await prod.stop()
 
-    credit = plan.advantage.type if plan.advantage.type in ("grpo", "reinforce_baseline", "ema_per_member",
-                                                            "per_step") else "grpo"
-    cfg = ServiceConfig(family=family, credit=credit, credit_params=dict(plan.advantage.params or {}),
+    from schemas.plan import credit_strategy
+
+    credit, credit_params = credit_strategy(plan)  # refuses an algorithm nothing here runs (never GRPO by default)
+    cfg = ServiceConfig(family=plan.family, credit=credit, credit_params=credit_params,
                         max_off_policy_steps=plan.max_off_policy_steps,
                         batch_records=args.batch_records or max(1, plan.batch_size // topics.TRAINING_RECORDS.partitions),
                         flush_after_s=1.0, group_timeout_s=60)
@@ -93,26 +282,28 @@ async def _demo(settings, args) -> int:
     trainer_tasks: list[TrainerTask] = []
 
     def make_trainer(p: int) -> TrainerTask:
-        t = TrainerTask(p, family, ckdir, lr=args.lr, epochs=args.epochs, producer="trainer",
-                        min_records=plan.batch_size)
+        t = TrainerTask(p, plan.family, ckdir, lr=args.lr, epochs=args.epochs, producer="trainer",
+                        min_records=plan.batch_size, target_checkpoint=lambda target: rev0.checkpoint)
         trainer_tasks.append(t)
         return t
 
     procs.append(TransactionalProcessor("trainer", [topics.TRAINER_BATCHES.name], topics.TRAINER_BATCHES.partitions,
                                         make_trainer, kw))
     tasks = [asyncio.create_task(p.run()) for p in procs]
-    t0 = time.monotonic()
+    stop_tail = asyncio.Event()
+    tail = asyncio.create_task(_tail(kw, progress, stop_tail))
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
-    checkpoint = rev0.checkpoint.uri.removeprefix("file://")
+    progress.phase = "generating and training"
+    t0 = time.monotonic()
     arena = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "rollout.cli", "arena", args.plan, "--groups", str(args.groups), "--follow-revisions",
-        "--no-progress", "--run-id", run, "--policy-port", str(free_port()), "--checkpoint", checkpoint,
+        "--evaluate", "--await-final-revision", "300", "--no-progress", "--run-id", run, *arena_args,
         cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out = b""
+    rc = 0
     try:
         out, _ = await asyncio.wait_for(arena.communicate(), args.timeout)
-        print(f"arena finished (rc {arena.returncode}) in {time.monotonic() - t0:.1f}s")
-        # let the services drain: every scored rollout batched and trained on
+        progress.phase = f"arena finished (rc {arena.returncode}); draining the services"
         from consumers.status import service_lag
 
         deadline = time.monotonic() + 120
@@ -126,7 +317,8 @@ async def _demo(settings, args) -> int:
             await asyncio.sleep(1.0)
     except asyncio.TimeoutError:
         arena.kill()
-        print("arena timed out")
+        rc = 1
+        print(f"rollout demo: the arena did not finish within {args.timeout:.0f}s (--timeout)", file=sys.stderr)
     finally:
         for p in procs:
             p.stopping.set()
@@ -135,16 +327,19 @@ async def _demo(settings, args) -> int:
             side = getattr(p, "side", None)
             if side is not None:
                 await side.stop()
-    if arena.returncode not in (0, None):
-        print(out.decode(errors="replace")[-2000:])
-    summary = await _summary(kw, trainer_tasks)
-    summary["seconds"] = round(time.monotonic() - t0, 1)
-    _print_summary(summary)
-    print(json.dumps(summary))
-    return 0
+        stop_tail.set()
+        await asyncio.gather(tail, return_exceptions=True)
+    arena_out = out.decode(errors="replace")
+    arena_stats = next((json.loads(l) for l in reversed(arena_out.splitlines()) if l.startswith("{")), None)
+    if arena.returncode not in (0, None) or arena_stats is None:
+        print(arena_out[-3000:], file=sys.stderr)
+        rc = 1
+    summary = await _summary(kw, trainer_tasks, progress, arena_stats or {})
+    summary.update(run=run, topic_prefix=prefix, policy=args.policy, arena_s=round(time.monotonic() - t0, 1))
+    return rc, summary
 
 
-async def _summary(kw, trainer_tasks) -> dict:
+async def _summary(kw, trainer_tasks, progress: Progress, arena_stats: dict) -> dict:
     from aiokafka import AIOKafkaConsumer
 
     from schemas import codec
@@ -167,46 +362,59 @@ async def _summary(kw, trainer_tasks) -> dict:
         return out
 
     rollouts = await read(topics.ROLLOUTS.name)
-    scores = await read(topics.SCORES.name)
     batches = await read(topics.TRAINER_BATCHES.name)
-    revisions = await read(topics.POLICY_REVISIONS.name)
     letters = await read(topics.DEAD_LETTERS.name)
-    by_rev: dict[int, list[float]] = {}
-    parts: dict[str, dict[int, list[float]]] = {}  # reward component (rubric function) -> revision -> values
-    for s in scores:
-        rev = s.trainable_steps[0].policy.revision if s.trainable_steps else None
-        if rev is None:
-            continue
-        by_rev.setdefault(rev, []).extend(s.rewards.values())
-        for name, v in s.metrics.items():
-            if "/reward/" in name:
-                parts.setdefault(name.rsplit("/", 1)[-1], {}).setdefault(rev, []).append(v)
-    mean = lambda v: round(sum(v) / len(v), 4)  # noqa: E731
-    losses = [h.get("loss") for t in trainer_tasks for h in t.history]
+    r4 = lambda v: round(v, 4)  # noqa: E731
+    history = [h for t in trainer_tasks for h in t.history]
+    metrics = {str(k): {n: r4(x) for n, x in m.items()} for k, m in sorted(progress.revisions.items()) if m}
     return {
-        "rollouts": len(rollouts), "scored": len(scores), "batches": len(batches),
-        "records_in_batches": sum(len(b.records) for b in batches),
-        "revisions": max((r.revision for r in revisions), default=0),
+        "rollouts": sum(not r.evaluation for r in rollouts), "eval_rollouts": sum(r.evaluation for r in rollouts),
+        "failed_rollouts": sum(r.status == "failed" for r in rollouts),
+        "scored": progress.scored, "eval_scored": progress.eval_scored,
+        "batches": len(batches), "records_in_batches": sum(len(b.records) for b in batches),
+        "revisions": max(progress.revisions, default=0),
         "dead_letters": len(letters),
         "dead_letter_reasons": dict(Counter(f"{d.service}: {d.error_type}" for d in letters)),
-        "mean_reward_by_revision": {str(k): mean(v) for k, v in sorted(by_rev.items())},
-        "reward_parts_by_revision": {n: {str(k): mean(v) for k, v in sorted(p.items())} for n, p in parts.items()},
-        "rollouts_by_revision": {str(k): len(v) for k, v in sorted(by_rev.items())},
-        "trainer_losses": [round(x, 4) for x in losses if x is not None][:50],
+        "eval_accuracy_by_revision": {str(k): r4(_mean(v)) for k, v in sorted(progress.evals.items())},
+        "eval_questions_by_revision": {str(k): len(v) for k, v in sorted(progress.evals.items())},
+        "mean_reward_by_revision": {str(k): r4(_mean(v)) for k, v in sorted(progress.train.items())},
+        "reward_parts_by_revision": {n: {str(k): r4(_mean(v)) for k, v in sorted(p.items())}
+                                     for n, p in progress.parts.items()},
+        "rollouts_by_revision": {str(k): len(v) for k, v in sorted(progress.train.items())},
+        "trainer_metrics_by_revision": metrics,
+        "trainer_losses": [r4(h["loss"]) for h in history if "loss" in h][:50],
+        "step_s": [round(h["step_s"], 2) for h in history if "step_s" in h],
+        "reload_s": arena_stats.get("reload_s", []),
+        "arena": {k: arena_stats.get(k) for k in ("rollouts", "evaluations", "failed", "completion_tokens",
+                                                  "elapsed_s", "evaluated_revisions")},
     }
 
 
 def _print_summary(s: dict) -> None:
-    print(f"rollouts {s['rollouts']}, scored {s['scored']}, batches {s['batches']} "
-          f"({s['records_in_batches']} records), revisions published {s['revisions']}, "
-          f"dead letters {s['dead_letters']} {s['dead_letter_reasons'] or ''}")
-    print("mean reward by the revision that generated the rollouts:")
+    print(f"\nrun {s['run']} ({s['policy']}): rollouts {s['rollouts']} (+{s['eval_rollouts']} evaluation, "
+          f"{s['failed_rollouts']} failed), batches {s['batches']} ({s['records_in_batches']} records), "
+          f"revisions published {s['revisions']}, dead letters {s['dead_letters']} {s['dead_letter_reasons'] or ''}")
+    evals = s["eval_accuracy_by_revision"]
+    if evals:
+        first, last = next(iter(evals)), list(evals)[-1]
+        print(f"held-out eval accuracy (greedy, {s['eval_questions_by_revision'][first]} questions never trained on): "
+              f"r{first} {evals[first]:.1%} -> r{last} {evals[last]:.1%}")
+        print("  " + "  ".join(f"r{k} {v:.0%}" for k, v in evals.items()))
     names = list(s["reward_parts_by_revision"])
+    print("training reward by the revision that generated the rollouts:")
     for rev, r in s["mean_reward_by_revision"].items():
         parts = "  ".join(f"{n} {s['reward_parts_by_revision'][n].get(rev, 0.0):.3f}" for n in names)
-        print(f"  r{rev:>3}: {r:.3f}  ({s['rollouts_by_revision'][rev]} rollouts)  {parts}")
-    rs = list(s["mean_reward_by_revision"].values())
-    if len(rs) >= 2:
-        trend = "rose" if rs[-1] > rs[0] else "did not rise"
-        print(f"mean reward {trend}: r{list(s['mean_reward_by_revision'])[0]} {rs[0]:.3f} -> "
-              f"r{list(s['mean_reward_by_revision'])[-1]} {rs[-1]:.3f}")
+        m = s["trainer_metrics_by_revision"].get(str(int(rev) + 1), {})
+        mm = (f"  mismatch(r{rev}) mean {m['mismatch_mean']:.4f} max {m['mismatch_max']:.3f}"
+              if "mismatch_mean" in m else "")
+        print(f"  r{rev:>3}: {r:.3f}  ({s['rollouts_by_revision'][rev]} rollouts)  {parts}{mm}")
+    if s["step_s"]:
+        steps = s["step_s"]
+        print(f"trainer step: mean {sum(steps) / len(steps):.1f}s over {len(steps)} steps; weight reload into "
+              f"the server: {', '.join(f'{x:.2f}' for x in s['reload_s'][:8])}{' ...' if len(s['reload_s']) > 8 else ''} s")
+    print(f"wall time {s['seconds']:.0f}s\n")
+    print("next: look at this run from the log")
+    print("  .venv/bin/rollout runs                                # this run is listed first")
+    print("  .venv/bin/rollout replay --db run.duckdb              # the most recent run into DuckDB")
+    print("  .venv/bin/rollout sql --db run.duckdb \"SELECT * FROM v_eval_accuracy_by_revision\"")
+    print("  .venv/bin/rollout audit --db run.duckdb && .venv/bin/rollout report --db run.duckdb --out report.html")

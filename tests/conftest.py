@@ -268,3 +268,28 @@ def make_topic(request: pytest.FixtureRequest, kafka_settings: KafkaSettings):
         return name
 
     return _make
+
+
+@pytest.fixture(scope="session")
+async def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A real vLLM server on the packaged SmolLM2-135M-Instruct, started once per test session (~35 s on 2
+    cores). ROLLOUT_VLLM_URL=http://host:port/v1 uses a running one instead (started with
+    VLLM_SERVER_DEV_MODE=1, able to read this machine's checkpoint paths). Tests that swap weights load the
+    revision they need first: the server is shared."""
+    from policy.hf import FAMILY, prepare_model
+    from producers.vllm_server import VllmServer
+
+    model = prepare_model()
+    external = os.environ.get("ROLLOUT_VLLM_URL")
+    if external:
+        yield type("External", (), {"base_url": external.rstrip("/"), "served_model_name": FAMILY,
+                                    "model_dir": model.path})()
+        return
+    server = VllmServer(model.path, port=free_port(), log_path=tmp_path_factory.mktemp("vllm") / "vllm.log")
+    t0 = time.monotonic()
+    await server.start()
+    print(f"\n[vllm] {server.base_url} ready in {time.monotonic() - t0:.0f}s (log {server.log_path})")
+    try:
+        yield server
+    finally:
+        await server.stop()

