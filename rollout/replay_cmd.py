@@ -6,6 +6,8 @@
     rollout sql    --db run.duckdb "SELECT * FROM v_reward_by_revision" [--format table|csv|json|parquet --out F]
     rollout sql    --db run.duckdb                 an interactive prompt
     rollout export --db run.duckdb --out DIR       every table and view as Parquet
+    rollout export --db run.duckdb --format traces --out traces.jsonl   the run as verifiers v1 traces
+    rollout import-traces traces.jsonl [--run-id ID]   a verifiers/prime-rl traces.jsonl onto the log as a run
     rollout report --db run.duckdb --out report.html
 
 Runs are looked for under every topic prefix on the cluster (``rollout.``, ``demo-1a2b3c4d.``, ...);
@@ -50,12 +52,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--write", action="store_true", help="open the database writable (to create your own views)")
     p.set_defaults(func=cmd_sql)
 
-    p = sub.add_parser("export", help="export every table and view of a replayed run to files (Parquet by default)")
+    p = sub.add_parser("export", help="export every table and view of a replayed run to files (Parquet by default), "
+                                      "or the run as verifiers v1 traces.jsonl (--format traces)")
     p.add_argument("--db", required=True)
-    p.add_argument("--out", required=True, help="directory")
-    p.add_argument("--format", choices=("parquet", "csv", "json"), default="parquet")
+    p.add_argument("--out", required=True, help="directory (--format traces: a .jsonl file, or a directory that gets "
+                                                "traces.jsonl)")
+    p.add_argument("--format", choices=("parquet", "csv", "json", "traces"), default="parquet")
     p.add_argument("--no-views", action="store_true")
+    p.add_argument("--no-failed", action="store_true", help="--format traces: leave failed rollouts out")
+    p.add_argument("--validate", choices=("auto", "yes", "no"), default="auto",
+                   help="--format traces: check every line with verifiers' own Trace/Episode models "
+                        "(auto: when verifiers 0.4 is installed)")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import-traces", help="write a verifiers/prime-rl traces.jsonl onto the log as a run "
+                                             "(then: rollout replay --run ID)")
+    p.add_argument("path", help="traces.jsonl (one episode or trace per line), or a run directory holding one")
+    p.add_argument("--run-id", help="run id of the imported run (default: a new one)")
+    p.add_argument("--family", help="model family for steps whose trace names no revision (default: the agent's model)")
+    p.add_argument("--dry-run", action="store_true", help="map and count, produce nothing")
+    p.set_defaults(func=cmd_import_traces)
 
     p = sub.add_parser("report", help="an HTML report of a replayed run (reward curves, staleness histograms)")
     p.add_argument("--db", required=True)
@@ -157,6 +173,18 @@ def cmd_sql(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import duckdb
 
+    if args.format == "traces":
+        from replay.traces import write_traces
+
+        validate = {"auto": None, "yes": True, "no": False}[args.validate]
+        try:
+            n = write_traces(args.db, args.out, validate=validate, include_failed=not args.no_failed)
+        except ImportError as e:
+            print(f"rollout export: error: --validate yes needs verifiers 0.4 ({e})", file=sys.stderr)
+            return 2
+        print(f"wrote {n} episodes to {args.out}")
+        return 0
+
     from replay.query import export
 
     con = duckdb.connect(args.db, read_only=True)
@@ -165,6 +193,27 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(path)
     finally:
         con.close()
+    return 0
+
+
+def cmd_import_traces(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from replay.traces import import_file, produce_imported, summary
+
+    try:
+        imp = import_file(args.path, args.run_id, family=args.family)
+    except (OSError, ValueError) as e:
+        print(f"rollout import-traces: error: {e}", file=sys.stderr)
+        return 2
+    for line in imp.skipped[:20]:
+        print(f"skipped {line}", file=sys.stderr)
+    if not imp.episodes:
+        print("rollout import-traces: error: no episode could be read", file=sys.stderr)
+        return 1
+    if not args.dry_run:
+        asyncio.run(produce_imported(imp, _settings()))
+    print(summary(imp) + ("" if args.dry_run else f"; replay it with: rollout replay --db run.duckdb --run {imp.run_id}"))
     return 0
 
 
