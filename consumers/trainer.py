@@ -10,8 +10,9 @@
   ``model.safetensors`` folder, trained with bf16 autocast on CPU); after each step it writes a checkpoint
   of the same kind (with its SHA-256) and returns the next ``PolicyRevision``, whose ``metrics`` carry the
   step's figures and the trainer-inference logprob mismatch: |logprob the trainer computes - logprob the
-  inference server reported| over the batch tokens that the trainer's current revision generated (the same
-  weights on both sides, so what remains is the engines' numerical difference).
+  inference server reported| over the batch tokens, each under the revision that generated it (the current
+  weights, or a kept snapshot of the last few revisions: the same weights on both sides, so what remains is
+  the engines' numerical difference).
 * ``TrainerTask`` runs inside ``streams.transactions``: the revision event and the batch's offset commit
   in one transaction; the current revision (with its checkpoint digest) is the task's snapshot state, so
   a restarted trainer resumes from exactly the weights the log says it published.
@@ -139,7 +140,7 @@ def policy_kind(ref: CheckpointRef | str | Path) -> type[TinyPolicy] | type[HFPo
     return HFPolicy if is_hf_checkpoint(ref) else TinyPolicy
 
 
-def _rows(t: TrainerTensors, rows: slice) -> TrainerTensors:
+def _rows(t: TrainerTensors, rows: slice | torch.Tensor) -> TrainerTensors:
     return TrainerTensors(t.input_ids[rows], t.attention_mask[rows], t.loss_mask[rows], t.advantages[rows],
                           t.old_logprobs[rows], t.prompt_lens[rows], t.seq_lens[rows])
 
@@ -149,7 +150,7 @@ class ReferenceTrainer:
 
     def __init__(self, model: Any, family: str, revision: int, checkpoint_dir: str | Path, *, lr: float = 1e-3,
                  clip: float = 0.2, max_grad_norm: float = 1.0, epochs: int = 1,
-                 kind: type[TinyPolicy] | type[HFPolicy] = TinyPolicy) -> None:
+                 kind: type[TinyPolicy] | type[HFPolicy] = TinyPolicy, keep_revisions: int = 3) -> None:
         self.model = model
         self.family = family
         self.revision = revision
@@ -159,6 +160,12 @@ class ReferenceTrainer:
         self.lr = lr
         self.epochs = epochs  # optimizer passes over each batch (PPO epochs; the clip bounds how far they go)
         self.kind = kind
+        # the weights of recent revisions (this one included), to measure the trainer-inference mismatch on
+        # tokens an earlier revision generated: with pipelining, a batch rarely comes from the current weights
+        self.keep_revisions = keep_revisions
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self._probe: Any = None
+        self._snapshot()
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0) if kind is HFPolicy \
             else torch.optim.Adam(model.parameters(), lr=lr)
 
@@ -208,19 +215,38 @@ class ReferenceTrainer:
             else:  # later passes show how far the epochs moved
                 stats.update(clip_frac=epoch_stats["clip_frac"], approx_kl=epoch_stats["approx_kl"])
         self.model.eval()
-        stats["reward_mean"] = batch.reward.mean
+        stats["reward_mean"] = float(np.mean([r.reward for r in batch.records]))
         stats["step_s"] = time.perf_counter() - t0
         stats["tokens"] = float(t.loss_mask.sum())
         return stats
 
+    def _snapshot(self) -> None:
+        self.snapshots[self.revision] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        for old in sorted(self.snapshots)[:-self.keep_revisions]:
+            del self.snapshots[old]
+
     def mismatch(self, t: TrainerTensors, batch: TrainerBatch, new_lp: torch.Tensor) -> dict[str, float]:
-        """|trainer logprob - inference logprob| over the tokens that this trainer's current weights generated."""
-        same = torch.tensor([r.policy.family == self.family and r.policy.revision == self.revision
-                             for r in batch.records], dtype=torch.bool)
-        mask = (t.loss_mask[:, 1:] > 0) & same.unsqueeze(1)
-        if not bool(mask.any()):
+        """|trainer logprob - inference logprob| over the batch tokens, each recomputed under the revision that
+        generated it (the current weights, or a kept snapshot); tokens of older revisions are not measured."""
+        rev = torch.tensor([r.policy.revision if r.policy.family == self.family else -1 for r in batch.records])
+        tokens = t.loss_mask[:, 1:] > 0
+        diffs = []
+        for r in sorted(set(rev.tolist()) & set(self.snapshots)):
+            rows = rev == r
+            if r == self.revision:
+                lp = new_lp[rows]
+            else:  # a forward pass with that revision's weights, on its rows only
+                if self._probe is None:
+                    import copy
+
+                    self._probe = copy.deepcopy(self.model)
+                self._probe.load_state_dict(self.snapshots[r])
+                with torch.no_grad():
+                    lp = self.kind.logprobs(self._probe.eval(), _rows(t, rows))
+            diffs.append((lp - t.old_logprobs[rows, 1:]).abs()[tokens[rows]])
+        d = torch.cat(diffs) if diffs else torch.zeros(0)
+        if not d.numel():
             return {"mismatch_tokens": 0.0}
-        d = (new_lp - t.old_logprobs[:, 1:]).abs()[mask]
         return {"mismatch_mean": float(d.mean()), "mismatch_max": float(d.max()), "mismatch_tokens": float(d.numel())}
 
     def publish(self, *, run_id: str, producer: str = "trainer",
@@ -231,6 +257,7 @@ class ReferenceTrainer:
                              parent_revision=self.revision,
                              metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)})
         self.revision = nxt
+        self._snapshot()
         return rev
 
 

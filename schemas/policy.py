@@ -42,8 +42,8 @@ class PolicyRevision(Event):
     parent_revision: int | None = Field(default=None, ge=0)
     metrics: dict[str, float] = Field(default_factory=dict, description=(
         "the training step that made this revision: loss, clip fraction, step seconds, and the trainer-inference "
-        "logprob mismatch (mean/max |logprob(trainer) - logprob(inference)| over the batch's tokens that the "
-        "parent revision generated)"))
+        "logprob mismatch (mean/max |logprob(trainer) - logprob(inference)| over the batch's tokens, each "
+        "recomputed under the revision that generated it)"))
 
     @model_validator(mode="after")
     def _parent_precedes(self) -> PolicyRevision:
