@@ -26,6 +26,13 @@ serving endpoint reports in its response wins (it is the one that produced the t
 proves the revision (an endpoint the arena does not load and that does not report it), Steps carry the
 arena's current revision with ``policy_exact=False``. Fixed targets' Steps carry ``policy=None``.
 
+Evaluation
+----------
+With ``evaluate=True`` every revision made current answers each environment's ``eval_dataset`` once
+(``eval_sampling``, greedy by default) before the next swap may start, so every revision is scored on the
+whole held-out set. Those Rollouts carry ``evaluation=True`` (scored, never trained on) and do not count for
+admission pacing.
+
 Admission pacing (backpressure)
 -------------------------------
 Let ``R0`` be the trainer revision when the arena started, ``R`` the latest one seen, ``B`` the plan's
