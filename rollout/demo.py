@@ -42,7 +42,7 @@ class Profile:
 
 
 PROFILES = {
-    "vllm": Profile(str(ROOT / "examples" / "plans" / "arithmetic-smollm2.toml"), groups=96, lr=2e-5, epochs=2),
+    "vllm": Profile(str(ROOT / "examples" / "plans" / "arithmetic-smollm2.toml"), groups=96, lr=5e-5, epochs=1),
     "tiny": Profile(str(ROOT / "examples" / "plans" / "arithmetic.toml"), groups=192, lr=2e-2, epochs=4),
 }
 
@@ -54,10 +54,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=sorted(PROFILES), default="vllm",
                    help="vllm: SmolLM2-135M-Instruct on vLLM (default); tiny: the byte-level GRU (fast)")
     p.add_argument("--plan", help="GenerationPlan (default: arithmetic-smollm2.toml, or arithmetic.toml for tiny)")
+    defaults = lambda f: " / ".join(f"{getattr(v, f)} ({k})" for k, v in PROFILES.items())  # noqa: E731
     p.add_argument("--groups", type=int, help="groups the arena admits (plan.group_size rollouts each); "
-                                              "default 96 (vllm) / 192 (tiny)")
-    p.add_argument("--lr", type=float, help="reference trainer learning rate (default 2e-5 vllm / 2e-2 tiny)")
-    p.add_argument("--epochs", type=int, help="optimizer passes over each batch (default 2 vllm / 4 tiny)")
+                                              f"default {defaults('groups')}")
+    p.add_argument("--lr", type=float, help=f"reference trainer learning rate (default {defaults('lr')})")
+    p.add_argument("--epochs", type=int, help=f"optimizer passes over each batch (default {defaults('epochs')})")
     p.add_argument("--batch-records", type=int, default=None, help="batcher batch size (default: the plan's "
                                                                    "batch_size spread over the partitions)")
     p.add_argument("--vllm-port", type=int, default=0, help="vLLM's port (default: a free one)")
@@ -404,8 +405,8 @@ def _print_summary(s: dict) -> None:
     for rev, r in s["mean_reward_by_revision"].items():
         parts = "  ".join(f"{n} {s['reward_parts_by_revision'][n].get(rev, 0.0):.3f}" for n in names)
         m = s["trainer_metrics_by_revision"].get(str(int(rev) + 1), {})
-        mm = (f"  mismatch(r{rev}) mean {m['mismatch_mean']:.4f} max {m['mismatch_max']:.3f}"
-              if "mismatch_mean" in m else "")
+        mm = (f"  step r{rev}->r{int(rev) + 1}: logprob mismatch mean {m['mismatch_mean']:.4f} "
+              f"max {m['mismatch_max']:.3f}" if "mismatch_mean" in m else "")
         print(f"  r{rev:>3}: {r:.3f}  ({s['rollouts_by_revision'][rev]} rollouts)  {parts}{mm}")
     if s["step_s"]:
         steps = s["step_s"]
