@@ -226,3 +226,47 @@ async def test_endpoint_down_fails_the_rollout_with_the_reason():
     (r,) = em.rollouts
     assert r.status == "failed" and "endpoint unavailable" in r.failure_reason, r.failure_reason
     assert not em.steps
+
+
+class ChatConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = chat_agent()
+
+
+class TwoTurnsEnv(vf.Env[ChatConfig]):
+    """The env is the seat's user: it opens the exchange, then asks for more (one trace, two model calls)."""
+
+    async def run(self, task, agents) -> None:
+        async with agents.agent.interaction(task) as chat:
+            await chat.turn()
+            await chat.turn("Say more.")
+
+
+register_plugin("rl_test_two_turns", GameTaskset, TwoTurnsEnv)
+
+
+async def test_interaction_turns_of_one_seat_are_steps_of_one_member(policy_server_for_v1):
+    from producers.emitter import MemoryEmitter
+
+    env = TwoTurnsEnv(ChatConfig(taskset={"id": "rl_test_two_turns"}))
+    environment = verifiers_v1_environment(env, name="vf-two-turns", version="0.1", member="talker")
+    em = MemoryEmitter()
+    try:
+        async with Arena(_plan("arithmetic", policy_server_for_v1.base_url, group_size=2), {"vf": environment},
+                         emitter=em, policy_base_url=policy_server_for_v1.base_url) as arena:
+            await arena.run(num_groups=1)
+    finally:
+        await environment.episode.aclose()
+    assert len(em.rollouts) == 2
+    for r in em.rollouts:
+        assert r.status == "completed", r.failure_reason
+        first, second = sorted((s for s in em.steps if s.rollout_id == r.rollout_id), key=lambda s: s.index)
+        assert first.member_id == second.member_id == "talker"
+        assert r.artifacts["verifiers"]["model_calls"] == {"talker": 2}
+        assert second.prompt[-1].content == "Say more." and second.prompt[-2].content == _text(first)
+        assert r.artifacts["verifiers"]["rewards_by_member"]["talker"] == pytest.approx(0.25 * bool(_text(second).strip()))
+
+
+@pytest.fixture
+async def policy_server_for_v1():
+    async with PolicyServer(PolicyModel.from_seed(6), family="tiny-byte-lm") as server:
+        yield server
