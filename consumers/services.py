@@ -189,7 +189,7 @@ class CreditTask:
             scored = decode(rec, RolloutScored)
         except EventDecodeError as e:
             return [dead_letter(rec, self.name, type(e).__name__, str(e))]
-        if self.cfg.credit == "grpo":
+        if self.cfg.credit == "grpo" and not scored.evaluation:
             self.recs.setdefault(scored.rollout_id, rec)
         records = self.assigner.add(scored, time.monotonic())
         self._forget_closed()
