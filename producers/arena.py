@@ -366,6 +366,10 @@ class Arena:
             await self.emitter.stop()
         if self._http is not None:
             await self._http.aclose()
+        for env in self.environments.values():  # episodes holding serving resources (verifiers.v1 envs)
+            close = getattr(env.episode, "aclose", None)
+            if close is not None:
+                await close()
 
     async def __aenter__(self) -> Arena:
         return await self.start()

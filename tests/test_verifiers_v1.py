@@ -270,3 +270,33 @@ async def test_interaction_turns_of_one_seat_are_steps_of_one_member(policy_serv
 async def policy_server_for_v1():
     async with PolicyServer(PolicyModel.from_seed(6), family="tiny-byte-lm") as server:
         yield server
+
+async def test_single_agent_env_on_real_vllm(vllm_server, kafka_settings, pipeline_topics):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    from policy.hf import prepare_model
+    from schemas.plan import compile_plan
+    from test_producers_kafka import ROOT
+
+    plan = compile_plan(ROOT / "examples/plans/arithmetic-smollm2.toml")
+    targets = {k: t.model_copy(update={"base_urls": [vllm_server.base_url]}) for k, t in plan.targets.items()}
+    plan = plan.model_copy(update={"targets": targets, "group_size": 2})
+    env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset={"id": "rl_test_questions"}, agent=chat_agent()))
+    environment = verifiers_v1_environment(env, name="vf-questions", version="0.1", member="solver")
+    try:
+        async with Arena(plan, {"vf": environment}, emitter=_emitter(kafka_settings, pipeline_topics),
+                         policy_base_url=vllm_server.base_url, weights=None) as arena:
+            stats = await arena.run(num_groups=1)
+    finally:
+        await environment.episode.aclose()
+    rollouts, steps = await _read_log(kafka_settings, pipeline_topics, 2)
+    assert stats.failed == 0, [r.failure_reason for r in rollouts]
+    tok = AutoTokenizer.from_pretrained(prepare_model().path)
+    for r in rollouts:
+        (s,) = [s for s in steps if s.rollout_id == r.rollout_id]
+        assert s.trainable and s.member_id == "solver" and len(s.completion_logprobs) == len(s.completion_token_ids) > 0
+        assert all(lp <= 0.0 for lp in s.completion_logprobs.tolist())
+        assert tok.decode(s.completion_token_ids.tolist(), skip_special_tokens=True).strip() == _text(s).strip()
+        want = expected_question_reward(_text(s), r.seed["answer"])
+        assert r.artifacts["verifiers"]["rewards_by_member"]["solver"] == pytest.approx(want)
+        assert (await score(r, [s])).rewards == {"solver": pytest.approx(want)}
