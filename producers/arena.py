@@ -28,7 +28,8 @@ arena's current revision with ``policy_exact=False``. Fixed targets' Steps carry
 
 Evaluation
 ----------
-With ``evaluate=True`` every revision made current answers each environment's ``eval_dataset`` once
+With ``evaluate=True`` every revision made current answers each environment's ``eval_dataset``, and every
+example of the plan's evaluation sources (``plan.eval_environments``), once
 (``eval_sampling``, greedy by default) before the next swap may start, so every revision is scored on the
 whole held-out set. Those Rollouts carry ``evaluation=True`` (scored, never trained on) and do not count for
 admission pacing.
@@ -297,17 +298,18 @@ class Arena:
                  client_options: Mapping[str, Any] | None = None, manage_emitter: bool = True,
                  evaluate: bool = False, eval_sampling: Mapping[str, Any] | None = None) -> None:
         self.plan = plan
+        # keyed by the source's name: two sources of one environment (different args, ratios) stay two
         if environments is None:
-            environments = {spec.id: environment_from_spec(spec) for spec in plan.environments}
+            environments = {spec.display_name: environment_from_spec(spec) for spec in plan.environments}
         self.environments = dict(environments)
         if not self.environments:
             raise ValueError("the arena needs at least one environment")
         self.env_weights = {k: 1.0 for k in self.environments}
         self.env_sampling: dict[str, dict[str, Any]] = {}
         for spec in getattr(plan, "environments", []) or []:
-            env = self.environments.get(spec.id)
+            env = self.environments.get(spec.display_name)
             if env is not None:
-                self.env_weights[spec.id] = float((spec.options or {}).get("weight", 1.0))
+                self.env_weights[spec.display_name] = float((spec.options or {}).get("weight", 1.0))
                 if spec.sampling:
                     self.env_sampling[env.ref] = dict(spec.sampling)
         self.emitter = emitter
@@ -328,6 +330,9 @@ class Arena:
         # default); the next swap waits for it, so every revision is scored on the whole held-out set
         self.evaluate = evaluate
         self.eval_sampling = dict(eval_sampling if eval_sampling is not None else {"temperature": 0.0})
+        # the plan's evaluation sources (prime-rl's [[orchestrator.eval.source]]): their whole dataset is held out
+        self.eval_environments = [environment_from_spec(s) for s in getattr(plan, "eval_environments", [])] \
+            if evaluate else []
         self.rng = random.Random(seed)
         self.current_policy = PolicyRef(family=plan.family, revision=base_revision or 0)
         self.pacer = AdmissionPacer(plan.batch_size, plan.max_off_policy_steps, base_revision or 0)
@@ -415,9 +420,12 @@ class Arena:
     # running ----------------------------------------------------------------------------------------
 
     def eval_requests(self) -> list[EpisodeRequest]:
+        """Each training environment's held-out ``eval_dataset``, and every example of the plan's eval sources."""
+        held_out = [(env, ex) for env in self.environments.values() for ex in env.eval_dataset]
+        held_out += [(env, ex) for env in self.eval_environments for ex in env.store]
         return [EpisodeRequest(env=env, example=ex, group_id=gid, root_group_id=gid, group_size=1,
                                sample_seed=self.rng.getrandbits(31), evaluation=True)
-                for env in self.environments.values() for ex in env.eval_dataset for gid in [new_id()]]
+                for env, ex in held_out for gid in [new_id()]]
 
     async def run_evaluation(self) -> int:
         """Answer every held-out example once with the current revision and emit the rollouts."""

@@ -437,3 +437,37 @@ async def test_client_times_out_and_retries_a_slow_endpoint():
             with pytest.raises(InferenceUnavailable, match="ReadTimeout"):
                 await client.chat(MSG)
     assert len(calls) == 2
+
+
+async def test_evaluation_answers_held_out_and_eval_sources_greedily_without_pacing(policy_server):
+    from schemas.plan import EnvSpec
+
+    plan = single_plan()
+    train = plan.environments[0].model_copy(update={"args": {"num_examples": 20, "eval_examples": 2}})
+    source = EnvSpec(id="arithmetic", name="arith-eval", args={"num_examples": 3, "seed": 99}, evaluation=True)
+    plan = plan.model_copy(update={"environments": [train], "eval_environments": [source]})
+    em = MemoryEmitter()
+    async with Arena(plan, emitter=em, policy_base_url=policy_server.base_url, evaluate=True) as arena:
+        assert await arena.run_evaluation() == 5  # 2 held out by the training env + the eval source's 3
+        assert await arena.run_evaluation() == 5
+    assert arena.stats.evaluations == 10 and arena.stats.rollouts == 0 and arena.pacer.admitted == 0
+    assert all(r.evaluation and r.group_size == 1 for r in em.rollouts)
+    training_prompts = {e.prompt for e in arena.environments["arithmetic"].store}
+    asked = [s.prompt[-1].content for s in em.steps]
+    assert not training_prompts & set(asked)
+    first, second = em.steps[:5], em.steps[5:]  # greedy: the same revision answers the same way
+    assert sorted((s.prompt[-1].content, s.completion[0].content) for s in first) == \
+        sorted((s.prompt[-1].content, s.completion[0].content) for s in second)
+
+
+async def test_two_sources_of_one_environment_stay_two(policy_server):
+    plan = single_plan()
+    a = plan.environments[0].model_copy(update={"name": "easy", "args": {"max_operand": 5, "num_examples": 50},
+                                                "options": {"weight": 3}})
+    b = plan.environments[0].model_copy(update={"name": "hard", "args": {"max_operand": 99}})
+    arena = Arena(plan.model_copy(update={"environments": [a, b]}), emitter=MemoryEmitter(),
+                  policy_base_url=policy_server.base_url)
+    assert sorted(arena.environments) == ["easy", "hard"] and arena.env_weights == {"easy": 3.0, "hard": 1.0}
+
+    with pytest.raises(ValueError, match="only 72 distinct questions"):  # 6 x 6 operands x 2 ops: never a hang
+        load_environment("arithmetic", max_operand=5, num_examples=100)

@@ -37,7 +37,9 @@ def make_dataset(num_examples: int = 200, max_operand: int = 20, seed: int = 0, 
     rng = random.Random(seed)
     seen = set(exclude)
     out: list[Example] = []
-    while len(out) < num_examples:
+    for _ in range(100 * num_examples + 1000):  # bounded: a small operand range cannot hang it
+        if len(out) == num_examples:
+            break
         hi = 10 ** rng.choice(list(digits)) - 1 if digits else max_operand
         a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice(ops)
         prompt = question.format(a=a, b=b, op=op)
@@ -47,6 +49,9 @@ def make_dataset(num_examples: int = 200, max_operand: int = 20, seed: int = 0, 
         answer = a + b if op == "+" else a - b if op == "-" else a * b
         out.append(Example(id=f"{id_prefix}-{seed}-{len(out)}", prompt=prompt, answer=str(answer),
                            info={"a": a, "b": b, "op": op}))
+    if len(out) < num_examples:
+        raise ValueError(f"arithmetic: only {len(out)} distinct questions found for num_examples={num_examples} "
+                         "(operands too small for that many, or all held out): lower num_examples or widen operands")
     return out
 
 
