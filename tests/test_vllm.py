@@ -21,6 +21,7 @@ from producers.emitter import MemoryEmitter
 from producers.environment import Environment, Example
 from producers.episodes import MultiTurnEpisode
 from producers.inference import InferenceClient
+from producers.vllm_server import CPU_CLIENT_OPTIONS
 from producers.weights import VllmWeights
 from schemas.events import ChatMessage
 from schemas.plan import compile_plan
@@ -53,7 +54,7 @@ def _template_ids(tok, messages: list[dict]) -> list[int]:
 
 async def test_client_token_ids_and_logprobs_line_up_with_the_text(vllm_server):
     tok = _tokenizer()
-    async with InferenceClient(vllm_server.base_url, vllm_server.served_model_name) as client:
+    async with InferenceClient(vllm_server.base_url, vllm_server.served_model_name, **CPU_CLIENT_OPTIONS) as client:
         comp = await client.chat([ChatMessage(role="user", content=QUESTION)],
                                  sampling={"temperature": 1.0, "max_tokens": 24}, seed=3)
     ids = comp.completion_token_ids
@@ -77,7 +78,7 @@ async def test_multi_turn_second_prompt_contains_the_first_turn_tokens(vllm_serv
                       sampling={"max_tokens": 12, "temperature": 0.0})
     em = MemoryEmitter()
     async with Arena(_plan(vllm_server.base_url, group_size=2), {"t": env}, emitter=em,
-                     policy_base_url=vllm_server.base_url, weights=None) as arena:
+                     policy_base_url=vllm_server.base_url, weights=None, client_options=CPU_CLIENT_OPTIONS) as arena:
         await arena.run(num_groups=1)
     assert len(em.rollouts) == 2
     by_id = {s.step_id: s for s in em.steps}
@@ -122,7 +123,7 @@ async def test_revision_swapped_mid_run_stamps_every_step_exactly(vllm_server, k
     await _publish_revision(kw, revisions, rev0)
     arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics), policy_base_url=vllm_server.base_url,
                   revisions=RevisionFollower(kw, FAMILY, topic=revisions), weights=VllmWeights(vllm_server.base_url),
-                  concurrency=16)
+                  concurrency=16, client_options=CPU_CLIENT_OPTIONS)
     async with arena:
         await _wait_for(lambda: arena.current_policy.checkpoint_digest == rev0.checkpoint.digest, 60)
         run = asyncio.create_task(arena.run(num_groups=8))
@@ -170,7 +171,7 @@ async def test_a_revision_that_cannot_be_loaded_stops_admission_and_is_never_sta
     await _publish_revision(kw, revisions, rev0)
     arena = Arena(_plan(vllm_server.base_url, batch_size=1000), emitter=_emitter(kafka_settings, pipeline_topics),
                   policy_base_url=vllm_server.base_url, revisions=RevisionFollower(kw, FAMILY, topic=revisions),
-                  weights=VllmWeights(vllm_server.base_url), concurrency=8)
+                  weights=VllmWeights(vllm_server.base_url), concurrency=8, client_options=CPU_CLIENT_OPTIONS)
     async with arena:
         await _wait_for(lambda: arena.current_policy.checkpoint_digest == rev0.checkpoint.digest, 60)
         run = asyncio.create_task(arena.run(num_groups=50))
