@@ -42,7 +42,7 @@ class Profile:
 
 
 PROFILES = {
-    "vllm": Profile(str(ROOT / "examples" / "plans" / "arithmetic-smollm2.toml"), groups=96, lr=5e-5, epochs=1),
+    "vllm": Profile(str(ROOT / "examples" / "plans" / "arithmetic-smollm2.toml"), groups=96, lr=2e-5, epochs=1),
     "tiny": Profile(str(ROOT / "examples" / "plans" / "arithmetic.toml"), groups=192, lr=2e-2, epochs=4),
 }
 
