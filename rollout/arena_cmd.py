@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -114,8 +115,14 @@ async def _main(args: argparse.Namespace) -> int:
         stop = asyncio.Event()  # SIGTERM/SIGINT: admit no more, finish and emit what is in flight, exit 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        from producers.weights import WeightLoadError
+
         async with arena:
-            stats = await arena.run(num_groups=args.groups or None, stop=stop)
+            try:
+                stats = await arena.run(num_groups=args.groups or None, stop=stop)
+            except WeightLoadError as e:  # every admitted rollout is on the log (failed ones with the reason)
+                print(f"rollout arena: error: admission stopped: {e}", file=sys.stderr)
+                return 1
             if args.await_final_revision > 0 and follower is not None and not stop.is_set():
                 final = arena.pacer.base_revision + arena.pacer.admitted // plan.batch_size
                 await arena.wait_for_revision(final, args.await_final_revision)

@@ -242,7 +242,8 @@ async def _demo(settings, args) -> int:
             rev0 = initial_revision(family, ckdir, seed=0, run_id=run)
             arena_args = ["--policy", "local", "--policy-port", str(free_port()),
                           "--checkpoint", rev0.checkpoint.uri.removeprefix("file://")]
-        rc, summary = await _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress)
+        rc, summary = await _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress,
+                                  vllm_exited=lambda: vllm is not None and vllm.proc.returncode is not None)
     finally:
         stop_view.set()
         await asyncio.gather(view, return_exceptions=True)
@@ -254,7 +255,8 @@ async def _demo(settings, args) -> int:
     return rc
 
 
-async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress) -> tuple[int, dict]:
+async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress,
+                vllm_exited=lambda: False) -> tuple[int, dict]:
     from aiokafka import AIOKafkaProducer
 
     from consumers.services import ServiceConfig, build_processor, ensure_topics
@@ -334,6 +336,9 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
     if arena.returncode not in (0, None) or arena_stats is None:
         print(arena_out[-3000:], file=sys.stderr)
         rc = 1
+        if vllm_exited():
+            print(f"rollout demo: vLLM exited during the run; its log: {ROOT / '.state' / 'demo' / run / 'vllm.log'}",
+                  file=sys.stderr)
     summary = await _summary(kw, trainer_tasks, progress, arena_stats or {})
     summary.update(run=run, topic_prefix=prefix, policy=args.policy, arena_s=round(time.monotonic() - t0, 1))
     return rc, summary
