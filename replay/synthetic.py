@@ -235,15 +235,17 @@ def generate_steps_run(run_id: str, *, steps: int, completion_tokens: int = 512,
 
 async def produce(transactions: Iterable[Sequence[tuple[str, Event]]], producer_kwargs: Mapping[str, Any],
                   topics: Mapping[str, str], *, transactional_id: str) -> int:
-    """Produce each transaction atomically with a transactional producer; returns bytes produced."""
-    from aiokafka import AIOKafkaProducer
+    """Produce each transaction atomically with a transactional producer; returns bytes produced once readable."""
+    from aiokafka import AIOKafkaProducer, TopicPartition
 
     from streams.serde import to_message
+    from streams.transactions import wait_visible
 
     producer = AIOKafkaProducer(**dict(producer_kwargs), transactional_id=transactional_id, enable_idempotence=True,
                                 acks="all", linger_ms=5, max_batch_size=1024 * 1024, max_request_size=8 * 1024 * 1024)
     await producer.start()
     total = 0
+    written: dict[TopicPartition, int] = {}
     try:
         for tx in transactions:
             async with producer.transaction():
@@ -253,7 +255,9 @@ async def produce(transactions: Iterable[Sequence[tuple[str, Event]]], producer_
                     total += len(v)
                     futures.append(await producer.send(topics[key], value=v, key=k, headers=h))
                 for f in futures:
-                    await f
+                    md = await f
+                    written[TopicPartition(md.topic, md.partition)] = md.offset
     finally:
         await producer.stop()
+    await wait_visible(dict(producer_kwargs), written)
     return total

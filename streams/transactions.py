@@ -126,6 +126,35 @@ def _lasting(since: dict[int, tuple[Any, float]], p: int, key: Any, holds: bool,
     return now - t0 >= after_s
 
 
+async def wait_visible(client_kwargs: dict[str, Any], written: dict[TopicPartition, int],
+                       timeout_s: float = 30.0) -> None:
+    """Return once ``read_committed`` readers reach every offset in ``written`` (partition -> last offset).
+
+    ``commit_transaction`` returns when the coordinator has logged the commit; the markers that move each
+    partition's last stable offset are written after that. A writer whose caller reads next (an import, a
+    test's fixture run, then a replay) waits here so what it reported written is what a reader sees.
+    """
+    if not written:
+        return
+    consumer = AIOKafkaConsumer(**client_kwargs, group_id=None, enable_auto_commit=False,
+                                isolation_level="read_committed")
+    await consumer.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lso = await consumer.end_offsets(list(written))
+            behind = {tp: off for tp, off in written.items() if lso.get(tp, 0) <= off}
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"committed records not readable after {timeout_s:.0f}s on "
+                                   f"{sorted(f'{tp.topic}-{tp.partition}' for tp in behind)}: an open or "
+                                   "hanging transaction holds their last stable offset")
+            await asyncio.sleep(0.05)
+    finally:
+        await consumer.stop()
+
+
 def changelog_topic(service: str, partitions: int) -> Topic:
     return Topic(f"{service}-changelog", partitions,
                  {"cleanup.policy": "compact", "segment.ms": "60000", "min.cleanable.dirty.ratio": "0.1",
