@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,9 +151,6 @@ class KafkaEmitter(Emitter):
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         await self._queue.put((result, fut))
         await fut
-
-    async def emit_many(self, results: Iterable[GenerateResult]) -> None:
-        await asyncio.gather(*(self.emit(r) for r in results))
 
     def encode(self, result: GenerateResult) -> list[tuple[str, bytes, bytes, list]]:
         """(topic, key, value, headers) of every message of an episode tree; raises EmissionError when
