@@ -1,14 +1,10 @@
 """Credit assignment: RolloutScored -> TrainingRecords, one per trainable step. Pure (no Kafka, no clock).
 
 Every strategy gives each member's steps that member's reward (per-step credit for multi-turn and
-multi-agent episodes); strategies differ in the baseline that turns rewards into advantages:
-
-* ``grpo``               group-relative: wait for all ``group_size`` rollouts of a group, then
-                         A = (r - mean_group) / (std_group + eps), per member (``scale_std: false`` = Dr. GRPO)
-* ``reinforce_baseline`` plain REINFORCE with a per-environment moving-average baseline: A = r - b_env
-* ``ema_per_member``     per-(environment, member) EMA baseline for zero-sum self-play (prime-rl's
-                         ``ema_per_member``, SPIRAL's role-conditioned advantage estimation): A = r - b_(env,m)
-* ``per_step``           A = r (no baseline), each member's steps credited with that member's reward
+multi-agent episodes); strategies differ in the baseline that turns rewards into advantages. Each is a
+``CreditStrategy`` subclass registered with ``@register_strategy`` into ``STRATEGIES`` (grpo,
+reinforce_baseline, ema_per_member, per_step below), so a new one is one class, in any module imported
+before the service starts: the service only asks ``CreditAssigner.buffers``, never a strategy's name.
 
 Only trainable steps (``RolloutScored.trainable_steps``) produce records: a fixed opponent or the judge
 never does. ``record_id`` derives from (rollout_id, step_id), so a retry cannot double a record.
@@ -18,14 +14,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
 from schemas.events import RolloutScored, TrainingRecord
-
-STRATEGIES = ("grpo", "reinforce_baseline", "ema_per_member", "per_step")
-
 
 def record_id(rollout_id: str, step_id: str) -> str:
     return hashlib.sha256(f"{rollout_id}\x00{step_id}".encode()).hexdigest()[:32]
@@ -103,51 +96,143 @@ class MovingBaseline:
         return adv
 
 
+Advantages = dict[str, Mapping[str, float]]
+"""rollout_id -> member -> advantage."""
+
+STRATEGIES: dict[str, type[CreditStrategy]] = {}
+"""The registry, in registration order: strategy name -> class (also the CLI's ``--credit`` choices)."""
+
+
+def register_strategy(cls: type[CreditStrategy]) -> type[CreditStrategy]:
+    """Class decorator: register a strategy under its ``name``, so a new one needs no edit anywhere else."""
+    if not cls.name or cls.name in STRATEGIES:
+        raise ValueError(f"credit strategy name {cls.name!r} is empty or already registered")
+    STRATEGIES[cls.name] = cls
+    return cls
+
+
+class CreditStrategy:
+    """One way to turn rewards into advantages; one instance per partition, holding that partition's state.
+
+    ``buffers``: the strategy needs a whole group at once, so ``CreditAssigner`` holds rollouts until their
+    group is complete (or flushes it on timeout); otherwise each rollout is credited as it arrives, alone.
+    """
+
+    name: ClassVar[str] = ""
+    buffers: ClassVar[bool] = False
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        self.params = params
+
+    def advantages(self, rollouts: Sequence[RolloutScored]) -> Advantages:
+        """Advantages for these rollouts: a whole group when ``buffers``, else the single new one."""
+        raise NotImplementedError
+
+    def state(self) -> dict[str, Any]:
+        """What a restart must get back (a baseline), stored with the consumer's offsets; {} if nothing."""
+        return {}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Take back what ``state`` returned before a restart."""
+
+
+@register_strategy
+class Grpo(CreditStrategy):
+    """Group-relative: wait for all ``group_size`` rollouts of a group, then per member
+    A = (r - mean_group) / (std_group + eps); ``scale_std: false`` drops the division (Dr. GRPO)."""
+
+    name = "grpo"
+    buffers = True
+
+    def advantages(self, rollouts: Sequence[RolloutScored]) -> Advantages:
+        return group_advantages(rollouts, eps=float(self.params.get("eps", 1e-6)),
+                                scale_std=bool(self.params.get("scale_std", True)))
+
+
+class _Baselined(CreditStrategy):
+    """A strategy with EMA baselines, which outlive a restart through ``state``."""
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        super().__init__(params)
+        self.baseline = MovingBaseline(alpha=float(params.get("alpha", 0.9)))
+
+    def state(self) -> dict[str, Any]:
+        return {"baseline": dict(self.baseline.values)} if self.baseline.values else {}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        self.baseline.values = dict(state.get("baseline", {}))
+
+
+@register_strategy
+class ReinforceBaseline(_Baselined):
+    """Plain REINFORCE, A = r - b_env: one EMA baseline per environment, updated with the mean reward over
+    the rollout's members."""
+
+    name = "reinforce_baseline"
+
+    def advantages(self, rollouts: Sequence[RolloutScored]) -> Advantages:
+        out: Advantages = {}
+        for s in rollouts:
+            mean = sum(s.rewards.values()) / len(s.rewards) if s.rewards else 0.0
+            base = self.baseline.values.get(s.environment, 0.0)
+            self.baseline.advantage(s.environment, mean)
+            out[s.rollout_id] = {m: r - base for m, r in s.rewards.items()}
+        return out
+
+
+@register_strategy
+class EmaPerMember(_Baselined):
+    """A = r - b_(env, member), one EMA baseline per (environment, member), for zero-sum self-play
+    (prime-rl's ``ema_per_member``, SPIRAL's role-conditioned advantage estimation)."""
+
+    name = "ema_per_member"
+
+    def advantages(self, rollouts: Sequence[RolloutScored]) -> Advantages:
+        return {s.rollout_id: {m: self.baseline.advantage(f"{s.environment}|{m}", r)
+                               for m, r in sorted(s.rewards.items())} for s in rollouts}
+
+
+@register_strategy
+class PerStep(CreditStrategy):
+    """A = r, no baseline: each member's steps credited with that member's reward."""
+
+    name = "per_step"
+
+    def advantages(self, rollouts: Sequence[RolloutScored]) -> Advantages:
+        return {s.rollout_id: s.rewards for s in rollouts}
+
+
 class CreditAssigner:
     """Strategy state for one partition. ``add`` returns the records ready now (and notes what it buffers)."""
 
     def __init__(self, strategy: str = "grpo", params: Mapping[str, Any] | None = None, *, producer: str = "credit"):
         if strategy not in STRATEGIES:
-            raise ValueError(f"unknown credit strategy {strategy!r}; choose from {STRATEGIES}")
-        self.strategy = strategy
+            raise ValueError(f"unknown credit strategy {strategy!r}; choose from {tuple(STRATEGIES)}")
         self.params = dict(params or {})
+        self.strategy = STRATEGIES[strategy](self.params)
         self.producer = producer
         self.groups = GroupBuffer()
-        self.baseline = MovingBaseline(alpha=float(self.params.get("alpha", 0.9)))
         self.timeout_s = float(self.params.get("group_timeout_s", 300.0))
+
+    @property
+    def buffers(self) -> bool:
+        """Whether ``add`` may hold a rollout back (so the caller keeps its input record until released)."""
+        return self.strategy.buffers
 
     def add(self, scored: RolloutScored, now: float) -> list[TrainingRecord]:
         if scored.evaluation:
             return []  # held-out evaluation: scored for the record, never trained on (and never in a baseline)
-        if self.strategy == "grpo":
-            group = self.groups.add(scored, now)
-            return self._grpo(group, "grpo") if group else []
-        if self.strategy == "per_step":
-            return records_for(scored, scored.rewards, "per_step", producer=self.producer)
-        if self.strategy == "reinforce_baseline":
-            key = scored.environment
-            # one baseline per environment, updated with the mean reward over the rollout's members
-            rewards = scored.rewards
-            mean = sum(rewards.values()) / len(rewards) if rewards else 0.0
-            b = self.baseline.values.get(key)
-            self.baseline.advantage(key, mean)
-            base = b if b is not None else 0.0
-            return records_for(scored, {m: r - base for m, r in rewards.items()}, "reinforce_baseline",
-                               producer=self.producer)
-        # ema_per_member
-        adv = {m: self.baseline.advantage(f"{scored.environment}|{m}", r) for m, r in sorted(scored.rewards.items())}
-        return records_for(scored, adv, "ema_per_member", producer=self.producer)
+        if not self.buffers:
+            return self._credit([scored], self.strategy.name)
+        group = self.groups.add(scored, now)
+        return self._credit(group, self.strategy.name) if group else []
 
-    def _grpo(self, group: list[RolloutScored], credit: str) -> list[TrainingRecord]:
-        adv = group_advantages(group, eps=float(self.params.get("eps", 1e-6)),
-                               scale_std=bool(self.params.get("scale_std", True)))
-        out: list[TrainingRecord] = []
-        for s in group:
-            out.extend(records_for(s, adv[s.rollout_id], credit, producer=self.producer))
-        return out
+    def _credit(self, rollouts: list[RolloutScored], credit: str) -> list[TrainingRecord]:
+        adv = self.strategy.advantages(rollouts)
+        return [r for s in rollouts for r in records_for(s, adv[s.rollout_id], credit, producer=self.producer)]
 
     def flush_expired(self, now: float) -> tuple[list[TrainingRecord], list[tuple[list[RolloutScored], str]]]:
-        """Groups past the timeout: normalised within what arrived when >= 2 rollouts, else refused with a reason."""
+        """Groups past the timeout: credited within what arrived when >= 2 rollouts, else refused with a reason."""
         records: list[TrainingRecord] = []
         refused: list[tuple[list[RolloutScored], str]] = []
         for gid in self.groups.expired(now, self.timeout_s):
@@ -155,13 +240,13 @@ class CreditAssigner:
             n = group[0].group_size
             reason = f"group {gid} incomplete after {self.timeout_s:g}s: {len(group)}/{n} rollouts"
             if len(group) >= 2:
-                records.extend(self._grpo(group, f"grpo:flushed({len(group)}/{n},timeout)"))
+                records.extend(self._credit(group, f"{self.strategy.name}:flushed({len(group)}/{n},timeout)"))
             else:
                 refused.append((group, reason + "; a lone rollout has no group-relative advantage"))
         return records, refused
 
     def state(self) -> dict[str, Any]:
-        return {"baseline": dict(self.baseline.values)} if self.baseline.values else {}
+        return self.strategy.state()
 
     def load_state(self, state: Mapping[str, Any]) -> None:
-        self.baseline.values = dict(state.get("baseline", {}))
+        self.strategy.load_state(state)

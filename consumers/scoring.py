@@ -1,12 +1,10 @@
 """Verifiers: score one rollout (with its steps) according to its ScoringSpec. Pure, async, no Kafka.
 
-Kinds (schemas.scoring.ScoringSpec):
-
-* ``exact_match``     ExactMatchVerifier: each member's final answer == spec.answer -> 1.0 / 0.0
-* ``rubric``          weighted sum of reward functions (sync or async) + metrics that are logged, not rewarded
-* ``llm_judge``       LLMJudgeVerifier: the plan's fixed ``judge_target`` grades the transcript (score in [0, 1])
-* ``zero_sum_judge``  ZeroSumJudgeVerifier: the judge names a winner among two players: +1 / -1, 0 on a tie
-* ``monte_carlo``     MonteCarloVerifier: a parent (proposer) scored from its children's (solvers') outcomes
+A scoring kind (``ScoringSpec.kind``) is a ``Verifier`` subclass registered with ``@register_verifier``
+into ``VERIFIERS``: ``exact_match``, ``rubric``, ``llm_judge``, ``zero_sum_judge`` and ``monte_carlo``
+below, or one of your own in any module imported before the service starts. Each declares what it needs
+(``needs_judge``, ``needs_children``, the spec fields its ``check`` demands), and the verifier service
+asks ``needs_children`` / ``child_member`` instead of knowing any kind by name.
 
 A reward function that raises or times out raises ``ScoringError``; the verifier service dead-letters the
 rollout with that reason and goes on. The judge is called through a ``Judge`` callable bound to a fixed
@@ -21,7 +19,7 @@ import inspect
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, ClassVar, Mapping, Sequence
 
 from schemas.events import Rollout, RolloutScored, Step, StepTokens
 from schemas.scoring import SCORING_ARTIFACT, ScoringSpec, WeightedFunc
@@ -97,6 +95,70 @@ def scored_members(rollout: Rollout) -> list[str]:
     return trainable or list(rollout.members)
 
 
+# -- the registry --------------------------------------------------------------------------------------
+VERIFIERS: dict[str, Verifier] = {}
+"""kind -> its verifier, in registration order."""
+
+
+def register_verifier(cls: type[Verifier]) -> type[Verifier]:
+    """Class decorator: register a scoring kind under ``cls.kind``, so a new one needs no edit anywhere else."""
+    if not cls.kind or cls.kind in VERIFIERS:
+        raise ValueError(f"scoring kind {cls.kind!r} is empty or already registered")
+    VERIFIERS[cls.kind] = cls()
+    return cls
+
+
+class Verifier:
+    """One scoring kind, stateless. What it declares is all the verifier service knows of it:
+
+    * ``needs_judge``: it may ask the plan's fixed ``judge_target`` (so the spec must name one), and only
+      such a kind is handed the ``Judge``;
+    * ``needs_children``: it scores a parent from its child rollouts' outcomes, so the service waits for them.
+    """
+
+    kind: ClassVar[str] = ""
+    needs_judge: ClassVar[bool] = False
+    needs_children: ClassVar[bool] = False
+
+    def check(self, spec: ScoringSpec) -> None:
+        """Raise ``ScoringError`` when the spec lacks a field this kind needs."""
+        if self.needs_judge and not spec.judge_target:
+            raise ScoringError(f"{self.kind} scoring needs judge_target (a fixed target of the plan)")
+
+    async def score(self, rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec, *, judge: Judge | None,
+                    child_outcomes: Sequence[float] | None) -> Verdict:
+        """``judge`` is None unless ``needs_judge``; ``child_outcomes`` is None unless ``needs_children``."""
+        raise NotImplementedError
+
+
+def verifier_of(spec: ScoringSpec) -> Verifier:
+    try:
+        return VERIFIERS[spec.kind]
+    except KeyError:
+        raise ScoringError(f"unknown scoring kind {spec.kind!r}; known: {', '.join(VERIFIERS)}") from None
+
+
+def needs_children(rollout: Rollout) -> bool:
+    """Whether scoring waits for the rollout's children: its kind says so and it did not fail (a failed
+    rollout scores 0 at once). No spec, or a bad one, waits for nothing: ``score`` dead-letters it."""
+    if rollout.status == "failed":
+        return False
+    try:
+        return verifier_of(spec_of(rollout)).needs_children
+    except ScoringError:
+        return False
+
+
+def child_member(parent: Rollout) -> str | None:
+    """The member whose reward is a child's outcome for this parent (spec param ``child_member``); None: the
+    mean over the child's members (``child_outcome``)."""
+    try:
+        member = spec_of(parent).params.get("child_member")
+    except ScoringError:
+        return None
+    return member if isinstance(member, str) else None
+
+
 # -- verifiers -----------------------------------------------------------------------------------------
 _INTEGER = re.compile(r"-?\d+")
 
@@ -109,18 +171,29 @@ def extract(text: str, how: str | None) -> str:
     return final_answer(text)
 
 
-def exact_match(rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec) -> Verdict:
-    """params: ``member`` (score only that member), ``extract`` (``last_integer`` or the default)."""
-    want = normalize(spec.answer or "")
-    rewards, metrics = {}, {}
-    only = spec.params.get("member")
-    members = [only] if isinstance(only, str) and only in rollout.members else scored_members(rollout)
-    for m in members:
-        ms = member_steps(steps, m)
-        got = extract(_text(ms[-1].completion), spec.params.get("extract")) if ms else ""  # type: ignore[arg-type]
-        rewards[m] = 1.0 if got == want else 0.0
-        metrics[f"{m}/completion_tokens"] = float(sum(len(s.completion_token_ids) for s in ms))
-    return Verdict(rewards, metrics, "exact_match")
+@register_verifier
+class ExactMatch(Verifier):
+    """Each member's final answer == ``spec.answer`` -> 1.0 / 0.0. params: ``member`` (score only that
+    member), ``extract`` (``last_integer`` or the default ``final_answer``)."""
+
+    kind = "exact_match"
+
+    def check(self, spec: ScoringSpec) -> None:
+        if spec.answer is None:
+            raise ScoringError("exact_match scoring needs an answer")
+
+    async def score(self, rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec, *, judge: Judge | None,
+                    child_outcomes: Sequence[float] | None) -> Verdict:
+        want = normalize(spec.answer or "")
+        rewards, metrics = {}, {}
+        only = spec.params.get("member")
+        members = [only] if isinstance(only, str) and only in rollout.members else scored_members(rollout)
+        for m in members:
+            ms = member_steps(steps, m)
+            got = extract(_text(ms[-1].completion), spec.params.get("extract")) if ms else ""  # type: ignore[arg-type]
+            rewards[m] = 1.0 if got == want else 0.0
+            metrics[f"{m}/completion_tokens"] = float(sum(len(s.completion_token_ids) for s in ms))
+        return Verdict(rewards, metrics, "exact_match")
 
 
 def load_func(path: str) -> Callable[..., Any]:
@@ -166,26 +239,38 @@ async def _weighted(funcs: Sequence[WeightedFunc], kwargs: Mapping[str, Any], ti
     return results
 
 
-async def rubric(rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec) -> Verdict:
-    timeout_s = float(spec.params.get("timeout_s", 10.0))  # type: ignore[arg-type]
-    rewards: dict[str, float] = {}
-    metrics: dict[str, float] = {}
-    for m in scored_members(rollout):
-        ms = member_steps(steps, m)
-        kwargs = {
-            "prompt": [x.model_dump(mode="json") for x in (ms[0].prompt if ms else [])],
-            "completion": [x.model_dump(mode="json") for s in ms for x in s.completion],
-            "answer": spec.answer,
-            "state": {"artifacts": rollout.artifacts, "seed": rollout.seed, "member": m,
-                      "environment": rollout.environment, "status": rollout.status},
-        }
-        scored = await _weighted(spec.funcs, kwargs, timeout_s, "reward function")
-        rewards[m] = sum(v * w for v, w in scored.values())
-        for name, (v, _) in scored.items():
-            metrics[f"{m}/reward/{name.rsplit(':', 1)[-1]}"] = v
-        for name, (v, _) in (await _weighted(spec.metrics, kwargs, timeout_s, "metric")).items():
-            metrics[f"{m}/metric/{name.rsplit(':', 1)[-1]}"] = v
-    return Verdict(rewards, metrics, "rubric")
+@register_verifier
+class Rubric(Verifier):
+    """Weighted sum of reward functions (sync or async), each called with the keyword arguments it takes of
+    prompt, completion, answer, state; ``metrics`` are logged, not rewarded. params: ``timeout_s``."""
+
+    kind = "rubric"
+
+    def check(self, spec: ScoringSpec) -> None:
+        if not spec.funcs:
+            raise ScoringError("rubric scoring needs at least one reward function")
+
+    async def score(self, rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec, *, judge: Judge | None,
+                    child_outcomes: Sequence[float] | None) -> Verdict:
+        timeout_s = float(spec.params.get("timeout_s", 10.0))  # type: ignore[arg-type]
+        rewards: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        for m in scored_members(rollout):
+            ms = member_steps(steps, m)
+            kwargs = {
+                "prompt": [x.model_dump(mode="json") for x in (ms[0].prompt if ms else [])],
+                "completion": [x.model_dump(mode="json") for s in ms for x in s.completion],
+                "answer": spec.answer,
+                "state": {"artifacts": rollout.artifacts, "seed": rollout.seed, "member": m,
+                          "environment": rollout.environment, "status": rollout.status},
+            }
+            scored = await _weighted(spec.funcs, kwargs, timeout_s, "reward function")
+            rewards[m] = sum(v * w for v, w in scored.values())
+            for name, (v, _) in scored.items():
+                metrics[f"{m}/reward/{name.rsplit(':', 1)[-1]}"] = v
+            for name, (v, _) in (await _weighted(spec.metrics, kwargs, timeout_s, "metric")).items():
+                metrics[f"{m}/metric/{name.rsplit(':', 1)[-1]}"] = v
+        return Verdict(rewards, metrics, "rubric")
 
 
 def transcript(steps: Sequence[Step]) -> str:
@@ -205,22 +290,32 @@ def parse_judge_score(reply: str) -> float:
     return min(1.0, max(0.0, float(found[-1])))
 
 
-async def llm_judge(rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec, judge: Judge | None) -> Verdict:
-    if "judge_score" in rollout.artifacts:  # the arena already asked the judge (a fixed target)
-        score = float(rollout.artifacts["judge_score"])  # type: ignore[arg-type]
-    else:
-        if judge is None:
-            raise ScoringError(f"llm_judge needs a judge client for target {spec.judge_target!r}")
-        question = _text(steps[0].prompt) if steps else str(rollout.seed)
-        msgs = [{"role": "system", "content": str(spec.params.get("rubric", "Grade the answer from 0 to 1. "
-                                                                          "Reply 'SCORE: <number>'."))},
-                {"role": "user", "content": f"Question:\n{question}\n\nReference answer: {spec.answer}\n\n"
-                                            f"Transcript:\n{transcript(steps)}"}]
-        score = await _ask(judge, spec, msgs, parse_judge_score)
-    return Verdict({m: score for m in scored_members(rollout)}, {"judge_score": score}, f"llm_judge:{spec.judge_target}")
+@register_verifier
+class LLMJudge(Verifier):
+    """The plan's fixed ``judge_target`` grades the transcript, a score in [0, 1] for every scored member
+    (unless the arena already asked it: ``artifacts["judge_score"]``). params: ``rubric``, ``timeout_s``."""
+
+    kind = "llm_judge"
+    needs_judge = True
+
+    async def score(self, rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec, *, judge: Judge | None,
+                    child_outcomes: Sequence[float] | None) -> Verdict:
+        if "judge_score" in rollout.artifacts:
+            score = float(rollout.artifacts["judge_score"])  # type: ignore[arg-type]
+        else:
+            question = _text(steps[0].prompt) if steps else str(rollout.seed)
+            rubric = str(spec.params.get("rubric", "Grade the answer from 0 to 1. Reply 'SCORE: <number>'."))
+            msgs = [{"role": "system", "content": rubric},
+                    {"role": "user", "content": f"Question:\n{question}\n\nReference answer: {spec.answer}\n\n"
+                                                f"Transcript:\n{transcript(steps)}"}]
+            score = await _ask(judge, spec, msgs, parse_judge_score)
+        return Verdict({m: score for m in scored_members(rollout)}, {"judge_score": score},
+                       f"llm_judge:{spec.judge_target}")
 
 
-async def _ask(judge: Judge, spec: ScoringSpec, msgs, parse):
+async def _ask(judge: Judge | None, spec: ScoringSpec, msgs, parse):
+    if judge is None:
+        raise ScoringError(f"{spec.kind} needs a judge client for target {spec.judge_target!r}")
     timeout_s = float(spec.params.get("timeout_s", 60.0))  # type: ignore[arg-type]
     try:
         reply = await asyncio.wait_for(judge(spec.judge_target or "", msgs), timeout_s)
@@ -242,35 +337,48 @@ def zero_sum_rewards(players: Sequence[str], winner: str | None) -> dict[str, fl
     return {a: 1.0 if winner == a else -1.0, b: 1.0 if winner == b else -1.0}
 
 
-async def zero_sum_judge(rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec, judge: Judge | None) -> Verdict:
-    players = list(spec.players)
-    verdict = rollout.artifacts.get("winner", rollout.artifacts.get("judge_verdict", ...))
-    if verdict is ...:
-        if judge is None:
-            raise ScoringError(f"zero_sum_judge needs a judge client for target {spec.judge_target!r}")
-        template = spec.params.get("judge_prompt")
-        if isinstance(template, str):
-            fields = {k: v for k, v in spec.params.items() if isinstance(v, (str, int, float))}
-            try:
-                text = template.format(**{**fields, "transcript": transcript(steps)})
-            except (KeyError, IndexError, ValueError) as e:
-                raise ScoringError(f"judge_prompt does not format: {e}") from None
-            msgs = [{"role": "user", "content": text}]
-        else:
-            msgs = [{"role": "system", "content": f"You judge a contest between {players[0]} and {players[1]}. "
-                                                  f"Reply 'WINNER: <name>' or 'WINNER: tie'."},
-                    {"role": "user", "content": transcript(steps)}]
+@register_verifier
+class ZeroSumJudge(Verifier):
+    """The judge names a winner among the two ``players``: +1 / -1, 0 on a tie (unless the arena recorded
+    one: ``artifacts["winner"]``). params: ``judge_prompt``, a template given ``{transcript}`` and the params."""
 
-        def parse(reply: str) -> str:
-            m = re.search(r"winner\s*[:=]\s*([\w\-]+)", reply, re.I)
-            if m:
-                return m.group(1)
-            named = [x for x in (*players, "tie") if re.search(rf"\b{re.escape(x)}\b", reply)]
-            return named[0] if len(named) == 1 else reply.strip()
+    kind = "zero_sum_judge"
+    needs_judge = True
 
-        verdict = await _ask(judge, spec, msgs, parse)
-    rewards = zero_sum_rewards(players, None if verdict is None else str(verdict))
-    return Verdict(rewards, {"tie": float(all(v == 0 for v in rewards.values()))}, f"zero_sum_judge:{spec.judge_target}")
+    def check(self, spec: ScoringSpec) -> None:
+        super().check(spec)
+        if len(spec.players) != 2:
+            raise ScoringError("zero_sum_judge scoring needs exactly two players")
+
+    async def score(self, rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec, *, judge: Judge | None,
+                    child_outcomes: Sequence[float] | None) -> Verdict:
+        players = list(spec.players)
+        verdict = rollout.artifacts.get("winner", rollout.artifacts.get("judge_verdict", ...))
+        if verdict is ...:
+            template = spec.params.get("judge_prompt")
+            if isinstance(template, str):
+                fields = {k: v for k, v in spec.params.items() if isinstance(v, (str, int, float))}
+                try:
+                    text = template.format(**{**fields, "transcript": transcript(steps)})
+                except (KeyError, IndexError, ValueError) as e:
+                    raise ScoringError(f"judge_prompt does not format: {e}") from None
+                msgs = [{"role": "user", "content": text}]
+            else:
+                msgs = [{"role": "system", "content": f"You judge a contest between {players[0]} and {players[1]}. "
+                                                      f"Reply 'WINNER: <name>' or 'WINNER: tie'."},
+                        {"role": "user", "content": transcript(steps)}]
+
+            def parse(reply: str) -> str:
+                m = re.search(r"winner\s*[:=]\s*([\w\-]+)", reply, re.I)
+                if m:
+                    return m.group(1)
+                named = [x for x in (*players, "tie") if re.search(rf"\b{re.escape(x)}\b", reply)]
+                return named[0] if len(named) == 1 else reply.strip()
+
+            verdict = await _ask(judge, spec, msgs, parse)
+        rewards = zero_sum_rewards(players, None if verdict is None else str(verdict))
+        return Verdict(rewards, {"tie": float(all(v == 0 for v in rewards.values()))},
+                       f"zero_sum_judge:{spec.judge_target}")
 
 
 def monte_carlo_reward(outcomes: Sequence[float], params: Mapping[str, Any]) -> float:
@@ -316,25 +424,31 @@ def monte_carlo(rollout: Rollout, spec: ScoringSpec, outcomes: Sequence[float]) 
     return Verdict({m: r for m in members}, {"children": float(len(outcomes)), "pass_rate": rate}, "monte_carlo")
 
 
+@register_verifier
+class MonteCarlo(Verifier):
+    """A parent (proposer) scored from its children's (solvers') outcomes by ``monte_carlo``; param
+    ``child_member``: the member whose reward is a child's outcome (default: the mean over its members)."""
+
+    kind = "monte_carlo"
+    needs_children = True
+
+    async def score(self, rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec, *, judge: Judge | None,
+                    child_outcomes: Sequence[float] | None) -> Verdict:
+        return monte_carlo(rollout, spec, child_outcomes or ())
+
+
 async def score(rollout: Rollout, steps: Sequence[Step], *, judge: Judge | None = None,
                 child_outcomes: Sequence[float] | None = None) -> Verdict:
     """Score a rollout with the spec it carries. Failed rollouts score 0 for every member, without scoring."""
     if rollout.status == "failed":
         return Verdict({m: 0.0 for m in rollout.members}, {"failed": 1.0}, "failed")
     spec = spec_of(rollout)
-    if spec.kind == "exact_match":
-        return exact_match(rollout, steps, spec)
-    if spec.kind == "rubric":
-        return await rubric(rollout, steps, spec)
-    if spec.kind == "llm_judge":
-        return await llm_judge(rollout, steps, spec, judge)
-    if spec.kind == "zero_sum_judge":
-        return await zero_sum_judge(rollout, steps, spec, judge)
-    if spec.kind == "monte_carlo":
-        if child_outcomes is None:
-            raise ScoringError("monte_carlo scoring needs the children's outcomes")
-        return monte_carlo(rollout, spec, child_outcomes)
-    raise ScoringError(f"unknown scoring kind {spec.kind!r}")
+    v = verifier_of(spec)
+    v.check(spec)
+    if v.needs_children and child_outcomes is None:
+        raise ScoringError(f"{spec.kind} scoring needs the children's outcomes")
+    return await v.score(rollout, steps, spec, judge=judge if v.needs_judge else None,
+                         child_outcomes=child_outcomes if v.needs_children else None)
 
 
 def trainable_steps(steps: Sequence[Step]) -> list[StepTokens]:
