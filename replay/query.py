@@ -7,7 +7,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -93,6 +93,14 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str, *, fmt: str = "table", o
         print("ok", file=stream)
         return 0
     columns, types, rows = fetch(rel)
+    write_rows(columns, rows, types=types, fmt=fmt, max_rows=max_rows, stream=stream)
+    return len(rows)
+
+
+def write_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, types: Sequence[str] | None = None,
+               fmt: str = "table", max_rows: int = 200, stream: TextIO | None = None) -> None:
+    """Rows to ``stream`` in a text format: a table (up to ``max_rows``), CSV, or JSON lines."""
+    stream = stream or sys.stdout
     if fmt == "csv":
         w = csv.writer(stream)
         w.writerow(columns)
@@ -103,7 +111,6 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str, *, fmt: str = "table", o
             stream.write(json.dumps({c: _jsonable(v) for c, v in zip(columns, r)}) + "\n")
     else:
         print_table(columns, rows, types=types, max_rows=max_rows, stream=stream)
-    return len(rows)
 
 
 def _quote(path: str) -> str:
@@ -145,10 +152,11 @@ def export(con: duckdb.DuckDBPyConnection, out_dir: str, *, fmt: str = "parquet"
     return written
 
 
-HELP = """Enter SQL ending with ';'.  Dot commands:
+HELP = """Enter SQL ending with ';'.  Dot commands (also as `rollout sql --db F .tables`):
   .tables            tables and views with row counts     .schema NAME   columns of a table or view
   .format FMT        table | csv | json                   .maxrows N     rows shown in table format
   .help              this text                            .quit          leave (or Ctrl-D)"""
+QUIT = (".quit", ".exit", ".q")
 
 
 def describe(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str, int | None, str]]:
@@ -160,6 +168,38 @@ def describe(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str, int | None,
         rows.append(("view", name, None, ""))
     rows.append(("macro", "batch_lineage(batch_id)", None, "SELECT * FROM batch_lineage('...'): one batch's full lineage"))
     return rows
+
+
+def dot_command(con: duckdb.DuckDBPyConnection, line: str, *, fmt: str = "table", max_rows: int = 200,
+                stream: TextIO | None = None) -> tuple[str, int]:
+    """One dot command (all but the prompt's own .quit); returns the (format, max rows) to go on with."""
+    stream = stream or sys.stdout
+    cmd, _, arg = line.strip().partition(" ")
+    arg = arg.strip()
+    if cmd == ".help":
+        print(HELP, file=stream)
+    elif cmd == ".tables":
+        write_rows(["kind", "name", "rows", "about"], describe(con), fmt=fmt, max_rows=max_rows, stream=stream)
+    elif cmd == ".schema" and arg:
+        run_query(con, f"DESCRIBE {arg}", fmt=fmt, max_rows=max_rows, stream=stream)
+    elif cmd == ".format" and arg in ("table", "csv", "json"):
+        fmt = arg
+    elif cmd == ".maxrows" and arg.isdigit():
+        max_rows = int(arg)
+    else:
+        raise ValueError(f"unknown command {line.strip()!r}; .help lists them")
+    return fmt, max_rows
+
+
+def run_command(con: duckdb.DuckDBPyConnection, text: str, *, fmt: str = "table", out: str | None = None,
+                max_rows: int = 200) -> None:
+    """`rollout sql --db F TEXT`: a query, or a dot command as at the prompt (.tables, .schema NAME)."""
+    if not text.lstrip().startswith("."):
+        run_query(con, text, fmt=fmt, out=out, max_rows=max_rows)
+        return
+    if out or fmt == "parquet":
+        raise ValueError(f"{text.split()[0]} prints table, csv or json: leave out --out and --format parquet")
+    dot_command(con, text, fmt=fmt, max_rows=max_rows)
 
 
 def interactive(con: duckdb.DuckDBPyConnection, *, fmt: str = "table", max_rows: int = 200,
@@ -187,22 +227,10 @@ def interactive(con: duckdb.DuckDBPyConnection, *, fmt: str = "table", max_rows:
             break
         stripped = line.strip()
         if not buf and stripped.startswith("."):
-            cmd, _, arg = stripped.partition(" ")
-            arg = arg.strip()
-            if cmd in (".quit", ".exit", ".q"):
+            if stripped.split()[0] in QUIT:
                 break
-            if cmd == ".help":
-                print(HELP, file=stream)
-            elif cmd == ".tables":
-                print_table(["kind", "name", "rows", "about"], describe(con), stream=stream)
-            elif cmd == ".schema" and arg:
-                _try(lambda: run_query(con, f"DESCRIBE {arg}", stream=stream), stream)
-            elif cmd == ".format" and arg in ("table", "csv", "json"):
-                fmt = arg
-            elif cmd == ".maxrows" and arg.isdigit():
-                max_rows = int(arg)
-            else:
-                print(f"unknown command {stripped!r}; .help lists them", file=stream)
+            fmt, max_rows = _try(lambda: dot_command(con, stripped, fmt=fmt, max_rows=max_rows, stream=stream),
+                                 stream) or (fmt, max_rows)
             continue
         if not stripped and not buf:
             continue
@@ -216,8 +244,10 @@ def interactive(con: duckdb.DuckDBPyConnection, *, fmt: str = "table", max_rows:
     return 0
 
 
-def _try(fn, stream: TextIO) -> None:
+def _try(fn: Callable[[], Any], stream: TextIO) -> Any:
+    """``fn()``, or None after printing its error (the prompt goes on)."""
     try:
-        fn()
-    except duckdb.Error as e:
+        return fn()
+    except (duckdb.Error, ValueError) as e:
         print(f"error: {e}", file=stream)
+        return None

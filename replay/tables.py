@@ -13,6 +13,7 @@ values without a fixed shape (chat messages, seeds, artifacts, members) are JSON
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -315,15 +316,39 @@ MACROS = [
 ]
 
 
-class OutdatedSchema(RuntimeError):
+class UnusableDatabase(RuntimeError):
+    """A --db the read commands cannot use; the message says what to do instead."""
+
+
+class OutdatedSchema(UnusableDatabase):
     """A database replayed by an older version, opened read-only (it is upgraded by the next replay into it)."""
+
+
+def connect(db: str, *, read_only: bool = True):  # -> duckdb.DuckDBPyConnection
+    """An existing replay database (never a new empty one), refused in one line that says what to do."""
+    import duckdb
+
+    if not os.path.exists(db):
+        raise UnusableDatabase(f"no such DuckDB file {db}: run `rollout replay --db {db}` first")
+    if not _is_duckdb_file(db):
+        raise UnusableDatabase(f"{db} is not a DuckDB file: give --db the database `rollout replay --db FILE` wrote")
+    try:
+        return duckdb.connect(db, read_only=read_only)
+    except duckdb.Error as e:  # held by a writer, written by a newer DuckDB, ...: DuckDB's reason says which
+        raise UnusableDatabase(f"cannot open {db}: {e}") from None
+
+
+def _is_duckdb_file(path: str) -> bool:
+    """Whether the file has DuckDB's magic bytes ("DUCK" after the 8-byte header checksum)."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(12)[8:] == b"DUCK"
 
 
 def open_read_only(db: str):  # -> duckdb.DuckDBPyConnection
     """The database for reading, refused with a clear reason when it lacks this version's views."""
-    import duckdb
-
-    con = duckdb.connect(db, read_only=True)
+    con = connect(db)
     have = {v for (v,) in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
     missing = sorted(set(VIEWS) - have)
     if missing:

@@ -5,10 +5,13 @@
     rollout audit  --db run.duckdb [--format text|json]      exit 1 on any violation
     rollout sql    --db run.duckdb "SELECT * FROM v_reward_by_revision" [--format table|csv|json|parquet --out F]
     rollout sql    --db run.duckdb                 an interactive prompt
+    rollout sql    --db run.duckdb .tables         a dot command of the prompt (.tables, .schema NAME)
     rollout export --db run.duckdb --out DIR       every table and view as Parquet
     rollout export --db run.duckdb --format traces --out traces.jsonl   the run as verifiers v1 traces
     rollout import-traces traces.jsonl [--run-id ID]   a verifiers/prime-rl traces.jsonl onto the log as a run
     rollout report --db run.duckdb --out report.html
+
+Every command but replay refuses a --db that is missing or not a DuckDB file, in one line.
 
 Runs are looked for under every topic prefix on the cluster (``rollout.``, ``demo-1a2b3c4d.``, ...);
 ROLLOUT_TOPIC_PREFIX, when set, restricts both commands to that prefix.
@@ -45,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("sql", help="query a replayed run (no query: an interactive prompt)")
     p.add_argument("--db", required=True)
-    p.add_argument("query", nargs="?", help="SQL; tables, views and batch_lineage(id): `rollout sql --db F` then .tables")
+    p.add_argument("query", nargs="*", help="SQL, or a dot command such as .tables (tables, views and "
+                                            "batch_lineage(id)) or .schema NAME; words are joined by spaces")
     p.add_argument("--format", choices=("table", "csv", "json", "parquet"), default="table")
     p.add_argument("--out", help="write the result to this file (needed for parquet)")
     p.add_argument("--max-rows", type=int, default=200, help="rows shown in table format (default 200)")
@@ -78,6 +82,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="report.html", help="report.html (self-contained), or report.png (Chromium if installed, else the charts via librsvg)")
     p.add_argument("--no-audit", action="store_true", help="leave the audit verdict out")
     p.set_defaults(func=cmd_report)
+
+
+def _fail(command: str, error: object, code: int) -> int:
+    """Say what went wrong in one line on stderr (DuckDB's messages span several); returns the exit code."""
+    print(f"rollout {command}: error: {' '.join(str(error).split())}", file=sys.stderr)
+    return code
 
 
 def _settings():
@@ -119,8 +129,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         result = asyncio.run(Replayer(args.db, _settings(), run_id=args.run_id, until=until, progress=progress,
                                           compress=args.compress or None).run())
     except ReplayError as e:
-        print(f"rollout replay: error: {e}", file=sys.stderr)
-        return 2
+        return _fail("replay", e, 2)
     if progress:
         print(file=sys.stderr)
     if not args.quiet:
@@ -131,13 +140,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     from replay.audit import run_audit, to_rows
     from replay.query import print_table
-    from replay.tables import OutdatedSchema
+    from replay.tables import UnusableDatabase
 
     try:
         report = run_audit(args.db)
-    except OutdatedSchema as e:
-        print(f"rollout audit: error: {e}", file=sys.stderr)
-        return 2
+    except UnusableDatabase as e:
+        return _fail("audit", e, 2)
     if args.format == "json":
         print(report.to_json())
     else:
@@ -154,45 +162,44 @@ def cmd_audit(args: argparse.Namespace) -> int:
 def cmd_sql(args: argparse.Namespace) -> int:
     import duckdb
 
-    from replay.query import interactive, run_query
+    from replay.query import interactive, run_command
+    from replay.tables import UnusableDatabase, connect
 
-    con = duckdb.connect(args.db, read_only=not args.write)
     try:
-        if args.query:
-            try:
-                run_query(con, args.query, fmt=args.format, out=args.out, max_rows=args.max_rows)
-            except (duckdb.Error, ValueError) as e:
-                print(f"rollout sql: error: {e}", file=sys.stderr)
-                return 1
-            return 0
-        return interactive(con, fmt=args.format if args.format != "parquet" else "table", max_rows=args.max_rows)
-    finally:
-        con.close()
+        con = connect(args.db, read_only=not args.write)
+    except UnusableDatabase as e:
+        return _fail("sql", e, 1)
+    with con:
+        if not args.query:
+            return interactive(con, fmt=args.format if args.format != "parquet" else "table", max_rows=args.max_rows)
+        try:
+            run_command(con, " ".join(args.query), fmt=args.format, out=args.out, max_rows=args.max_rows)
+        except (duckdb.Error, ValueError) as e:
+            return _fail("sql", e, 1)
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    import duckdb
-
-    if args.format == "traces":
-        from replay.traces import write_traces
-
-        validate = {"auto": None, "yes": True, "no": False}[args.validate]
-        try:
-            n = write_traces(args.db, args.out, validate=validate, include_failed=not args.no_failed)
-        except ImportError as e:
-            print(f"rollout export: error: --validate yes needs verifiers 0.4 ({e})", file=sys.stderr)
-            return 2
-        print(f"wrote {n} episodes to {args.out}")
-        return 0
-
     from replay.query import export
+    from replay.tables import UnusableDatabase, open_read_only
 
-    con = duckdb.connect(args.db, read_only=True)
+    try:  # checked before anything is written, for both formats
+        con = open_read_only(args.db)
+    except UnusableDatabase as e:
+        return _fail("export", e, 2)
+    with con:
+        if args.format != "traces":
+            for path in export(con, args.out, fmt=args.format, views=not args.no_views):
+                print(path)
+            return 0
+    from replay.traces import write_traces  # it opens the database itself
+
+    validate = {"auto": None, "yes": True, "no": False}[args.validate]
     try:
-        for path in export(con, args.out, fmt=args.format, views=not args.no_views):
-            print(path)
-    finally:
-        con.close()
+        n = write_traces(args.db, args.out, validate=validate, include_failed=not args.no_failed)
+    except ImportError as e:
+        return _fail("export", f"--validate yes needs verifiers 0.4 ({e})", 2)
+    print(f"wrote {n} episodes to {args.out}")
     return 0
 
 
@@ -204,13 +211,11 @@ def cmd_import_traces(args: argparse.Namespace) -> int:
     try:
         imp = import_file(args.path, args.run_id, family=args.family)
     except (OSError, ValueError) as e:
-        print(f"rollout import-traces: error: {e}", file=sys.stderr)
-        return 2
+        return _fail("import-traces", e, 2)
     for line in imp.skipped[:20]:
         print(f"skipped {line}", file=sys.stderr)
     if not imp.episodes:
-        print("rollout import-traces: error: no episode could be read", file=sys.stderr)
-        return 1
+        return _fail("import-traces", "no episode could be read", 1)
     if not args.dry_run:
         asyncio.run(produce_imported(imp, _settings()))
     print(summary(imp) + ("" if args.dry_run else f"; replay it with: rollout replay --db run.duckdb --run {imp.run_id}"))
@@ -220,10 +225,9 @@ def cmd_import_traces(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from replay.report import write_report
 
-    try:
+    try:  # a --db it cannot use (replay.tables.UnusableDatabase), or a PNG it cannot draw
         out = write_report(args.db, args.out, with_audit=not args.no_audit)
     except RuntimeError as e:
-        print(f"rollout report: error: {e}", file=sys.stderr)
-        return 1
+        return _fail("report", e, 1)
     print(f"wrote {out}")
     return 0
