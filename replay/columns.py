@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -50,13 +51,14 @@ def _json(values: Sequence[Any]) -> list[str]:
     return [json.dumps(v, sort_keys=True, separators=(",", ":")) for v in values]
 
 
+def _same(items: Sequence[Any], names: str) -> dict[str, list]:
+    """The columns that are the items' attributes of the same name (``names`` space-separated)."""
+    return {name: list(map(attrgetter(name), items)) for name in names.split()}
+
+
 def _envelope(events: Sequence[Any]) -> dict[str, Any]:
-    return {
-        "event_id": [e.event_id for e in events],
-        "run_id": [e.run_id for e in events],
-        "producer": [e.producer for e in events],
+    return _same(events, "event_id run_id producer causation_id") | {
         "created_at": pa.array([e.created_at for e in events], type=T.TS),
-        "causation_id": [e.causation_id for e in events],
         "schema_version": pa.array([e.schema_version for e in events], type=T.I32),
     }
 
@@ -83,12 +85,9 @@ def _table(table: T.Table, cols: dict[str, Any]) -> pa.Table:
 
 
 def policy_revisions(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
-    cols = _envelope(events) | {
-        "family": [e.family for e in events],
-        "revision": [e.revision for e in events],
+    cols = _envelope(events) | _same(events, "family revision parent_revision") | {
         "checkpoint_uri": [e.checkpoint.uri if e.checkpoint else None for e in events],
         "checkpoint_digest": [e.checkpoint.digest if e.checkpoint else None for e in events],
-        "parent_revision": [e.parent_revision for e in events],
         "metrics": [list(e.metrics.items()) for e in events],
         **{name: [e.metrics.get(name) for e in events] for name in T.REVISION_METRIC_COLUMNS},
     } | _kafka(metas)
@@ -98,16 +97,10 @@ def policy_revisions(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, 
 def steps(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
     prompt_ids = [e.prompt_token_ids for e in events]
     completion_ids = [e.completion_token_ids for e in events]
-    cols = _envelope(events) | {
-        "step_id": [e.step_id for e in events],
-        "rollout_id": [e.rollout_id for e in events],
-        "root_group_id": [e.root_group_id for e in events],
+    cols = _envelope(events) | _same(events, "step_id rollout_id root_group_id member_id target trainable policy_exact "
+                                             "finish_reason latency_s") | {
         "step_index": [e.index for e in events],
-        "member_id": [e.member_id for e in events],
-        "target": [e.target for e in events],
-        "trainable": [e.trainable for e in events],
         **_policy([e.policy for e in events]),
-        "policy_exact": [e.policy_exact for e in events],
         "prompt": [_MESSAGES.dump_json(e.prompt).decode() for e in events],
         "completion": [_MESSAGES.dump_json(e.completion).decode() for e in events],
         "tool_calls": [_TOOL_CALLS.dump_json(e.tool_calls).decode() if e.tool_calls else "[]" for e in events],
@@ -116,52 +109,30 @@ def steps(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
         "completion_logprobs": list_array([e.completion_logprobs for e in events], np.float32),
         "n_prompt_tokens": pa.array([a.shape[0] for a in prompt_ids], type=T.I32),
         "n_completion_tokens": pa.array([a.shape[0] for a in completion_ids], type=T.I32),
-        "finish_reason": [e.finish_reason for e in events],
-        "latency_s": [e.latency_s for e in events],
     } | _kafka(metas)
     return {"steps": _table(T.STEPS, cols)}
 
 
 def rollouts(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
-    cols = _envelope(events) | {
-        "rollout_id": [e.rollout_id for e in events],
-        "episode_type": [e.episode_type for e in events],
-        "environment": [e.environment for e in events],
-        "example_id": [e.example_id for e in events],
+    cols = _envelope(events) | _same(events, "rollout_id episode_type environment example_id parent_rollout_id "
+                                             "group_id root_group_id group_size status failure_reason evaluation") | {
         "seed": _json([e.seed for e in events]),
         "step_ids": _str_lists([e.step_ids for e in events]),
         "members": _json([e.members for e in events]),
         "trainable_members": _str_lists([sorted(m for m, t in e.members.items() if t) for e in events]),
         "artifacts": _json([e.artifacts for e in events]),
-        "parent_rollout_id": [e.parent_rollout_id for e in events],
         "child_rollout_ids": _str_lists([e.child_rollout_ids for e in events]),
-        "group_id": [e.group_id for e in events],
-        "root_group_id": [e.root_group_id for e in events],
-        "group_size": [e.group_size for e in events],
         **_policy([e.policy for e in events]),
-        "status": [e.status for e in events],
-        "failure_reason": [e.failure_reason for e in events],
-        "evaluation": [e.evaluation for e in events],
     } | _kafka(metas)
     return {"rollouts": _table(T.ROLLOUTS, cols)}
 
 
 def scores(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
-    cols = _envelope(events) | {
-        "rollout_id": [e.rollout_id for e in events],
-        "group_id": [e.group_id for e in events],
-        "root_group_id": [e.root_group_id for e in events],
-        "group_size": [e.group_size for e in events],
-        "environment": [e.environment for e in events],
-        "example_id": [e.example_id for e in events],
-        "parent_rollout_id": [e.parent_rollout_id for e in events],
-        "status": [e.status for e in events],
+    cols = _envelope(events) | _same(events, "rollout_id group_id root_group_id group_size environment example_id "
+                                             "parent_rollout_id status verifier verifier_version evaluation") | {
         "rewards": [list(e.rewards.items()) for e in events],
         "metrics": [list(e.metrics.items()) for e in events],
-        "verifier": [e.verifier for e in events],
-        "verifier_version": [e.verifier_version for e in events],
         "trainable_step_ids": _str_lists([[s.step_id for s in e.trainable_steps] for e in events]),
-        "evaluation": [e.evaluation for e in events],
     } | _kafka(metas)
     rewards = [(e.event_id, e.rollout_id, m, r) for e in events for m, r in e.rewards.items()]
     long = dict(zip(("score_event_id", "rollout_id", "member_id", "reward"), map(list, zip(*rewards)))) if rewards else {
@@ -172,13 +143,9 @@ def scores(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
 def training_records(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
     completion_ids = [e.completion_token_ids for e in events]
     masks = [e.loss_mask for e in events]
-    cols = _envelope(events) | {
-        "record_id": [e.record_id for e in events],
-        "rollout_id": [e.rollout_id for e in events],
+    cols = _envelope(events) | _same(events, "record_id rollout_id member_id group_id environment reward advantage "
+                                             "credit") | {
         "step_ids": _str_lists([e.step_ids for e in events]),
-        "member_id": [e.member_id for e in events],
-        "group_id": [e.group_id for e in events],
-        "environment": [e.environment for e in events],
         **_policy([e.policy for e in events]),
         "prompt_token_ids": list_array([e.prompt_token_ids for e in events], np.int32),
         "completion_token_ids": list_array(completion_ids, np.int32),
@@ -186,21 +153,16 @@ def training_records(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, 
         "loss_mask": list_array(masks, np.uint8),
         "n_completion_tokens": pa.array([a.shape[0] for a in completion_ids], type=T.I32),
         "n_trained_tokens": pa.array([int(np.count_nonzero(m)) for m in masks], type=T.I32),
-        "reward": [e.reward for e in events],
-        "advantage": [e.advantage for e in events],
-        "credit": [e.credit for e in events],
         "record_digest": [record_digest(e) for e in events],
     } | _kafka(metas)
     return {"training_records": _table(T.TRAINING_RECORDS, cols)}
 
 
 def trainer_batches(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
-    cols = _envelope(events) | {
-        "batch_id": [e.batch_id for e in events],
-        "family": [e.family for e in events],
+    cols = _envelope(events) | _same(events, "batch_id family max_off_policy_steps completion_tokens batch_digest "
+                                             "lineage_digest") | {
         "target_revision": [e.target.revision for e in events],
         "target_checkpoint_digest": [e.target.checkpoint_digest for e in events],
-        "max_off_policy_steps": [e.max_off_policy_steps for e in events],
         "n_records": [len(e.records) for e in events],
         "reward_mean": [e.reward.mean for e in events],
         "reward_std": [e.reward.std for e in events],
@@ -208,10 +170,7 @@ def trainer_batches(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, p
         "reward_max": [e.reward.max for e in events],
         "advantage_mean": [e.advantage.mean for e in events],
         "advantage_std": [e.advantage.std for e in events],
-        "completion_tokens": [e.completion_tokens for e in events],
         "proof_refs": _str_lists([e.proof_refs for e in events]),
-        "batch_digest": [e.batch_digest for e in events],
-        "lineage_digest": [e.lineage_digest for e in events],
     } | _kafka(metas)
     recs = [(e, m, i, r) for e, m in zip(events, metas) for i, r in enumerate(e.records)]
     records = {
@@ -258,15 +217,8 @@ def _raw_subject(raw: bytes) -> tuple[str | None, str | None]:
 
 def dead_letters(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
     subjects = [_raw_subject(e.raw) for e in events]
-    cols = _envelope(events) | {
-        "origin_topic": [e.origin_topic for e in events],
-        "origin_partition": [e.origin_partition for e in events],
-        "origin_offset": [e.origin_offset for e in events],
-        "origin_key": [e.origin_key for e in events],
-        "raw": [e.raw for e in events],
-        "error_type": [e.error_type for e in events],
-        "error_message": [e.error_message for e in events],
-        "service": [e.service for e in events],
+    cols = _envelope(events) | _same(events, "origin_topic origin_partition origin_offset origin_key raw error_type "
+                                             "error_message service") | {
         "raw_event_type": [s[0] for s in subjects],
         "raw_subject_id": [s[1] for s in subjects],
     } | _kafka(metas)
@@ -282,12 +234,9 @@ class BadMessage(NamedTuple):
 
 
 def replay_errors(bad: Sequence[BadMessage]) -> dict[str, pa.Table]:
-    cols = {
-        "key": [b.key for b in bad],
-        "value": [b.value for b in bad],
+    cols = _same(bad, "key value error") | {
         "headers": [json.dumps({k: (v.decode(errors="replace") if v is not None else None) for k, v in b.headers})
                     for b in bad],
-        "error": [b.error for b in bad],
     } | _kafka([b.meta for b in bad])
     return {"replay_errors": _table(T.REPLAY_ERRORS, cols)}
 

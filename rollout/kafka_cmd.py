@@ -34,12 +34,19 @@ def _broker(settings):
     return LocalBroker.from_env(port=settings.local_port)
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def _local_broker(instead: str):
+    """The local broker; None, after saying so, where ROLLOUT_BOOTSTRAP_SERVERS names another cluster."""
     settings = _settings()
     if settings.external:
-        print(f"ROLLOUT_BOOTSTRAP_SERVERS={settings.bootstrap} is set: using that cluster, not starting a local broker")
+        print(f"ROLLOUT_BOOTSTRAP_SERVERS={settings.bootstrap} is set: {instead}")
+        return None
+    return _broker(settings)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    broker = _local_broker("using that cluster, not starting a local broker")
+    if broker is None:
         return 0
-    broker = _broker(settings)
     was_running = broker.is_running()
     t0 = time.monotonic()
     broker.up(timeout_s=args.timeout)
@@ -50,11 +57,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    settings = _settings()
-    if settings.external:
-        print(f"ROLLOUT_BOOTSTRAP_SERVERS={settings.bootstrap} is set: no local broker to stop")
+    broker = _local_broker("no local broker to stop")
+    if broker is None:
         return 0
-    broker = _broker(settings)
     if broker.down():
         print(f"Kafka stopped (data kept in {broker.data_dir})")
     else:
