@@ -29,8 +29,7 @@ from producers.episodes import GenerateResult
 from schemas.envelope import Event
 from schemas.events import Rollout, Step
 from streams import serde, topics
-
-MAX_REQUEST = 8 * 1024 * 1024
+from streams.settings import MAX_MESSAGE_BYTES
 
 
 class EmissionError(Exception):
@@ -126,7 +125,7 @@ class KafkaEmitter(Emitter):
 
         self._producer = AIOKafkaProducer(
             **self.client_kwargs, transactional_id=self.transactional_id, enable_idempotence=True, acks="all",
-            transaction_timeout_ms=self.transaction_timeout_ms, max_request_size=MAX_REQUEST,
+            transaction_timeout_ms=self.transaction_timeout_ms, max_request_size=MAX_MESSAGE_BYTES,
             linger_ms=self.linger_ms)
         await self._producer.start()  # init_transactions: fences and aborts a predecessor's open transaction
         self._queue = asyncio.Queue()
@@ -159,9 +158,10 @@ class KafkaEmitter(Emitter):
         for event in messages_for(result):
             key, value, headers = serde.to_message(event)
             size = len(key) + len(value) + sum(len(k) + len(v) for k, v in headers)
-            if size > MAX_REQUEST - 1024:
+            if size > MAX_MESSAGE_BYTES - 1024:
                 raise EmissionError(f"{type(event).__name__} {getattr(event, 'step_id', None) or result.rollout.rollout_id} "
-                                    f"is {size} bytes, over the {MAX_REQUEST}-byte request limit: episode not emitted")
+                                    f"is {size} bytes, over the {MAX_MESSAGE_BYTES}-byte request limit: "
+                                    "episode not emitted")
             out.append((self.topic_for(event), key, value, headers))
         return out
 

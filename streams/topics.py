@@ -3,35 +3,40 @@
     from streams import topics
     topics.STEPS.name           # "rollout.steps" (prefix: ROLLOUT_TOPIC_PREFIX, default "rollout.")
     topics.TOPICS["steps"]      # the same Topic
-    await topics.create_topics(settings.admin_kwargs())   # idempotent
+    await topics.create_topics(KafkaSettings.from_env().admin_kwargs())   # idempotent
 
 Retention is infinite (-1) by default: the log is the source of truth. Only `steps` (the bulkiest)
 has a configurable retention: ROLLOUT_STEPS_RETENTION_MS (default -1).
 Replication factor: ROLLOUT_TOPIC_REPLICATION_FACTOR (default 1, the local single-node broker; use 3
 on a real cluster). The Kafka protocol's "broker default" (-1) needs CreateTopics v4, which aiokafka
-0.14 does not speak, so it is always explicit.
+0.14 does not speak, so it is always explicit. The prefix, replication factor and retention are read
+from ``streams.settings`` at each use (a test or a benchmark sets its own prefix at run time).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from streams import settings
 from streams.config import KafkaError
 
-MiB = 1024 * 1024
 INFINITE = "-1"
 TOPIC_ALREADY_EXISTS = 36  # Kafka protocol error code
 
 
 def topic_prefix() -> str:
-    return os.environ.get("ROLLOUT_TOPIC_PREFIX", "rollout.")
+    return settings.current().topic_prefix
 
 
 def replication_factor() -> int:
-    return int(os.environ.get("ROLLOUT_TOPIC_REPLICATION_FACTOR") or 1)
+    return settings.current().topic_replication_factor
+
+
+def group_id(service: str) -> str:
+    """The consumer group of ``service``: prefixed like the topics, so runs under other prefixes never share it."""
+    return topic_prefix() + service
 
 
 @dataclass(frozen=True)
@@ -53,14 +58,14 @@ class Topic:
         cfg = {"cleanup.policy": "delete", "retention.ms": INFINITE, "retention.bytes": INFINITE}
         cfg.update(self.configs)
         if self.key == "steps":
-            cfg["retention.ms"] = os.environ.get("ROLLOUT_STEPS_RETENTION_MS") or cfg["retention.ms"]
+            cfg["retention.ms"] = str(settings.current().steps_retention_ms)
         return cfg
 
     def __str__(self) -> str:
         return self.name
 
 
-_BIG = {"max.message.bytes": str(8 * MiB)}
+_BIG = {"max.message.bytes": str(settings.MAX_MESSAGE_BYTES)}
 
 POLICY_REVISIONS = Topic("policy-revisions", 1, doc="policy/weights revisions, totally ordered")
 STEPS = Topic("steps", 12, _BIG, doc="environment steps (retention: ROLLOUT_STEPS_RETENTION_MS)")
@@ -73,9 +78,6 @@ DEAD_LETTERS = Topic("dead-letters", 3, doc="records a stage could not process")
 TOPICS: dict[str, Topic] = {
     t.key: t for t in (POLICY_REVISIONS, STEPS, ROLLOUTS, SCORES, TRAINING_RECORDS, TRAINER_BATCHES, DEAD_LETTERS)
 }
-
-# Not part of the pipeline: used by `rollout demo` only (7 days retention).
-DEMO = Topic("demo", 3, {"retention.ms": str(7 * 24 * 3600 * 1000)}, doc="`rollout demo` scratch topic")
 
 
 async def create_topics(

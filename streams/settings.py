@@ -1,0 +1,57 @@
+"""The stream-processing knobs: one settings object, read from ``ROLLOUT_<FIELD>`` environment variables.
+
+    ProcessingSettings().confirm_s          # ROLLOUT_CONFIRM_S, default 10
+    current().topic_prefix                  # the environment as it is now, cheaply (topic names use it)
+
+An empty variable means the default, except ``ROLLOUT_TOPIC_PREFIX``, where "" is a prefix like any other.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from pydantic import Field, ValidationInfo, field_validator
+from pydantic_core import PydanticUseDefault
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+"""The largest message (an episode's steps, a trainer batch): topics' ``max.message.bytes`` and every
+producer's ``max_request_size`` must agree on it, or a record the producer accepts is refused by the topic."""
+
+
+class ProcessingSettings(BaseSettings):
+    """What the transactional processor, the topics and the service supervisor read from the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="ROLLOUT_", frozen=True)
+
+    session_timeout_ms: int = Field(10000, description="consumer group session timeout")
+    txn_timeout_s: float = Field(30.0, description="give up on a takeover or a transaction after this long")
+    confirm_s: float = Field(10.0, description="re-commit a committed transaction not visible after this long")
+    fetch_max_wait_ms: int = Field(100, description="how long a fetch waits for input to arrive")
+    stall_s: float = Field(30.0, description="rebuild the clients when input waits this long with no commit")
+    topic_prefix: str = Field("rollout.", description="prefix of every topic, consumer group and transactional id")
+    topic_replication_factor: int = Field(1, description="replication factor of created topics")
+    steps_retention_ms: int = Field(-1, description="retention of the steps topic (-1: forever)")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v: object, info: ValidationInfo) -> object:
+        if v == "" and info.field_name != "topic_prefix":
+            raise PydanticUseDefault()
+        return v
+
+
+_ENV_NAMES = tuple(f"ROLLOUT_{name.upper()}" for name in ProcessingSettings.model_fields)
+
+
+def current() -> ProcessingSettings:
+    """The settings the environment holds now. Tests change ROLLOUT_TOPIC_PREFIX per test and topic names are
+    looked up per record, so this re-reads the variables on every call but parses them only when they changed."""
+    return _parsed(tuple(os.environ.get(name) for name in _ENV_NAMES))
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(values: tuple[str | None, ...]) -> ProcessingSettings:
+    """``values`` is only the cache key: the settings are read from the environment that holds them."""
+    return ProcessingSettings()
