@@ -16,7 +16,7 @@ rollout is sampled with seed ``sample_seed * 1000 + i``.
 
 Policy revisions
 ----------------
-``revisions`` (a ``RevisionFollower`` on the policy-revisions topic, read_committed, no consumer group)
+``revisions`` (a ``streams.revisions.RevisionFollower`` of ``plan.family``: read_committed, no consumer group)
 delivers the trainer's ``PolicyRevision`` events for ``plan.family``. On each new one the arena makes it
 current. When the arena owns the learner's weights (``weights``: a ``producers.weights.WeightLoader``; by
 default the local policy server's loader when the learner is the arena's own endpoint) it loads the
@@ -74,6 +74,7 @@ from schemas.envelope import new_id
 from schemas.events import ChatMessage, Rollout, Step
 from schemas.policy import PolicyRef, PolicyRevision
 from schemas.scoring import SCORING_ARTIFACT, ScoringSpec
+from streams.revisions import RevisionFollower
 
 
 # -- pacing -------------------------------------------------------------------------------------
@@ -125,62 +126,6 @@ class AdmissionPacer:
             if revision > self.trainer_revision:
                 self.trainer_revision = revision
                 self._cond.notify_all()
-
-
-# -- following the trainer's revisions -------------------------------------------------------------
-
-class RevisionFollower:
-    """Reads PolicyRevision events of one family from the policy-revisions topic (read_committed,
-    no consumer group: every arena sees every revision, from the beginning)."""
-
-    def __init__(self, client_kwargs: Mapping[str, Any], family: str, topic: str | None = None) -> None:
-        from streams import topics
-
-        self.client_kwargs = dict(client_kwargs)
-        self.family = family
-        self.topic = topic or topics.POLICY_REVISIONS.name
-        self._consumer: Any = None
-
-    async def start(self) -> None:
-        from aiokafka import AIOKafkaConsumer, TopicPartition
-
-        self._consumer = AIOKafkaConsumer(**self.client_kwargs, group_id=None, enable_auto_commit=False,
-                                          isolation_level="read_committed", auto_offset_reset="earliest")
-        await self._consumer.start()
-        parts = None
-        for _ in range(50):
-            cluster = await self._consumer._client.fetch_all_metadata()
-            parts = cluster.partitions_for_topic(self.topic)
-            if parts:
-                break
-            await asyncio.sleep(0.1)
-        if not parts:
-            await self._consumer.stop()
-            raise RuntimeError(f"policy revisions topic {self.topic!r} does not exist")
-        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
-        self._consumer.assign(tps)
-        await self._consumer.seek_to_beginning(*tps)
-
-    async def stop(self) -> None:
-        if self._consumer is not None:
-            await self._consumer.stop()
-            self._consumer = None
-
-    async def follow(self, on_revision: Callable[[PolicyRevision], Any]) -> None:
-        from streams.serde import from_message
-
-        while True:
-            batches = await self._consumer.getmany(timeout_ms=200)
-            for records in batches.values():
-                for rec in records:
-                    try:
-                        ev = from_message(rec.value, PolicyRevision)
-                    except Exception:  # noqa: BLE001 - a malformed revision is not ours to act on
-                        continue
-                    if ev.family == self.family:
-                        res = on_revision(ev)
-                        if asyncio.iscoroutine(res):
-                            await res
 
 
 # -- requests and the per-rollout context ----------------------------------------------------------

@@ -1,0 +1,145 @@
+"""The one reader of the policy-revisions topic.
+
+Every reader reads it whole, from the beginning, ``read_committed`` and without a consumer group: each
+arena, batcher and trainer sees every revision the trainer committed, in order. Three uses, one consumer:
+
+* ``RevisionFollower``: hands each revision of a family to a callback as it arrives (the arena);
+* ``RevisionWatcher``: keeps the latest revision with a checkpoint per family (the batcher's side input);
+* ``latest_revision``: reads to the end once (the trainer, at start).
+
+A message that does not decode as a ``PolicyRevision`` is skipped: it is nobody's revision to act on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from schemas.errors import EventDecodeError
+from schemas.policy import PolicyRevision
+from streams import topics
+from streams.serde import from_message
+
+POLL_MS = 200
+
+
+class RevisionFollower:
+    """The revisions on the topic (default: the policy-revisions topic), of ``family`` only when given."""
+
+    def __init__(self, client_kwargs: Mapping[str, Any], family: str | None = None, topic: str | None = None) -> None:
+        self.client_kwargs = dict(client_kwargs)
+        self.family = family
+        self.topic = topic or topics.POLICY_REVISIONS.name
+        self._consumer: Any = None
+
+    async def start(self) -> None:
+        """Assign every partition of the topic from its beginning; a topic just created may take a moment to show
+        in the metadata, one that never shows is an error (nothing would ever arrive)."""
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        self._consumer = AIOKafkaConsumer(**self.client_kwargs, group_id=None, enable_auto_commit=False,
+                                          isolation_level="read_committed", auto_offset_reset="earliest")
+        await self._consumer.start()
+        parts = None
+        for _ in range(50):
+            cluster = await self._consumer._client.fetch_all_metadata()
+            parts = cluster.partitions_for_topic(self.topic)
+            if parts:
+                break
+            await asyncio.sleep(0.1)
+        if not parts:
+            await self.stop()
+            raise RuntimeError(f"policy revisions topic {self.topic!r} does not exist")
+        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
+        self._consumer.assign(tps)
+        await self._consumer.seek_to_beginning(*tps)
+
+    async def stop(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
+
+    async def __aenter__(self) -> RevisionFollower:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
+
+    async def poll(self, timeout_ms: int = POLL_MS) -> tuple[list[PolicyRevision], bool]:
+        """The next revisions in log order, and whether any record at all arrived (a skipped one counts)."""
+        got = await self._consumer.getmany(timeout_ms=timeout_ms)
+        revs = []
+        for rec in (r for recs in got.values() for r in recs):
+            try:
+                rev = from_message(rec.value, PolicyRevision)
+            except EventDecodeError:
+                continue
+            if self.family is None or rev.family == self.family:
+                revs.append(rev)
+        return revs, bool(got)
+
+    async def follow(self, on_revision: Callable[[PolicyRevision], Any]) -> None:
+        """Call ``on_revision`` (a function or a coroutine function) with every revision, forever."""
+        while True:
+            for rev in (await self.poll())[0]:
+                res = on_revision(rev)
+                if asyncio.iscoroutine(res):
+                    await res
+
+    async def scan(self, revision: int | None = None, *, idle_polls: int = 2) -> PolicyRevision | None:
+        """Read to the end of the topic as it is now: the newest revision, or the given ``revision`` number
+        (the first one carrying it); None when there is none."""
+        tps = list(self._consumer.assignment())
+        end = await self._consumer.end_offsets(tps)
+        found: PolicyRevision | None = None
+        idle = 0
+
+        async def behind() -> bool:
+            return any([await self._consumer.position(tp) < end[tp] for tp in tps])
+
+        # a trailing transaction marker can keep the position just short of the end: stop when idle too
+        while idle < idle_polls and await behind():
+            revs, arrived = await self.poll(500)
+            idle = 0 if arrived else idle + 1
+            for rev in revs:
+                if revision is not None:
+                    if rev.revision == revision and found is None:
+                        found = rev
+                elif found is None or rev.revision > found.revision:
+                    found = rev
+        return found
+
+
+async def latest_revision(client_kwargs: Mapping[str, Any], family: str, *, idle_polls: int = 2,
+                          revision: int | None = None) -> PolicyRevision | None:
+    """The newest committed PolicyRevision of ``family`` on the log, or the given ``revision`` of it (None if
+    the log has none)."""
+    async with RevisionFollower(client_kwargs, family) as follower:
+        return await follower.scan(revision, idle_polls=idle_polls)
+
+
+class RevisionWatcher:
+    """Side input: ``latest`` holds the newest revision with a checkpoint of each family, kept current by a
+    background task between ``start`` and ``stop``."""
+
+    def __init__(self, client_kwargs: Mapping[str, Any]) -> None:
+        self.latest: dict[str, PolicyRevision] = {}
+        self._follower = RevisionFollower(client_kwargs)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._follower.start()
+        self._task = asyncio.create_task(self._follower.follow(self._see), name="revision-watcher")
+
+    def _see(self, rev: PolicyRevision) -> None:
+        cur = self.latest.get(rev.family)
+        if rev.checkpoint is not None and (cur is None or rev.revision > cur.revision):
+            self.latest[rev.family] = rev
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._follower.stop()
