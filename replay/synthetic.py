@@ -239,10 +239,11 @@ async def produce(transactions: Iterable[Sequence[tuple[str, Event]]], producer_
     from aiokafka import AIOKafkaProducer, TopicPartition
 
     from streams.serde import to_message
-    from streams.transactions import wait_visible
+    from streams.settings import MAX_MESSAGE_BYTES
+    from streams.commits import wait_visible
 
     producer = AIOKafkaProducer(**dict(producer_kwargs), transactional_id=transactional_id, enable_idempotence=True,
-                                acks="all", linger_ms=5, max_batch_size=1024 * 1024, max_request_size=8 * 1024 * 1024)
+                                acks="all", linger_ms=5, max_batch_size=1024 * 1024, max_request_size=MAX_MESSAGE_BYTES)
     await producer.start()
     total = 0
     written: dict[TopicPartition, int] = {}

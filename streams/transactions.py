@@ -10,48 +10,37 @@ Why this shape (see README "Services and exactly-once"):
   commit raises ``ProducerFenced``), and only then does the new owner read the committed offsets.
 * Co-partitioned inputs (steps + rollouts) are owned together: a consumer group with the range
   assignor hands out the same partition number of every input topic to one member.
-* State is never ahead of the log. A task may buffer input (a GRPO group, steps awaiting their
-  rollout); each transaction writes, atomically with its outputs and input offsets, a snapshot of
-  that state to a compacted changelog topic (key = partition number): which input offsets are still
-  buffered plus small JSON state (EMA baselines, Monte Carlo child outcomes). A new owner restores the
-  last committed snapshot and re-reads exactly the buffered offsets. Input offsets always commit at
-  the consumer position, so nothing is re-processed and nothing buffered is lost.
+* State is never ahead of the log: each transaction also writes a snapshot of the task's buffered input
+  and small state to the service's changelog, and a new owner restores from it (``streams.changelog``).
 * A failed transaction (anything but a fence) is aborted and that partition's task is rebuilt from
   the changelog and the committed offsets; a fenced one is dropped (someone else owns it now).
-* A commit is checked, not trusted. A broker restarted while a transaction commits can leave it
-  *hanging* (seen with Kafka 4.4, single node: the producer's EndTxn succeeded, the coordinator lost the
-  transaction, its records and offsets stay open on the partitions, and ``read_committed`` readers of
-  those partitions stop at them for good). aiokafka has neither KIP-890's per-transaction epoch bump
-  nor KIP-664's abort tooling, so the processor confirms that what it committed became visible (the
-  output partitions' last stable offset passes what it wrote; the group's committed offsets reach what
-  it committed) and, when not within ``ROLLOUT_CONFIRM_S``, commits again with the same producer and
-  epoch over the same partitions and offsets: the coordinator then writes the commit markers the
-  first commit should have, which is the outcome this producer was told.
+* A commit is checked, not trusted: one that does not become visible to ``read_committed`` readers (a
+  transaction left hanging by a broker restart) is committed again (``streams.commits``).
+
+Timeouts and the topic prefix come from ``streams.settings``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError, ProducerFenced
 
 from schemas.envelope import Event
-from streams import serde
-from streams.topics import Topic, topic_prefix
+from streams import serde, topics
+from streams.changelog import Restorer, changelog_topic, encode_snapshot
+from streams.commits import CommitWatch, StallWatch, commit_again
+from streams.settings import MAX_MESSAGE_BYTES, ProcessingSettings
 
 log = logging.getLogger("rollout.eos")
-
-MAX_MESSAGE = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -60,11 +49,6 @@ class Out:
 
     topic: str
     event: Event
-
-
-@dataclass
-class TaskResult:
-    outputs: list[Out] = field(default_factory=list)
 
 
 class PartitionTask(Protocol):
@@ -88,80 +72,6 @@ class PartitionTask(Protocol):
     def load_state(self, state: dict[str, Any]) -> None: ...
 
 
-def _ranges(offsets: Iterable[int]) -> list[list[int]]:
-    out: list[list[int]] = []
-    for o in sorted(set(offsets)):
-        if out and out[-1][1] == o - 1:
-            out[-1][1] = o
-        else:
-            out.append([o, o])
-    return out
-
-
-def _unranges(ranges: list[list[int]]) -> set[int]:
-    s: set[int] = set()
-    for a, b in ranges:
-        s.update(range(a, b + 1))
-    return s
-
-
-def encode_snapshot(buffered: dict[str, list[int]], state: dict[str, Any]) -> bytes:
-    return json.dumps({"v": 1, "buffered": {t: _ranges(o) for t, o in buffered.items() if o}, "state": state},
-                      sort_keys=True, separators=(",", ":")).encode()
-
-
-def decode_snapshot(raw: bytes | None) -> tuple[dict[str, set[int]], dict[str, Any]]:
-    if not raw:
-        return {}, {}
-    d = json.loads(raw)
-    return {t: _unranges(r) for t, r in d.get("buffered", {}).items()}, d.get("state", {})
-
-
-def _lasting(since: dict[int, tuple[Any, float]], p: int, key: Any, holds: bool, now: float, after_s: float) -> bool:
-    """True once ``holds`` has stayed true for partition ``p``, with ``key`` unchanged, for ``after_s``."""
-    seen, t0 = since.get(p, (None, now))
-    if not holds or seen != key:
-        since[p] = (key, now)
-        return False
-    return now - t0 >= after_s
-
-
-async def wait_visible(client_kwargs: dict[str, Any], written: dict[TopicPartition, int],
-                       timeout_s: float = 30.0) -> None:
-    """Return once ``read_committed`` readers reach every offset in ``written`` (partition -> last offset).
-
-    ``commit_transaction`` returns when the coordinator has logged the commit; the markers that move each
-    partition's last stable offset are written after that. A writer whose caller reads next (an import, a
-    test's fixture run, then a replay) waits here so what it reported written is what a reader sees.
-    """
-    if not written:
-        return
-    consumer = AIOKafkaConsumer(**client_kwargs, group_id=None, enable_auto_commit=False,
-                                isolation_level="read_committed")
-    await consumer.start()
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            lso = await consumer.end_offsets(list(written))
-            behind = {tp: off for tp, off in written.items() if lso.get(tp, 0) <= off}
-            if not behind:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"committed records not readable after {timeout_s:.0f}s on "
-                                   f"{sorted(f'{tp.topic}-{tp.partition}' for tp in behind)}: an open or "
-                                   "hanging transaction holds their last stable offset")
-            await asyncio.sleep(0.05)
-    finally:
-        await consumer.stop()
-
-
-def changelog_topic(service: str, partitions: int) -> Topic:
-    return Topic(f"{service}-changelog", partitions,
-                 {"cleanup.policy": "compact", "segment.ms": "60000", "min.cleanable.dirty.ratio": "0.1",
-                  "retention.ms": "-1", "max.message.bytes": str(MAX_MESSAGE)},
-                 doc=f"{service}: per-partition snapshot of buffered input offsets and small state")
-
-
 @dataclass
 class Stats:
     records_in: int = 0
@@ -170,7 +80,7 @@ class Stats:
     aborted: int = 0
     fenced: int = 0
     rebuilt: int = 0
-    recommitted: int = 0  # re-commits of transactions found hanging (see the module docstring)
+    recommitted: int = 0  # re-commits of transactions found hanging (streams.commits)
     by_type: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
@@ -183,58 +93,51 @@ class TransactionalProcessor:
     def __init__(self, service: str, inputs: list[str], partitions: int, make_task: Callable[[int], PartitionTask],
                  client_kwargs: dict[str, Any], *, group_id: str | None = None, tick_s: float = 0.5,
                  max_records: int = 2000, instance: str = "", linger_ms: int = 5,
-                 on_start: Callable[[], Awaitable[None]] | None = None, session_timeout_ms: int | None = None) -> None:
+                 on_start: Callable[[], Awaitable[None]] | None = None, session_timeout_ms: int | None = None,
+                 settings: ProcessingSettings | None = None) -> None:
+        self.settings = settings or ProcessingSettings()
         self.service = service
         self.inputs = inputs
         self.partitions = partitions
         self.make_task = make_task
         self.kw = dict(client_kwargs)
-        self.group_id = group_id or f"{topic_prefix()}{service}"
+        self.group_id = group_id or topics.group_id(service)
         self.changelog = changelog_topic(service, partitions).name
         self.tick_s = tick_s
         self.max_records = max_records
         self.instance = instance
         self.linger_ms = linger_ms
         self.on_start = on_start
-        self.session_timeout_ms = session_timeout_ms or int(os.environ.get("ROLLOUT_SESSION_TIMEOUT_MS") or 10000)
+        self.session_timeout_ms = session_timeout_ms or self.settings.session_timeout_ms
         self.tasks: dict[int, PartitionTask] = {}
         self.producers: dict[int, AIOKafkaProducer] = {}
         self.committed: dict[int, dict[str, int]] = {}
         self.snap_written: dict[int, bytes] = {}
         self.stats = Stats()
         self.lock = asyncio.Lock()
-        self.restore_lock = asyncio.Lock()
         self.stopping = asyncio.Event()
         self.consumer: AIOKafkaConsumer | None = None
-        self.restorer: AIOKafkaConsumer | None = None
+        self.restorer = Restorer(self.kw, self.changelog, inputs)
         self._last_tick = 0.0
         self.pending: set[int] = set()
         self.epoch = 0  # bumped by every rebalance callback
-        self._progress: dict[int, tuple[Any, float]] = {}
-        self._offsets_since: dict[int, tuple[Any, float]] = {}
-        self._ends_failing_since: float | None = None
         self._closing: set[asyncio.Task] = set()
-        self.txn_timeout_s = float(os.environ.get("ROLLOUT_TXN_TIMEOUT_S") or 30)
-        # what committed transactions wrote and must become visible: partition -> output tp -> (offset, since)
-        self.unconfirmed: dict[int, dict[TopicPartition, tuple[int, float]]] = defaultdict(dict)
-        self.confirm_s = float(os.environ.get("ROLLOUT_CONFIRM_S") or 10)
-        self._last_confirm = time.monotonic()
+        self.txn_timeout_s = self.settings.txn_timeout_s
+        self.commits = CommitWatch(self.settings.confirm_s)
+        self.stalls = StallWatch()
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def txn_id(self, p: int) -> str:
-        return f"{topic_prefix()}{self.service}-{p}"
+        return f"{topics.group_id(self.service)}-{p}"
 
     async def start(self) -> None:
-        self.restorer = AIOKafkaConsumer(**self.kw, group_id=None, enable_auto_commit=False,
-                                         isolation_level="read_committed", auto_offset_reset="earliest",
-                                         max_partition_fetch_bytes=MAX_MESSAGE, fetch_max_wait_ms=20)
         await self.restorer.start()
         self.consumer = AIOKafkaConsumer(
             **self.kw, group_id=self.group_id, enable_auto_commit=False, isolation_level="read_committed",
             auto_offset_reset="earliest", partition_assignment_strategy=(RangePartitionAssignor,),
-            max_partition_fetch_bytes=MAX_MESSAGE, fetch_max_bytes=64 * 1024 * 1024,
-            session_timeout_ms=self.session_timeout_ms, heartbeat_interval_ms=min(1000, self.session_timeout_ms // 3), rebalance_timeout_ms=30000,
-            max_poll_interval_ms=120000, fetch_max_wait_ms=int(os.environ.get("ROLLOUT_FETCH_MAX_WAIT_MS") or 100))
+            max_partition_fetch_bytes=MAX_MESSAGE_BYTES, fetch_max_bytes=64 * 1024 * 1024,
+            session_timeout_ms=self.session_timeout_ms, heartbeat_interval_ms=min(1000, self.session_timeout_ms // 3),
+            rebalance_timeout_ms=30000, max_poll_interval_ms=120000, fetch_max_wait_ms=self.settings.fetch_max_wait_ms)
         await self.consumer.start()
         self.consumer.subscribe(self.inputs, listener=_Listener(self))
         if self.on_start:
@@ -250,8 +153,7 @@ class TransactionalProcessor:
                     log.warning("consumer stop: %s", e)
             for p in list(self.producers):
                 await self._drop(p)
-            if self.restorer is not None:
-                await self.restorer.stop()
+            await self.restorer.stop()
 
     async def run(self, *, until: Callable[[], bool] | None = None) -> None:
         await self.start()
@@ -305,7 +207,7 @@ class TransactionalProcessor:
 
         async def init(p: int) -> None:
             prod = AIOKafkaProducer(**self.kw, transactional_id=self.txn_id(p), enable_idempotence=True, acks="all",
-                                    linger_ms=self.linger_ms, max_request_size=MAX_MESSAGE,
+                                    linger_ms=self.linger_ms, max_request_size=MAX_MESSAGE_BYTES,
                                     max_batch_size=1024 * 1024)
             await prod.start()
             # init_transactions (InitProducerId) completes/aborts the previous owner's open transaction and
@@ -322,7 +224,7 @@ class TransactionalProcessor:
     async def _drop(self, p: int, *, broken: bool = False) -> None:
         self.tasks.pop(p, None)
         self.committed.pop(p, None)
-        self.unconfirmed.pop(p, None)
+        self.commits.forget(p)
         self.snap_written.pop(p, None)
         prod = self.producers.pop(p, None)
         if prod is not None:
@@ -342,94 +244,23 @@ class TransactionalProcessor:
 
     async def _rebuild(self, ps: list[int]) -> None:
         """Fresh tasks for ``ps`` from the last committed snapshots and the committed input offsets."""
-        assert self.consumer is not None and self.restorer is not None
+        assert self.consumer is not None
         if not ps:
             return
-        async with self.restore_lock:
-            await self._rebuild_locked(ps)
-
-    async def _rebuild_locked(self, ps: list[int]) -> None:
-        assert self.consumer is not None and self.restorer is not None
         self.stats.rebuilt += len(ps)
-        tps = [TopicPartition(t, p) for p in ps for t in self.inputs]
-        committed: dict[TopicPartition, int] = {}
-        beginnings = await self.restorer.beginning_offsets(tps)
-        for tp in tps:
-            c = await self.consumer.committed(tp)
-            committed[tp] = beginnings[tp] if c is None else c
-        snaps = await self._read_snapshots(ps)
-        tasks = {p: self.make_task(p) for p in ps}
-        want: dict[TopicPartition, set[int]] = {}
-        for p in ps:
-            buffered, state = decode_snapshot(snaps.get(p))
-            tasks[p].load_state(state)
-            for t in self.inputs:
-                tp = TopicPartition(t, p)
-                w = {o for o in buffered.get(t, ()) if o < committed[tp]}
-                if w:
-                    want[tp] = w
-        if want:
-            async for rec in self._read_ranges({tp: (min(w), committed[tp]) for tp, w in want.items()}):
-                if rec.offset in want[TopicPartition(rec.topic, rec.partition)]:
-                    tasks[rec.partition].restore(rec)
-        for p in ps:
-            self.tasks[p] = tasks[p]
-            self.committed[p] = {t: committed[TopicPartition(t, p)] for t in self.inputs}
-            self.snap_written[p] = snaps.get(p) or b""
-            for t in self.inputs:
-                self.consumer.seek(TopicPartition(t, p), committed[TopicPartition(t, p)])
-
-    async def _read_snapshots(self, ps: list[int]) -> dict[int, bytes]:
-        tps = [TopicPartition(self.changelog, p) for p in ps]
-        ends = await self.restorer.end_offsets(tps)
-        starts = await self.restorer.beginning_offsets(tps)
-        last: dict[int, bytes] = {}
-        ranges = {tp: (starts[tp], ends[tp]) for tp in tps if ends[tp] > starts[tp]}
-        async for rec in self._read_ranges(ranges):
-            last[rec.partition] = rec.value
-        return last
-
-    async def _read_ranges(self, ranges: dict[TopicPartition, tuple[int, int]]):
-        """Records in [start, end) of each partition (read_committed; control records are skipped)."""
-        if not ranges:
-            return
-        r = self.restorer
-        r.assign(list(ranges))
-        for tp, (start, _) in ranges.items():
-            r.seek(tp, start)
-        open_ = dict(ranges)
-        while open_:
-            for tp in list(open_):
-                if await r.position(tp) >= open_[tp][1]:
-                    del open_[tp]
-            if not open_:
-                break
-            got = await r.getmany(*open_, timeout_ms=200, max_records=10000)
-            for tp, recs in got.items():
-                end = ranges[tp][1]
-                for rec in recs:
-                    if rec.offset < end:
-                        yield rec
+        for p, r in (await self.restorer.restore(ps, self.consumer, self.make_task)).items():
+            self.tasks[p] = r.task
+            self.committed[p] = r.committed
+            self.snap_written[p] = r.snapshot
+            for t, off in r.committed.items():
+                self.consumer.seek(TopicPartition(t, p), off)
 
     async def stalled(self, after_s: float = 30.0) -> list[int]:
-        """Owned partitions with input waiting (end offset > committed) but no commit for ``after_s``.
-
-        A safety net for client-side stalls (a fetcher left without a leader after a broker restart, a
-        takeover that keeps failing): the service rebuilds its clients when this is not empty.
-        """
+        """Owned partitions with input waiting but no commit for ``after_s`` (``streams.commits.StallWatch``):
+        the service rebuilds its clients when this is not empty."""
         if self.consumer is None or not self.committed:
             return []
-        now = time.monotonic()
-        tps = [TopicPartition(t, p) for p in self.committed for t in self.inputs]
-        try:
-            ends = await asyncio.wait_for(self.consumer.end_offsets(tps), 10)
-            self._ends_failing_since = None
-        except Exception:  # noqa: BLE001 - cannot even ask: a stall too, once it lasts
-            self._ends_failing_since = self._ends_failing_since or now
-            return sorted(self.committed) if now - self._ends_failing_since >= after_s else []
-        return [p for p, offs in list(self.committed.items())
-                if _lasting(self._progress, p, tuple(sorted(offs.items())),
-                            any(ends.get(TopicPartition(t, p), 0) > o for t, o in offs.items()), now, after_s)]
+        return await self.stalls.stalled(self.consumer, self.committed, after_s)
 
     def lost_cluster(self) -> bool:
         """True when the consumer's client knows no broker at all (aiokafka does not re-bootstrap then)."""
@@ -463,8 +294,7 @@ class TransactionalProcessor:
                             await self._drop(p, broken=True)
                         await asyncio.sleep(1.0)
                         return
-        if time.monotonic() - self._last_confirm >= self.confirm_s:
-            self._last_confirm = time.monotonic()
+        if self.commits.time_to_check():
             await self.confirm_commits()
         epoch = self.epoch
         batch = await self.consumer.getmany(timeout_ms=int(self.tick_s * 1000), max_records=self.max_records)
@@ -559,42 +389,14 @@ class TransactionalProcessor:
                                                    self.group_id)
         written = await asyncio.gather(*futs)
         await prod.commit_transaction()
-        now = time.monotonic()
-        for md in written:  # in send order: the last one per partition is its highest offset
-            self.unconfirmed[p][TopicPartition(md.topic, md.partition)] = (md.offset, now)
+        self.commits.wrote(p, written)
 
     async def confirm_commits(self) -> list[int]:
-        """Re-commit the owned partitions whose committed transactions are not visible after ``confirm_s``.
-
-        Visible means: every output partition's last stable offset (what ``read_committed`` readers reach) is
-        past the last offset a commit wrote there, and the group's committed offsets reach what was committed.
-        Another producer's open transaction on a shared output partition also holds the last stable offset
-        back; re-committing is harmless then (same offsets, no records), so no attempt is made to tell the two
-        apart. Returns the partitions re-committed.
-        """
+        """Re-commit the owned partitions whose committed transactions are not visible after ``confirm_s``
+        (``streams.commits.CommitWatch``). Returns the partitions re-committed."""
         if self.consumer is None or not self.tasks:
             return []
-        now = time.monotonic()
-        outs = {tp for entries in self.unconfirmed.values() for tp in entries}
-        owned = [TopicPartition(t, p) for p in self.committed for t in self.inputs]
-        try:
-            lso = await asyncio.wait_for(self.consumer.end_offsets(list(outs)), 10) if outs else {}
-            got = await asyncio.wait_for(asyncio.gather(*(self.consumer.committed(tp) for tp in owned)), 10)
-            done = dict(zip(owned, got))
-        except Exception as e:  # noqa: BLE001 - broker away: the next round asks again
-            log.debug("%s: confirming commits: %s", self.service, e)
-            return []
-        due: dict[int, list[TopicPartition]] = {}
-        for p, entries in list(self.unconfirmed.items()):
-            for tp, (off, since) in list(entries.items()):
-                if lso.get(tp, 0) > off:
-                    del entries[tp]
-                elif now - since >= self.confirm_s:
-                    due.setdefault(p, []).append(tp)
-        for p, offs in self.committed.items():
-            behind = any((done.get(TopicPartition(t, p)) or 0) < o for t, o in offs.items())
-            if _lasting(self._offsets_since, p, tuple(sorted(offs.items())), behind, now, self.confirm_s):
-                due.setdefault(p, [])
+        due = await self.commits.overdue(self.consumer, self.committed)
         for p, tps in sorted(due.items()):
             await self._recommit(p, tps)
         return sorted(due)
@@ -606,29 +408,16 @@ class TransactionalProcessor:
                 return
             log.warning("%s%s partition %d: committed transaction not visible after %.0fs (outputs %s); "
                         "committing again over the same partitions and offsets", self.service, self.instance, p,
-                        self.confirm_s, [f"{tp.topic}-{tp.partition}" for tp in tps])
+                        self.commits.confirm_s, [f"{tp.topic}-{tp.partition}" for tp in tps])
             try:
-                await asyncio.wait_for(self._commit_again(prod, p, tps, offs), self.txn_timeout_s)
+                await asyncio.wait_for(commit_again(prod, self.group_id, tps,
+                                                    {TopicPartition(t, p): o for t, o in offs.items()}),
+                                       self.txn_timeout_s)
             except Exception as e:  # noqa: BLE001 - a fence or a dead broker: the usual paths take over
                 log.warning("%s partition %d: re-commit failed (%s: %s)", self.service, p, type(e).__name__, e)
                 return
             self.stats.recommitted += 1
-            now = time.monotonic()
-            for tp in tps:  # look again after another confirm_s
-                off, _ = self.unconfirmed[p].get(tp, (-1, now))
-                self.unconfirmed[p][tp] = (off, now)
-            self._offsets_since.pop(p, None)
-
-    async def _commit_again(self, prod: AIOKafkaProducer, p: int, tps: list[TopicPartition],
-                            offs: dict[str, int]) -> None:
-        """A transaction with no records over ``tps`` and partition ``p``'s committed offsets: the coordinator
-        adds the partitions and writes commit markers there (aiokafka adds a partition only when a record is
-        sent, hence its transaction manager's own hook)."""
-        await prod.begin_transaction()
-        for tp in tps:
-            prod._txn_manager.maybe_add_partition_to_txn(tp)
-        await prod.send_offsets_to_transaction({TopicPartition(t, p): o for t, o in offs.items()}, self.group_id)
-        await prod.commit_transaction()
+            self.commits.recommitted(p, tps)
 
 
 class _Listener(ConsumerRebalanceListener):

@@ -1,0 +1,179 @@
+"""A commit is checked, not trusted.
+
+``commit_transaction`` returns when the coordinator has logged the commit; the markers that move each
+partition's last stable offset (what ``read_committed`` readers reach) are written after that. Usually
+that is a moment (``wait_visible`` waits it out for a writer whose caller reads next). But a broker
+restarted while a transaction commits can leave it *hanging* (seen with Kafka 4.4, single node: the
+producer's EndTxn succeeded, the coordinator lost the transaction, its records and offsets stay open on
+the partitions, and ``read_committed`` readers of those partitions stop at them for good). aiokafka has
+neither KIP-890's per-transaction epoch bump nor KIP-664's abort tooling, so the processor confirms that
+what it committed became visible (``CommitWatch``) and, when not within ``ROLLOUT_CONFIRM_S``, commits
+again with the same producer and epoch over the same partitions and offsets (``commit_again``): the
+coordinator then writes the commit markers the first commit should have, which is the outcome this
+producer was told.
+
+``StallWatch`` is the last safety net: input waiting, no commit, for too long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+log = logging.getLogger("rollout.eos")
+
+
+async def wait_visible(client_kwargs: dict[str, Any], written: dict[TopicPartition, int],
+                       timeout_s: float = 30.0) -> None:
+    """Return once ``read_committed`` readers reach every offset in ``written`` (partition -> last offset).
+
+    A writer whose caller reads next (an import, a test's fixture run, then a replay) waits here so what it
+    reported written is what a reader sees.
+    """
+    if not written:
+        return
+    consumer = AIOKafkaConsumer(**client_kwargs, group_id=None, enable_auto_commit=False,
+                                isolation_level="read_committed")
+    await consumer.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lso = await consumer.end_offsets(list(written))
+            behind = {tp: off for tp, off in written.items() if lso.get(tp, 0) <= off}
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"committed records not readable after {timeout_s:.0f}s on "
+                                   f"{sorted(f'{tp.topic}-{tp.partition}' for tp in behind)}: an open or "
+                                   "hanging transaction holds their last stable offset")
+            await asyncio.sleep(0.05)
+    finally:
+        await consumer.stop()
+
+
+class Lasting:
+    """Per partition: whether a condition has held, with an unchanged key (the offsets it is about), for a while."""
+
+    def __init__(self) -> None:
+        self.since: dict[int, tuple[Any, float]] = {}
+
+    def __call__(self, p: int, key: Any, holds: bool, now: float, after_s: float) -> bool:
+        """True once ``holds`` has stayed true for partition ``p``, with ``key`` unchanged, for ``after_s``."""
+        seen, t0 = self.since.get(p, (None, now))
+        if not holds or seen != key:
+            self.since[p] = (key, now)
+            return False
+        return now - t0 >= after_s
+
+
+class CommitWatch:
+    """What committed transactions wrote, per owned partition, until readers can see it.
+
+    Visible means: every output partition's last stable offset is past the last offset a commit wrote there,
+    and the group's committed offsets reach what was committed. Another producer's open transaction on a
+    shared output partition also holds the last stable offset back; re-committing is harmless then (same
+    offsets, no records), so no attempt is made to tell the two apart.
+    """
+
+    def __init__(self, confirm_s: float) -> None:
+        self.confirm_s = confirm_s
+        # partition -> output tp -> (last offset written, since when it is awaited)
+        self.unconfirmed: dict[int, dict[TopicPartition, tuple[int, float]]] = defaultdict(dict)
+        self._offsets_behind = Lasting()
+        self._last_check = time.monotonic()
+
+    def time_to_check(self) -> bool:
+        """True once per ``confirm_s``: checking asks the brokers, so it is not done every step."""
+        if time.monotonic() - self._last_check < self.confirm_s:
+            return False
+        self._last_check = time.monotonic()
+        return True
+
+    def wrote(self, p: int, written: list[Any]) -> None:
+        """Record metadata of what partition ``p``'s transaction just committed, in send order (the last one per
+        output partition is its highest offset)."""
+        now = time.monotonic()
+        for md in written:
+            self.unconfirmed[p][TopicPartition(md.topic, md.partition)] = (md.offset, now)
+
+    def forget(self, p: int) -> None:
+        self.unconfirmed.pop(p, None)
+
+    async def overdue(self, consumer: AIOKafkaConsumer, committed: dict[int, dict[str, int]]
+                      ) -> dict[int, list[TopicPartition]]:
+        """Partitions whose commits are still not visible after ``confirm_s``, with the output partitions
+        still waiting for markers (none when only the group's offsets lag). ``committed``: partition -> input
+        topic -> offset the processor committed."""
+        now = time.monotonic()
+        outs = {tp for entries in self.unconfirmed.values() for tp in entries}
+        owned = [TopicPartition(t, p) for p, offs in committed.items() for t in offs]
+        try:
+            lso = await asyncio.wait_for(consumer.end_offsets(list(outs)), 10) if outs else {}
+            got = await asyncio.wait_for(asyncio.gather(*(consumer.committed(tp) for tp in owned)), 10)
+            done = dict(zip(owned, got))
+        except Exception as e:  # noqa: BLE001 - broker away: the next round asks again
+            log.debug("confirming commits: %s", e)
+            return {}
+        due: dict[int, list[TopicPartition]] = {}
+        for p, entries in list(self.unconfirmed.items()):
+            for tp, (off, since) in list(entries.items()):
+                if lso.get(tp, 0) > off:
+                    del entries[tp]
+                elif now - since >= self.confirm_s:
+                    due.setdefault(p, []).append(tp)
+        for p, offs in committed.items():
+            behind = any((done.get(TopicPartition(t, p)) or 0) < o for t, o in offs.items())
+            if self._offsets_behind(p, tuple(sorted(offs.items())), behind, now, self.confirm_s):
+                due.setdefault(p, [])
+        return due
+
+    def recommitted(self, p: int, tps: list[TopicPartition]) -> None:
+        """Partition ``p`` was committed again: look again after another ``confirm_s``."""
+        now = time.monotonic()
+        for tp in tps:
+            off, _ = self.unconfirmed[p].get(tp, (-1, now))
+            self.unconfirmed[p][tp] = (off, now)
+        self._offsets_behind.since.pop(p, None)
+
+
+async def commit_again(prod: AIOKafkaProducer, group_id: str, tps: list[TopicPartition],
+                       offsets: dict[TopicPartition, int]) -> None:
+    """A transaction with no records over ``tps`` and the given committed input offsets: the coordinator
+    adds the partitions and writes commit markers there (aiokafka adds a partition only when a record is
+    sent, hence its transaction manager's own hook)."""
+    await prod.begin_transaction()
+    for tp in tps:
+        prod._txn_manager.maybe_add_partition_to_txn(tp)
+    await prod.send_offsets_to_transaction(offsets, group_id)
+    await prod.commit_transaction()
+
+
+class StallWatch:
+    """Owned partitions with input waiting (end offset > committed) but no commit for a while.
+
+    A safety net for client-side stalls (a fetcher left without a leader after a broker restart, a takeover
+    that keeps failing): the service rebuilds its clients when it reports any.
+    """
+
+    def __init__(self) -> None:
+        self._progress = Lasting()
+        self._ends_failing_since: float | None = None
+
+    async def stalled(self, consumer: AIOKafkaConsumer, committed: dict[int, dict[str, int]],
+                      after_s: float) -> list[int]:
+        now = time.monotonic()
+        tps = [TopicPartition(t, p) for p, offs in committed.items() for t in offs]
+        try:
+            ends = await asyncio.wait_for(consumer.end_offsets(tps), 10)
+            self._ends_failing_since = None
+        except Exception:  # noqa: BLE001 - cannot even ask: a stall too, once it lasts
+            self._ends_failing_since = self._ends_failing_since or now
+            return sorted(committed) if now - self._ends_failing_since >= after_s else []
+        return [p for p, offs in list(committed.items())
+                if self._progress(p, tuple(sorted(offs.items())),
+                                  any(ends.get(TopicPartition(t, p), 0) > o for t, o in offs.items()), now, after_s)]

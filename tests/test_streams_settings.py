@@ -1,0 +1,52 @@
+"""streams.settings: the environment over the defaults, read when asked (tests set the prefix per test)."""
+
+from __future__ import annotations
+
+from streams import settings, topics
+from streams.changelog import changelog_topic
+from streams.transactions import TransactionalProcessor
+
+
+def test_defaults(monkeypatch):
+    for name in settings._ENV_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    s = settings.ProcessingSettings()
+    assert (s.session_timeout_ms, s.txn_timeout_s, s.confirm_s, s.fetch_max_wait_ms) == (10000, 30, 10, 100)
+    assert s.stall_s == 30
+    assert (s.topic_prefix, s.topic_replication_factor, s.steps_retention_ms) == ("rollout.", 1, -1)
+
+
+def test_environment_wins_and_empty_means_default(monkeypatch):
+    monkeypatch.setenv("ROLLOUT_CONFIRM_S", "8")
+    monkeypatch.setenv("ROLLOUT_STALL_S", "120")
+    monkeypatch.setenv("ROLLOUT_SESSION_TIMEOUT_MS", "")
+    s = settings.ProcessingSettings()
+    assert (s.confirm_s, s.stall_s, s.session_timeout_ms) == (8, 120, 10000)
+    assert settings.ProcessingSettings(confirm_s=2).confirm_s == 2  # an explicit value wins over the environment
+
+
+def test_topics_follow_the_environment_at_each_use(monkeypatch):
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", "a.")
+    assert topics.STEPS.name == "a.steps" and topics.group_id("batcher") == "a.batcher"
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", "")  # an empty prefix is a prefix, not the default
+    assert topics.STEPS.name == "steps"
+    monkeypatch.setenv("ROLLOUT_TOPIC_REPLICATION_FACTOR", "3")
+    monkeypatch.setenv("ROLLOUT_STEPS_RETENTION_MS", "86400000")
+    assert topics.STEPS.replication_factor == 3 and topics.STEPS.topic_configs()["retention.ms"] == "86400000"
+    assert topics.ROLLOUTS.topic_configs()["retention.ms"] == "-1"
+
+
+def test_one_message_limit():
+    limit = str(settings.MAX_MESSAGE_BYTES)
+    assert topics.STEPS.topic_configs()["max.message.bytes"] == limit
+    assert changelog_topic("credit", 12).topic_configs()["max.message.bytes"] == limit
+
+
+def test_processor_reads_settings_at_construction(monkeypatch):
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", "p.")
+    monkeypatch.setenv("ROLLOUT_CONFIRM_S", "7")
+    proc = TransactionalProcessor("credit", ["p.scores"], 12, lambda p: None, {})
+    assert proc.commits.confirm_s == 7 and proc.group_id == "p.credit" and proc.txn_id(3) == "p.credit-3"
+    given = TransactionalProcessor("credit", ["p.scores"], 12, lambda p: None, {},
+                                   settings=settings.ProcessingSettings(txn_timeout_s=5, session_timeout_ms=6000))
+    assert given.txn_timeout_s == 5 and given.session_timeout_ms == 6000
