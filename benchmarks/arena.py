@@ -94,7 +94,7 @@ async def run(args) -> dict:
     from producers.echo_server import EchoServer
     from producers.emitter import messages_for
     from producers.policy_server import PolicyServer
-    from schemas.plan import compile_plan
+    from schemas.plan_compiler import compile_plan
     from streams import serde, topics
     from streams.config import KafkaSettings, ensure_broker
 

@@ -65,7 +65,7 @@ async def _arena(settings, url: str, model: str, prompts: list[str], sampling: d
     from producers.episodes import SingleTurnEpisode
     from producers.vllm_server import CPU_CLIENT_OPTIONS
     from producers.weights import VllmWeights
-    from schemas.plan import compile_plan
+    from schemas.plan_compiler import compile_plan
     from schemas.scoring import ScoringSpec
 
     group = 8

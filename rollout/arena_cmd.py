@@ -61,7 +61,7 @@ async def _main(args: argparse.Namespace) -> int:
     from producers.arena import Arena, RevisionFollower
     from producers.emitter import KafkaEmitter
     from schemas.envelope import new_id
-    from schemas.plan import compile_plan
+    from schemas.plan_compiler import compile_plan
     from streams import topics
     from streams.config import KafkaSettings, ensure_broker
 

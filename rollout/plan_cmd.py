@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from schemas.plan import PlanError, compile_plan
+    from schemas.plan import PlanError
+    from schemas.plan_compiler import compile_plan
 
     try:
         plan = compile_plan(args.file)

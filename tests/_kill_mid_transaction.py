@@ -13,7 +13,7 @@ from producers.echo_server import EchoServer
 from producers.emitter import KafkaEmitter
 from producers.environment import Environment, Example
 from producers.episodes import MultiTurnEpisode, user
-from schemas.plan import compile_plan
+from schemas.plan_compiler import compile_plan
 from schemas.scoring import ScoringSpec
 
 

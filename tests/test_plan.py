@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from schemas.errors import ContractError
-from schemas.plan import (DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, GenerationPlan, PlanError, compile_plan,
-                          compile_plan_dict, credit_strategy)
+from schemas.plan import DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, GenerationPlan, PlanError, credit_strategy
+from schemas.plan_compiler import compile_plan, compile_plan_dict
 
 REPO = Path(__file__).resolve().parents[1]
 PEER = Path(__file__).resolve().parent / "fixtures" / "prime-rl"  # real recipes, vendored unchanged (see its README)
@@ -135,6 +135,19 @@ def test_example_plans() -> None:
 def test_plan_round_trips_through_json() -> None:
     plan = peer("rl-debate-external-opponent.toml")
     assert GenerationPlan.model_validate_json(plan.model_dump_json()) == plan
+
+
+@pytest.mark.parametrize("train_one,expected", [
+    ({"members": [], "unselected": "opponent"}, "train_one.members: empty"),
+    ({"members": ["debater_a", "debater_a"], "unselected": "opponent"}, "train_one.members: repeats ['debater_a']"),
+    ({"members": ["debater_a", "judge"], "unselected": "opponent"}, "['judge'] are train_one candidates"),
+    ({"members": ["debater_a"], "unselected": LEARNER}, "train_one.unselected: 'learner' names no fixed target"),
+])
+def test_a_plan_from_json_is_held_to_the_compilers_train_one_rules(train_one: dict, expected: str) -> None:
+    """The plan's validator and the compiler share one train_one check (TrainOne.problem)."""
+    data = compile_plan(EXAMPLES / "debate.toml").model_dump(mode="json")
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        GenerationPlan.model_validate({**data, "train_one": train_one})
 
 
 def test_staleness_keys() -> None:

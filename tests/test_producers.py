@@ -22,7 +22,8 @@ from producers.http_server import free_port
 from producers.inference import InferenceClient, InferenceRequestError, InferenceUnavailable
 from producers.policy_server import PolicyServer
 from producers.tools import ToolRegistry, tool_schema
-from schemas.plan import GenerationPlan, compile_plan
+from schemas.plan import GenerationPlan
+from schemas.plan_compiler import compile_plan
 from schemas.scoring import ScoringSpec
 
 

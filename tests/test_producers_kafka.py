@@ -22,7 +22,7 @@ from producers.echo_server import EchoServer, ScriptedServer
 from producers.emitter import KafkaEmitter
 from producers.policy_server import PolicyServer
 from schemas.events import Rollout, Step
-from schemas.plan import compile_plan
+from schemas.plan_compiler import compile_plan
 from schemas.policy import PolicyRevision
 from streams import serde
 

@@ -143,7 +143,7 @@ async def test_replay_of_arena_episodes_through_the_services(kafka_settings, pre
     from producers.arena import Arena
     from producers.emitter import KafkaEmitter
     from producers.policy_server import PolicyServer
-    from schemas.plan import compile_plan
+    from schemas.plan_compiler import compile_plan
 
     root = Path(__file__).resolve().parents[1]
     kw = kafka_settings.client_kwargs()

@@ -276,7 +276,7 @@ async def test_single_agent_env_on_real_vllm(vllm_server, kafka_settings, pipeli
 
     from policy.hf import prepare_model
     from producers.vllm_server import CPU_CLIENT_OPTIONS
-    from schemas.plan import compile_plan
+    from schemas.plan_compiler import compile_plan
     from test_producers_kafka import ROOT
 
     plan = compile_plan(ROOT / "examples/plans/arithmetic-smollm2.toml")

@@ -23,7 +23,7 @@ from producers.inference import InferenceClient
 from producers.vllm_server import CPU_CLIENT_OPTIONS
 from producers.weights import VllmWeights
 from schemas.events import ChatMessage
-from schemas.plan import compile_plan
+from schemas.plan_compiler import compile_plan
 from schemas.policy import PolicyRevision
 from schemas.scoring import ScoringSpec
 from streams.local_broker import free_port
