@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
 import uuid
+
+from benchmarks._shared import kafka_for, report
 
 
 def _env(tokens: int, n: int = 64):
@@ -89,18 +90,14 @@ async def _raw(settings, messages: list) -> dict:
 
 
 async def run(args) -> dict:
-    os.environ["ROLLOUT_TOPIC_PREFIX"] = f"bench.arena.{uuid.uuid4().hex[:8]}."
+    settings = kafka_for("arena")
     from policy import PolicyModel
     from producers.echo_server import EchoServer
     from producers.emitter import messages_for
     from producers.policy_server import PolicyServer
     from schemas.plan_compiler import compile_plan
     from streams import serde, topics
-    from streams.config import KafkaSettings, ensure_broker
 
-    settings = KafkaSettings.from_env()
-    if not settings.external:
-        settings = settings.with_bootstrap(ensure_broker(settings))
     await topics.create_topics(settings.admin_kwargs(), [topics.STEPS, topics.ROLLOUTS])
     plan = compile_plan("examples/plans/arithmetic.toml").model_copy(update={"group_size": 8, "batch_size": 10**9})
 
@@ -150,12 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         args.groups = 40 if args.quick else 250
     if args.policy_groups is None:
         args.policy_groups = 12 if args.quick else 60
-    t0 = time.perf_counter()
-    out = asyncio.run(run(args))
-    out["quick"] = args.quick
-    out["wall_s"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(out))
-    return 0
+    return report(run, args)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,9 @@ class MessageJSON(BaseModel):
     content: str | None = None
 
 
-class StepJSON(BaseModel):
+class EventJSON(BaseModel):
+    """The envelope every event carries."""
+
     event_id: str
     event_type: str
     schema_version: int
@@ -59,6 +61,9 @@ class StepJSON(BaseModel):
     producer: str
     created_at: datetime
     causation_id: str | None = None
+
+
+class StepJSON(EventJSON):
     step_id: str
     rollout_id: str
     root_group_id: str
@@ -76,14 +81,7 @@ class StepJSON(BaseModel):
     latency_s: float
 
 
-class RecordJSON(BaseModel):
-    event_id: str
-    event_type: str
-    schema_version: int
-    run_id: str
-    producer: str
-    created_at: datetime
-    causation_id: str | None = None
+class RecordJSON(EventJSON):
     record_id: str
     rollout_id: str
     step_ids: list[str]
@@ -113,14 +111,7 @@ class AggregatesJSON(BaseModel):
     max: float
 
 
-class TrainerBatchJSON(BaseModel):
-    event_id: str
-    event_type: str
-    schema_version: int
-    run_id: str
-    producer: str
-    created_at: datetime
-    causation_id: str | None = None
+class TrainerBatchJSON(EventJSON):
     batch_id: str
     family: str
     target: PolicyRefJSON

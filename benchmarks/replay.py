@@ -29,6 +29,8 @@ import uuid
 import numpy as np
 import pyarrow as pa
 
+from benchmarks._shared import kafka_for
+
 
 async def raw_consume(settings, topic_names) -> tuple[float, int, int]:
     """Seconds, messages, bytes for one pass over the topics with a plain aiokafka consumer."""
@@ -97,7 +99,8 @@ def synth_steps_db(path: str, n_steps: int, *, revisions: int = 50, steps_per_ro
         "trainable": pa.array(step_role != 2),
         "policy_family": pa.array(np.where(step_role != 2, "toy", None)),
         "policy_revision": pa.array(np.where(step_role != 2, rev_of_rollout[rollout_idx], 0), mask=step_role == 2),
-        "policy_checkpoint_digest": null_str, "prompt": pa.array(["[]"] * n_steps),
+        "policy_checkpoint_digest": null_str, "policy_exact": pa.array(np.ones(n_steps, dtype=bool)),
+        "prompt": pa.array(["[]"] * n_steps),
         "completion": pa.array(["[]"] * n_steps), "tool_calls": pa.array(["[]"] * n_steps),
         "prompt_token_ids": tokens, "completion_token_ids": tokens, "completion_logprobs": logprobs,
         "n_prompt_tokens": pa.array(lens.astype(np.int32)), "n_completion_tokens": pa.array(lens.astype(np.int32)),
@@ -159,15 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     n_steps = args.steps or (5000 if args.quick else 20000)
     reps = args.reps or (1 if args.quick else 2)
 
-    os.environ["ROLLOUT_TOPIC_PREFIX"] = f"bench.replay.{uuid.uuid4().hex[:8]}."
+    settings = kafka_for("replay")
     from replay.ingest import Replayer, default_topics
     from replay.synthetic import generate_steps_run, produce
     from streams import topics
-    from streams.config import KafkaSettings, ensure_broker
 
-    settings = KafkaSettings.from_env()
-    if not settings.external:
-        settings = settings.with_bootstrap(ensure_broker(settings))
     names = default_topics()
 
     async def setup() -> tuple[float, int]:

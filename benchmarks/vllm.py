@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
 import time
 import uuid
+
+from benchmarks._shared import kafka_for, report
 
 
 def _questions(n: int, seed: int = 0) -> list[str]:
@@ -151,15 +152,11 @@ async def _train(url: str, model_name: str, batches: int, lr: float, epochs: int
 
 
 async def run(args) -> dict:
-    os.environ["ROLLOUT_TOPIC_PREFIX"] = f"bench.vllm.{uuid.uuid4().hex[:8]}."
+    settings = kafka_for("vllm")
     from policy.hf import FAMILY, prepare_model
     from producers.vllm_server import VllmServer
     from streams import topics
-    from streams.config import KafkaSettings, ensure_broker
 
-    settings = KafkaSettings.from_env()
-    if not settings.external:
-        settings = settings.with_bootstrap(ensure_broker(settings))
     await topics.create_topics(settings.admin_kwargs(), [topics.STEPS, topics.ROLLOUTS])
     server = None
     url = args.vllm_url
@@ -215,12 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     args.groups = args.groups or (6 if args.quick else 16)
     if args.train_batches is None:
         args.train_batches = 2 if args.quick else 4
-    t0 = time.perf_counter()
-    out = asyncio.run(run(args))
-    out["quick"] = args.quick
-    out["wall_s"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(out))
-    return 0
+    return report(run, args)
 
 
 if __name__ == "__main__":

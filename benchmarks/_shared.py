@@ -1,0 +1,34 @@
+"""What the Kafka benchmarks share: their own topics on the configured (or local) cluster, and the closing
+JSON line. Not a benchmark itself (``python -m benchmarks`` skips modules whose name starts with ``_``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+def kafka_for(benchmark: str) -> Any:  # -> streams.config.KafkaSettings
+    """ROLLOUT_BOOTSTRAP_SERVERS, else the local broker (started if needed), with topics of this run's own
+    (prefix ``bench.<benchmark>.<random>.``, set in the environment, where streams.topics reads it)."""
+    os.environ["ROLLOUT_TOPIC_PREFIX"] = f"bench.{benchmark}.{uuid.uuid4().hex[:8]}."
+    from streams.config import KafkaSettings, ensure_broker
+
+    settings = KafkaSettings.from_env()
+    if not settings.external:
+        settings = settings.with_bootstrap(ensure_broker(settings))
+    return settings
+
+
+def report(run: Callable[[Any], Awaitable[dict]], args: Any) -> int:
+    """``run(args)``'s figures, with --quick and the wall time, as the one JSON line a benchmark ends with."""
+    t0 = time.perf_counter()
+    out = asyncio.run(run(args))
+    out["quick"] = args.quick
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(out))
+    return 0
