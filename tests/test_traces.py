@@ -26,7 +26,7 @@ from replay.ingest import Replayer, default_topics  # noqa: E402
 from replay.synthetic import generate_run, produce  # noqa: E402
 from replay.traces import StepRow, _sampled_calls, episode_record, import_file, member_trace_graph  # noqa: E402
 from rollout.cli import main  # noqa: E402
-from streams import topics  # noqa: E402
+from test_replay import log  # noqa: E402, F401 - fixture
 
 STEP_COLS = ("step_id, rollout_id, step_index, member_id, target, trainable, policy_family, policy_revision, "
              "policy_checkpoint_digest, policy_exact, prompt, completion, tool_calls, prompt_token_ids, "
@@ -55,16 +55,8 @@ def validate_line(line: str):
     return episode, traces
 
 
-@pytest.fixture
-async def log(kafka_settings, monkeypatch):
-    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", f"test.traces.{uuid.uuid4().hex[:8]}.")
-    monkeypatch.setenv("ROLLOUT_BOOTSTRAP_SERVERS", kafka_settings.bootstrap)
-    await topics.create_topics(kafka_settings.admin_kwargs())
-    return kafka_settings
-
-
 @pytest.mark.integration
-async def test_run_to_traces_to_run_round_trip(log, tmp_path, capsys):
+async def test_run_to_traces_to_run_round_trip(log, tmp_path, capsys):  # noqa: F811
     run_id = f"orig{uuid.uuid4().hex[:8]}"
     run = generate_run(run_id, rounds=2, groups=3, group_size=2, eval_questions=2)
     await produce(run.transactions, log.client_kwargs(), default_topics(), transactional_id=f"t-{run_id}")
@@ -165,7 +157,7 @@ def _verifiers_written_traces(path):
 
 
 @pytest.mark.integration
-async def test_import_of_a_traces_file_written_by_verifiers(log, tmp_path):
+async def test_import_of_a_traces_file_written_by_verifiers(log, tmp_path):  # noqa: F811
     solver = _verifiers_written_traces(tmp_path)
     imp = import_file(tmp_path / "traces.jsonl", f"pr{uuid.uuid4().hex[:8]}")
     assert not imp.skipped and imp.rollouts == 1

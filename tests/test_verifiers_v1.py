@@ -115,6 +115,27 @@ async def _read_log(kafka_settings, topics, n_rollouts: int) -> tuple[list[Rollo
     return rollouts, steps
 
 
+async def _run(environment, plan, emitter, policy_base_url: str, num_groups: int, **options):
+    """The arena's stats for ``num_groups`` groups of the env (its interception server closed even on failure)."""
+    try:
+        async with Arena(plan, {"vf": environment}, emitter=emitter, policy_base_url=policy_base_url,
+                         **options) as arena:
+            return await arena.run(num_groups=num_groups)
+    finally:
+        await environment.episode.aclose()
+
+
+async def _on_the_broker(kafka_settings, topics, environment, plan_name: str, *, seed: int, group_size: int,
+                         num_groups: int) -> tuple[PolicyModel, list[Rollout], list[Step]]:
+    """The env's episodes against a tiny policy server, read back from the log (none of them failed)."""
+    async with PolicyServer(PolicyModel.from_seed(seed), family="tiny-byte-lm") as server:
+        stats = await _run(environment, _plan(plan_name, server.base_url, group_size=group_size),
+                           _emitter(kafka_settings, topics), server.base_url, num_groups)
+    rollouts, steps = await _read_log(kafka_settings, topics, group_size * num_groups)
+    assert stats.failed == 0, [r.failure_reason for r in rollouts]
+    return server.model, rollouts, steps
+
+
 def _check_steps(rollout: Rollout, steps: list[Step], model) -> None:
     calls = rollout.artifacts["verifiers"]["model_calls"]
     assert len(steps) == sum(calls.values()) > 0
@@ -140,17 +161,8 @@ async def test_single_agent_taskset_env_on_the_broker(kafka_settings, pipeline_t
     env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset={"id": "rl_test_questions"}, agent=chat_agent()))
     environment = verifiers_v1_environment(env, name="vf-questions", version="0.1", member="solver")
     assert [e.id for e in environment.store] == ["q0", "q1"]
-    async with PolicyServer(PolicyModel.from_seed(4), family="tiny-byte-lm") as server:
-        plan = _plan("arithmetic", server.base_url, group_size=2)
-        try:
-            async with Arena(plan, {"vf": environment}, emitter=_emitter(kafka_settings, pipeline_topics),
-                             policy_base_url=server.base_url) as arena:
-                stats = await arena.run(num_groups=2)
-        finally:
-            await environment.episode.aclose()
-        model = server.model
-    rollouts, steps = await _read_log(kafka_settings, pipeline_topics, 4)
-    assert stats.failed == 0, [r.failure_reason for r in rollouts]
+    model, rollouts, steps = await _on_the_broker(kafka_settings, pipeline_topics, environment, "arithmetic", seed=4,
+                                                  group_size=2, num_groups=2)
     for r in rollouts:
         assert r.status == "completed" and r.environment == "vf-questions@0.1" and r.episode_type == "verifiers_v1"
         assert r.members == {"solver": True}
@@ -176,17 +188,9 @@ async def test_two_seat_game_each_seat_its_own_member(kafka_settings, pipeline_t
     env = GameEnv(GameConfig(taskset={"id": "rl_test_game"}))
     environment = verifiers_v1_environment(env, name="vf-game", version="0.1")
     assert environment.episode.members == ("debater_a", "debater_b")
-    async with PolicyServer(PolicyModel.from_seed(5), family="tiny-byte-lm") as server:
-        plan = _plan("debate", server.base_url, group_size=4)  # train_one: one seat learns, the other is fixed
-        try:
-            async with Arena(plan, {"game": environment}, emitter=_emitter(kafka_settings, pipeline_topics),
-                             policy_base_url=server.base_url) as arena:
-                stats = await arena.run(num_groups=1)
-        finally:
-            await environment.episode.aclose()
-        model = server.model
-    rollouts, steps = await _read_log(kafka_settings, pipeline_topics, 4)
-    assert stats.failed == 0, [r.failure_reason for r in rollouts]
+    # the debate plan trains one seat (train_one), the other is fixed
+    model, rollouts, steps = await _on_the_broker(kafka_settings, pipeline_topics, environment, "debate", seed=5,
+                                                  group_size=4, num_groups=1)
     trained = set()
     for r in rollouts:
         assert r.status == "completed" and r.episode_type == "verifiers_v1"
@@ -217,12 +221,8 @@ async def test_endpoint_down_fails_the_rollout_with_the_reason():
     environment = verifiers_v1_environment(env, name="vf-down", version="0.1")
     dead = f"http://127.0.0.1:{free_port()}/v1"
     em = MemoryEmitter()
-    try:
-        async with Arena(_plan("arithmetic", dead, group_size=1), {"vf": environment}, emitter=em,
-                         policy_base_url=dead, client_options={"max_attempts": 2, "backoff_s": 0.01}) as arena:
-            await arena.run(num_groups=1)
-    finally:
-        await environment.episode.aclose()
+    await _run(environment, _plan("arithmetic", dead, group_size=1), em, dead, 1,
+               client_options={"max_attempts": 2, "backoff_s": 0.01})
     (r,) = em.rollouts
     assert r.status == "failed" and "endpoint unavailable" in r.failure_reason, r.failure_reason
     assert not em.steps
@@ -250,12 +250,8 @@ async def test_interaction_turns_of_one_seat_are_steps_of_one_member(policy_serv
     env = TwoTurnsEnv(ChatConfig(taskset={"id": "rl_test_two_turns"}))
     environment = verifiers_v1_environment(env, name="vf-two-turns", version="0.1", member="talker")
     em = MemoryEmitter()
-    try:
-        async with Arena(_plan("arithmetic", policy_server_for_v1.base_url, group_size=2), {"vf": environment},
-                         emitter=em, policy_base_url=policy_server_for_v1.base_url) as arena:
-            await arena.run(num_groups=1)
-    finally:
-        await environment.episode.aclose()
+    url = policy_server_for_v1.base_url
+    await _run(environment, _plan("arithmetic", url, group_size=2), em, url, 1)
     assert len(em.rollouts) == 2
     for r in em.rollouts:
         assert r.status == "completed", r.failure_reason
@@ -284,13 +280,8 @@ async def test_single_agent_env_on_real_vllm(vllm_server, kafka_settings, pipeli
     plan = plan.model_copy(update={"targets": targets, "group_size": 2})
     env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset={"id": "rl_test_questions"}, agent=chat_agent()))
     environment = verifiers_v1_environment(env, name="vf-questions", version="0.1", member="solver")
-    try:
-        async with Arena(plan, {"vf": environment}, emitter=_emitter(kafka_settings, pipeline_topics),
-                         policy_base_url=vllm_server.base_url, weights=None,
-                         client_options=CPU_CLIENT_OPTIONS) as arena:
-            stats = await arena.run(num_groups=1)
-    finally:
-        await environment.episode.aclose()
+    stats = await _run(environment, plan, _emitter(kafka_settings, pipeline_topics), vllm_server.base_url, 1,
+                       weights=None, client_options=CPU_CLIENT_OPTIONS)
     rollouts, steps = await _read_log(kafka_settings, pipeline_topics, 2)
     assert stats.failed == 0, [r.failure_reason for r in rollouts]
     tok = AutoTokenizer.from_pretrained(prepare_model().path)
