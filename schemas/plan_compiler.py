@@ -113,7 +113,6 @@ UNRUNNABLE = {
             "reverse-KL loss; the pipeline has neither",
     "sft": "samples from a frozen model and trains cross-entropy on its tokens; the trainer has no CE loss",
 }
-CREDIT_STRATEGIES = ("grpo", "reinforce_baseline", "ema_per_member", "per_step")  # consumers.credit.STRATEGIES
 
 
 class _Compiler:
@@ -382,13 +381,11 @@ class _Compiler:
         return _cannot_run(kind, params, path, UNRUNNABLE[kind])
 
     def _advantage(self, adv: dict, path: str) -> AdvantageSpec:
-        """Our (and the multi-agent fork's) [advantage]: ``type`` names a credit strategy directly."""
+        """Our (and the multi-agent fork's) [advantage]: ``type`` names a credit strategy directly. Which
+        strategies exist is the credit service's open registry (``consumers.credit``), checked where the
+        plan is run (``consumers.settings``), not here."""
         kind = self.string(adv.get("type", "grpo"), _join(path, "type"))
         params = {k: v for k, v in adv.items() if k != "type"}
-        if kind not in CREDIT_STRATEGIES:
-            return self._unknown_type(kind, params, path, CREDIT_STRATEGIES, "credit strategy",
-                                      f"advantage type {kind!r} is not a credit strategy here "
-                                      f"({', '.join(CREDIT_STRATEGIES)})")
         if params.get("length_penalty") is not None:
             return _cannot_run(kind, params, path, f"{kind} with a length_penalty: the credit service has no "
                                                    "length shaping")

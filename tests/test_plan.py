@@ -454,10 +454,19 @@ def test_fork_recipe_passes_unknown_sampling_keys_to_the_server() -> None:
     assert plan.route("judge", "r", 0) == (judge, False)
     assert [e.name for e in plan.eval_environments] == ["gpqa-openended-debate-bs512-eval"]
     assert plan.eval_environments[0].options["group_size"] == 8
-    # the fork's [advantage] type = "rae" (with a length penalty) is not one of our strategies: shown, refused
+    # the fork's [advantage] type = "rae" comes with a length penalty the credit service cannot apply: refused
     assert plan.advantage.type == "rae" and plan.advantage.credit is None
-    with pytest.raises(PlanError, match="advantage type 'rae' is not a credit strategy here"):
+    with pytest.raises(PlanError, match="rae with a length_penalty: the credit service has no length shaping"):
         credit_strategy(plan)
+    # without it, "rae" names a strategy: the credit registry (open) decides, where the plan is run
+    from consumers.settings import PlanRefused, plan_values
+
+    import tomllib
+
+    plain = compile_plan_dict(tomllib.loads(GOOD_HEAD + '[orchestrator.advantage]\ntype = "rae"\n'), "plain-rae.toml")
+    assert plain.advantage.credit == "rae"
+    with pytest.raises(PlanRefused, match="advantage type 'rae' is not a registered credit strategy"):
+        plan_values(plain, credit=True)
 
 
 def _src(extra: str = "", algo: str = "") -> dict:
@@ -590,14 +599,18 @@ def test_cli_shows_algorithm_refusal_and_passthrough(capsys: pytest.CaptureFixtu
 def test_credit_and_trainer_services_refuse_an_algorithm_they_cannot_run() -> None:
     import argparse
 
-    from consumers.services import add_args, config_from_args
+    from consumers.cli import register_serve, settings_from_args
 
     parser = argparse.ArgumentParser()
-    add_args(parser)
+    register_serve(parser.add_subparsers())
     mixed = str(PEER_2026 / "configs_debug_algo_mixed_grpo_opd.toml")
     for service in ("credit", "trainer"):
         with pytest.raises(SystemExit, match=f"rollout serve {service}: refusing the plan: .*algorithm 'opd'"):
-            config_from_args(parser.parse_args([service, "--plan", mixed]))
-    config_from_args(parser.parse_args(["verifier", "--plan", mixed]))  # does not assign credit: unaffected
-    cfg = config_from_args(parser.parse_args(["credit", "--plan", str(PEER_2026 / "configs_debug_algo_rae.toml")]))
-    assert (cfg.credit, cfg.credit_params["alpha"]) == ("ema_per_member", 0.95)
+            settings_from_args(parser.parse_args([service, "--plan", mixed]))
+    settings_from_args(parser.parse_args(["verifier", "--plan", mixed]))  # does not assign credit: unaffected
+    rae = str(PEER_2026 / "configs_debug_algo_rae.toml")
+    cfg = settings_from_args(parser.parse_args(["credit", "--plan", rae]))
+    assert (cfg.credit, cfg.strategy_params["alpha"]) == ("ema_per_member", 0.95)
+    # an explicit flag beats the plan, which beats the environment, which beats the default
+    cfg = settings_from_args(parser.parse_args(["credit", "--plan", rae, "--alpha", "0.5"]))
+    assert (cfg.credit, cfg.strategy_params["alpha"]) == ("ema_per_member", 0.5)

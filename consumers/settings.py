@@ -1,0 +1,121 @@
+"""The services' settings: one object, built once from flags, plan, environment and defaults.
+
+Precedence, highest first: an explicit flag > the plan (``--plan``) > ``ROLLOUT_<FIELD>`` in the
+environment > the default here. Each service declares which fields are its own options
+(``consumers.registry``); its flags are derived from those fields, so a verifier has no ``--lr``.
+Defaults that the plan also defines (batch size, off-policy bound) come from the plan model, so
+a service started without a plan behaves like one started with prime-rl's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas.plan import DEFAULT_BATCH_SIZE, DEFAULT_MAX_OFF_POLICY_STEPS, GenerationPlan
+from schemas.policy import TINY_FAMILY
+
+
+class PlanRefused(Exception):
+    """The plan asks for something this service cannot run (one line for the user)."""
+
+
+class ServiceSettings(BaseSettings):
+    """Everything a service reads; a service's own options are the fields its declaration names."""
+
+    model_config = SettingsConfigDict(env_prefix="ROLLOUT_", extra="forbid", validate_assignment=True)
+
+    instance: str = Field("", description="label for logs and producer names (several instances of one service)")
+    family: str = Field(TINY_FAMILY, description="the learner's model family")
+    credit: str = Field("grpo", description="credit strategy (consumers.credit.STRATEGIES)")
+    credit_params: dict[str, Any] = Field(default_factory=dict, description="strategy parameters (from the plan)")
+    alpha: float | None = Field(None, description="EMA factor of the moving baselines (default: the strategy's)")
+    group_timeout_s: float = Field(300.0, description="refuse or flush a group still incomplete after this long")
+    step_timeout_s: float = Field(600.0, description="dead-letter a rollout whose steps are still missing after this long")
+    judge_targets: dict[str, Any] = Field(default_factory=dict, description="judge endpoints (from the plan)")
+    max_off_policy_steps: int = Field(DEFAULT_MAX_OFF_POLICY_STEPS, ge=0,
+                                      description="refuse records more revisions behind the batch target than this")
+    batch_records: int | None = Field(DEFAULT_BATCH_SIZE, ge=1, description="records per TrainerBatch")
+    batch_tokens: int | None = Field(None, ge=1, description="completion tokens per TrainerBatch (instead of records)")
+    flush_after_s: float = Field(5.0, description="emit a partial batch after this long")
+    step_records: int = Field(1, ge=1, description="trainer: records per optimizer step (smaller batches are merged)")
+    checkpoint_dir: str = Field(".state/checkpoints", description="trainer: where checkpoints are written")
+    lr: float = Field(1e-3, gt=0, description="trainer: learning rate")
+    epochs: int = Field(1, ge=1, description="trainer: optimizer passes over each batch (PPO epochs)")
+
+    @property
+    def strategy_params(self) -> dict[str, Any]:
+        """The credit strategy's parameters: the plan's, the group timeout, and ``alpha`` when set."""
+        alpha = {"alpha": self.alpha} if self.alpha is not None else {}
+        return {"group_timeout_s": self.group_timeout_s, **self.credit_params, **alpha}
+
+
+def plan_values(plan: GenerationPlan, *, credit: bool) -> dict[str, Any]:
+    """The settings a plan defines. ``credit``: the service runs the plan's algorithm, so a plan whose
+    algorithm nothing here runs (or names a strategy nobody registered) is refused (``PlanRefused``)
+    instead of falling back to another."""
+    from consumers.credit import STRATEGIES
+    from schemas.plan import PlanError, credit_strategy
+
+    values: dict[str, Any] = {"family": plan.family, "max_off_policy_steps": plan.max_off_policy_steps,
+                              "judge_targets": dict(plan.targets), "step_records": plan.batch_size}
+    if plan.token_batch_size:
+        values.update(batch_tokens=plan.token_batch_size, batch_records=None)
+    else:
+        values["batch_records"] = plan.batch_size
+    try:
+        name, params = credit_strategy(plan)
+        if name not in STRATEGIES:
+            raise PlanError(f"{plan.source}: advantage type {name!r} is not a registered credit strategy "
+                            f"({', '.join(STRATEGIES)}; see consumers.credit.register_strategy)")
+        values["credit"], values["credit_params"] = name, params
+    except PlanError as e:
+        if credit:
+            raise PlanRefused(str(e)) from None
+    return values
+
+
+def build(flags: dict[str, Any] | None = None, plan: GenerationPlan | None = None, *, credit: bool = False,
+          **overrides: Any) -> ServiceSettings:
+    """Settings from the sources in precedence order: ``overrides`` and ``flags`` > ``plan`` > environment.
+    An explicit ``credit`` flag replaces the plan's algorithm, so the plan's cannot be refused then."""
+    flags = {**(flags or {}), **overrides}
+    values = plan_values(plan, credit=credit and "credit" not in flags) if plan is not None else {}
+    values.update(flags)
+    return ServiceSettings(**values)
+
+
+# -- flags -------------------------------------------------------------------------------------------------
+_NOT_FLAGS = {"credit_params", "judge_targets"}  # structured: from the plan only
+
+
+def add_flags(p: argparse.ArgumentParser, fields: tuple[str, ...]) -> None:
+    """One flag per field, default suppressed: only what the user typed reaches ``build``."""
+    for name in fields:
+        if name in _NOT_FLAGS:
+            continue
+        info = ServiceSettings.model_fields[name]
+        kind = _scalar(info.annotation)
+        default = info.default if info.default_factory is None else info.default_factory()
+        extra: dict[str, Any] = {}
+        if name == "credit":
+            from consumers.credit import STRATEGIES
+
+            extra["choices"] = list(STRATEGIES)
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=argparse.SUPPRESS,
+                       metavar=name.upper() if kind is str else None,
+                       help=f"{info.description} (default: {default}; env ROLLOUT_{name.upper()})", **extra)
+
+
+def flags_of(args: argparse.Namespace, fields: tuple[str, ...]) -> dict[str, Any]:
+    return {f: getattr(args, f) for f in fields if hasattr(args, f)}
+
+
+def _scalar(annotation: Any) -> type:
+    for t in (int, float, str):
+        if annotation is t or t in getattr(annotation, "__args__", ()):
+            return t
+    raise TypeError(f"no flag type for {annotation!r}")
