@@ -116,11 +116,15 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from replay.ingest import ReplayError, Replayer, Until
-
     import asyncio
+    import os
+
+    from replay.ingest import ReplayError, Replayer, Until
+    from replay.tables import UnusableDatabase, connect
 
     try:
+        if os.path.exists(args.db):  # replay adds to it: refuse a file that is not a usable DuckDB database
+            connect(args.db, read_only=False).close()
         until = Until.parse(args.until)
         progress = None
         if not args.quiet and sys.stderr.isatty():
@@ -128,7 +132,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                                        file=sys.stderr, flush=True)
         result = asyncio.run(Replayer(args.db, _settings(), run_id=args.run_id, until=until, progress=progress,
                                           compress=args.compress or None).run())
-    except ReplayError as e:
+    except (ReplayError, UnusableDatabase) as e:
         return _fail("replay", e, 2)
     if progress:
         print(file=sys.stderr)

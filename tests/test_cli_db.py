@@ -1,4 +1,4 @@
-"""The read commands (audit, sql, report, export) on a --db they cannot use, and sql's dot commands given as the
+"""The read commands (audit, sql, report, export; and replay) on a --db they cannot use, and sql's dot commands given as the
 query: one line on stderr that says what to do, and the exit code; real DuckDB files, no broker."""
 
 from __future__ import annotations
@@ -61,6 +61,15 @@ def test_a_file_that_is_not_duckdb_is_one_line(command, tmp_path, monkeypatch, c
     rc, out, err = run_cli(capsys, command.split()[0], "--db", str(text), *rest)
     assert rc == code and not out
     assert len(err) == 1 and f"{text} is not a DuckDB file" in err[0] and "rollout replay --db" in err[0], err
+
+
+def test_replay_into_a_file_that_is_not_duckdb_is_one_line_before_any_kafka(tmp_path, capsys):
+    text = tmp_path / "notes.txt"
+    text.write_text("my notes\n")
+    rc, out, err = run_cli(capsys, "replay", "--db", str(text))
+    assert rc == 2 and not out
+    assert len(err) == 1 and f"{text} is not a DuckDB file" in err[0], err
+    assert text.read_text() == "my notes\n"  # untouched
 
 
 def test_sql_write_does_not_create_a_missing_db(tmp_path, capsys):
