@@ -74,8 +74,10 @@ async def _arena_run(settings, plan, url: str, groups: int, tokens: int, concurr
 async def _raw(settings, messages: list) -> dict:
     from aiokafka import AIOKafkaProducer
 
+    from streams.settings import MAX_MESSAGE_BYTES
+
     producer = AIOKafkaProducer(**settings.client_kwargs(), enable_idempotence=True, acks="all",
-                                max_request_size=8 * 1024 * 1024)
+                                max_request_size=MAX_MESSAGE_BYTES)
     await producer.start()
     try:
         t0 = time.perf_counter()

@@ -24,10 +24,11 @@ import asyncio
 import json
 import os
 import platform
-import statistics
 import time
 import uuid
 from typing import Any
+
+from streams.settings import MAX_MESSAGE_BYTES
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -57,7 +58,7 @@ async def _produce(kw, msgs, *, rate_per_s: float | None = None, topic_map=None,
     from aiokafka import AIOKafkaProducer
 
     prod = AIOKafkaProducer(**kw, transactional_id=f"bench-seed-{uuid.uuid4().hex[:6]}", enable_idempotence=True,
-                            linger_ms=5, max_request_size=8 * 1024 * 1024, max_batch_size=1024 * 1024)
+                            linger_ms=5, max_request_size=MAX_MESSAGE_BYTES, max_batch_size=1024 * 1024)
     await prod.start()
     written: dict[str, int] = {}
     t0 = time.monotonic()
@@ -80,31 +81,6 @@ async def _produce(kw, msgs, *, rate_per_s: float | None = None, topic_map=None,
     finally:
         await prod.stop()
     return written
-
-
-async def _services(kw, batch_records: int):
-    from consumers.services import ServiceConfig, build_processor, ensure_topics
-
-    cfg = ServiceConfig(batch_records=batch_records, flush_after_s=0.5)
-    procs = []
-    for n in ("verifier", "credit", "batcher"):
-        await ensure_topics(n, kw)
-    for n in ("verifier", "credit", "batcher"):
-        p = build_processor(n, cfg, kw)
-        p.tick_s = 0.2
-        procs.append(p)
-    tasks = [asyncio.create_task(p.run()) for p in procs]
-    return procs, tasks
-
-
-async def _stop(procs, tasks) -> None:
-    for p in procs:
-        p.stopping.set()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    for p in procs:
-        side = getattr(p, "side", None)
-        if side is not None:
-            await side.stop()
 
 
 async def _batches_until(kw, n_records: int, timeout_s: float, written: dict[str, int] | None = None):
@@ -165,10 +141,12 @@ async def _refusals(kw) -> dict[str, int]:
 async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int, rate: float) -> dict[str, Any]:
     os.environ["ROLLOUT_TOPIC_PREFIX"] = f"bench{uuid.uuid4().hex[:6]}."
     from consumers import testing
+    from consumers.runner import System
+    from consumers.settings import ServiceSettings
     from streams import serde, topics
 
     msgs = _messages(n, tokens)
-    await _ensure_all(kw)
+    await topics.create_topics(kw)
     from aiokafka import AIOKafkaProducer
 
     p = AIOKafkaProducer(**kw)
@@ -177,9 +155,11 @@ async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int, ra
     await p.send_and_wait(topics.POLICY_REVISIONS.name, v, key=k, headers=h)
     await p.stop()
     await _produce(kw, msgs)
-    procs, tasks = await _services(kw, batch_records)
-    t0 = time.monotonic()
-    try:
+    settings = ServiceSettings(family=testing.FAMILY, batch_records=batch_records, flush_after_s=0.5)
+    async with System(("verifier", "credit", "batcher"), settings, kw) as system:
+        for proc in system.processors.values():
+            proc.tick_s = 0.2
+        t0 = time.monotonic()
         t1, _, batches, toks, nrec = await _batches_until(kw, n, 600)
         tf = _batches_until.first  # type: ignore[attr-defined]
         thr = {"rollouts": nrec, "seconds": round(t1 - t0, 3), "rollouts_per_s": round(nrec / (t1 - t0), 1),
@@ -198,16 +178,7 @@ async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int, ra
             lat = {"rate_rollouts_per_s": round(rate, 1), "p50_ms": _pct(lats, 0.5), "p99_ms": _pct(lats, 0.99),
                    "samples": len(lats)}
         ref = await _refusals(kw)
-    finally:
-        await _stop(procs, tasks)
     return {"throughput": thr, "latency": lat, "dead_letters": ref}
-
-
-async def _ensure_all(kw) -> None:
-    from consumers.services import ensure_topics
-
-    for n in ("verifier", "credit", "batcher"):
-        await ensure_topics(n, kw)
 
 
 async def bench_raw(kw, n: int, tokens: int, m: int, rate: float) -> dict[str, Any]:
@@ -218,7 +189,7 @@ async def bench_raw(kw, n: int, tokens: int, m: int, rate: float) -> dict[str, A
 
     prefix = f"raw{uuid.uuid4().hex[:6]}."
     os.environ["ROLLOUT_TOPIC_PREFIX"] = prefix
-    hops = [topics.Topic(f"hop{i}", 12, {"max.message.bytes": str(8 * 1024 * 1024)}) for i in range(1, 4)]
+    hops = [topics.Topic(f"hop{i}", 12, {"max.message.bytes": str(MAX_MESSAGE_BYTES)}) for i in range(1, 4)]
     await topics.create_topics(kw, [topics.STEPS, topics.ROLLOUTS, *hops])
     msgs = _messages(n, tokens)
     await _produce(kw, msgs)
@@ -228,7 +199,7 @@ async def bench_raw(kw, n: int, tokens: int, m: int, rate: float) -> dict[str, A
     async def hop(src: list[str], dst: str, gid: str) -> None:
         c = AIOKafkaConsumer(*src, **kw, group_id=gid, auto_offset_reset="earliest", enable_auto_commit=True,
                              max_partition_fetch_bytes=16 * 1024 * 1024)
-        p = AIOKafkaProducer(**kw, linger_ms=5, max_request_size=8 * 1024 * 1024, max_batch_size=1024 * 1024,
+        p = AIOKafkaProducer(**kw, linger_ms=5, max_request_size=MAX_MESSAGE_BYTES, max_batch_size=1024 * 1024,
                              enable_idempotence=True)
         await c.start()
         await p.start()

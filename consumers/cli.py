@@ -1,21 +1,76 @@
-"""`rollout serve verifier|credit|batcher|trainer` (registered in rollout/serve_cmd.py) and `rollout status`."""
+"""`rollout serve <service>` for every service in ``consumers.registry`` (``python -m consumers serve`` too)."""
 
 from __future__ import annotations
 
 import argparse
 
-HELP = {
-    "verifier": "score Rollouts (with their Steps) -> RolloutScored, exactly-once",
-    "credit": "credit assignment: RolloutScored -> TrainingRecords (grpo, reinforce_baseline, ema_per_member, per_step)",
-    "batcher": "TrainingRecords -> lineage-stamped TrainerBatches with an off-policy bound",
-    "trainer": "reference trainer: TrainerBatches -> clipped policy-gradient step -> PolicyRevision",
-}
+from pydantic import ValidationError
+
+from consumers import settings as settings_mod
+from consumers.registry import SERVICES
+
+COMMON = ("instance",)
+
+
+def add_service_parser(ssub: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
+    svc = SERVICES[name]
+    p = ssub.add_parser(
+        name, help=svc.help, description=f"{svc.help}. Reads {', '.join(t.key for t in svc.inputs)}; writes "
+        f"{', '.join(t.key for t in svc.outputs)}. Consumer group {svc.group_id}: start more instances to "
+        "scale out. Settings: a flag given here > the plan (--plan) > ROLLOUT_<SETTING> > the default.")
+    p.add_argument("--plan", default=None, help="GenerationPlan (prime-rl TOML) whose settings this service uses")
+    p.add_argument("--log-level", default="INFO")
+    settings_mod.add_flags(p, COMMON + svc.options)
+    p.set_defaults(func=cmd_serve, name=name)
+    return p
 
 
 def register_serve(ssub: argparse._SubParsersAction) -> None:
-    from consumers.services import add_options, cmd_serve
+    for name in SERVICES:
+        add_service_parser(ssub, name)
 
-    for name, text in HELP.items():
-        p = ssub.add_parser(name, help=text)
-        add_options(p)
-        p.set_defaults(func=cmd_serve, name=name)
+
+def settings_from_args(args: argparse.Namespace) -> settings_mod.ServiceSettings:
+    """Flags > plan > environment > defaults; a plan the service cannot run ends the command with one line."""
+    svc = SERVICES[args.name]
+    plan = None
+    try:
+        if args.plan:
+            from schemas.plan_compiler import compile_plan
+
+            plan = compile_plan(args.plan)
+        return settings_mod.build(settings_mod.flags_of(args, COMMON + svc.options), plan,
+                                  credit=svc.runs_algorithm)
+    except settings_mod.PlanRefused as e:
+        raise SystemExit(f"rollout serve {svc.name}: refusing the plan: {e}") from None
+    except ValidationError as e:  # a bad ROLLOUT_* value or plan setting
+        raise SystemExit(f"rollout serve {svc.name}: invalid settings: "
+                         + "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from consumers.runner import serve, setup_logging
+    from streams.config import KafkaSettings, ensure_broker
+
+    cfg = settings_from_args(args)
+    setup_logging(args.log_level)
+    kafka = KafkaSettings.from_env()
+    kafka = kafka.with_bootstrap(ensure_broker(kafka))
+    asyncio.run(serve(SERVICES[args.name], cfg, kafka.client_kwargs()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m consumers serve <service> [...] | status"""
+    from consumers import status
+
+    parser = argparse.ArgumentParser(prog="python -m consumers")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    serve = sub.add_parser("serve", help="run one service").add_subparsers(dest="service", required=True)
+    register_serve(serve)
+    status.register(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+

@@ -11,15 +11,11 @@ import json
 import time
 from typing import Any
 
-SERVICE_INPUTS = {"verifier": ["steps", "rollouts"], "credit": ["scores"], "batcher": ["training-records"],
-                  "trainer": ["trainer-batches"]}
-
-
 async def service_lag(client_kwargs: dict[str, Any], *, sample_s: float = 1.0) -> list[dict[str, Any]]:
     from aiokafka import AIOKafkaConsumer, TopicPartition
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from streams import topics
+    from consumers.registry import SERVICES
 
     admin = AIOKafkaAdminClient(**client_kwargs)
     await admin.start()
@@ -31,10 +27,10 @@ async def service_lag(client_kwargs: dict[str, Any], *, sample_s: float = 1.0) -
 
         async def snapshot() -> dict[str, dict[str, int]]:
             out = {}
-            for svc, keys in SERVICE_INPUTS.items():
-                group = f"{topics.topic_prefix()}{svc}"
-                tps = [TopicPartition(topics.TOPICS[k].name, p) for k in keys for p in range(topics.TOPICS[k].partitions)
-                       if topics.TOPICS[k].name in existing]
+            for svc, service in SERVICES.items():
+                group = service.group_id
+                tps = [TopicPartition(t.name, p) for t in service.inputs for p in range(t.partitions)
+                       if t.name in existing]
                 if not tps:
                     continue
                 ends = await cons.end_offsets(tps)

@@ -44,9 +44,8 @@ from policy.checkpoint import load_checkpoint_info
 from policy.model import PolicyModel, generate_batch
 from policy.tokenizer import END, EOS, TOKENIZER
 from producers.http_server import JsonHttpServer, Request, Response, error
-from schemas.policy import CheckpointRef, PolicyRef
+from schemas.policy import TINY_FAMILY, CheckpointRef, PolicyRef
 
-DEFAULT_FAMILY = "tiny-byte-lm"
 DEFAULT_MAX_TOKENS = 64
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
@@ -61,7 +60,7 @@ class _Job:
 
 
 class PolicyServer:
-    def __init__(self, model: PolicyModel | None = None, *, family: str = DEFAULT_FAMILY, revision: int = 0,
+    def __init__(self, model: PolicyModel | None = None, *, family: str = TINY_FAMILY, revision: int = 0,
                  checkpoint_digest: str | None = None, host: str = "127.0.0.1", port: int = 0,
                  max_batch: int = 64, model_name: str | None = None, torch_threads: int | None = 1) -> None:
         self.model = model or PolicyModel.from_seed(0)
@@ -259,7 +258,7 @@ def _parse_tool_calls(text: str) -> list[dict[str, Any]]:
 
 
 async def serve(host: str = "127.0.0.1", port: int = 8000, *, checkpoint: str | None = None,
-                family: str = DEFAULT_FAMILY, revision: int = 0, seed: int = 0, max_batch: int = 64) -> None:
+                family: str = TINY_FAMILY, revision: int = 0, seed: int = 0, max_batch: int = 64) -> None:
     """Run until cancelled (the ``rollout serve policy`` entry point)."""
     if checkpoint:
         model, info = load_checkpoint_info(checkpoint)

@@ -58,7 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 async def _main(args: argparse.Namespace) -> int:
     import json
 
-    from producers.arena import Arena, RevisionFollower
+    from producers.arena import Arena
+    from streams.revisions import RevisionFollower
     from producers.emitter import KafkaEmitter
     from schemas.envelope import new_id
     from schemas.plan_compiler import compile_plan

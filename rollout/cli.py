@@ -20,7 +20,7 @@ SUBCOMMANDS: list[str] = [
     "rollout.demo",  # rollout demo
     "consumers.status",  # rollout status: per-service consumer lag and throughput
     "rollout.arena_cmd",  # rollout arena PLAN (producers: episodes -> Steps/Rollouts on Kafka)
-    "rollout.serve_cmd",  # rollout serve policy|<service> (services register in serve_cmd.SERVICES)
+    "rollout.serve_cmd",  # rollout serve policy|vllm|<service> (services: consumers.registry)
     "rollout.replay_cmd",  # rollout runs|replay|audit|sql|export|report: a run from the log in DuckDB
     "rollout.plan_cmd",  # rollout plan FILE [--json]: the compiled GenerationPlan
     "rollout.model_cmd",  # rollout model prepare|info: the packaged model (SmolLM2-135M-Instruct)

@@ -86,11 +86,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"Kafka: {where} at {settings.bootstrap}", flush=True)
     from policy.hf import ModelUnavailable
     from producers.vllm_server import VllmStartError
+    from consumers.settings import PlanRefused
     from schemas.plan import PlanError
 
     try:
         return asyncio.run(_demo(settings, args))
-    except (ModelUnavailable, VllmStartError, PlanError) as e:
+    except (ModelUnavailable, VllmStartError, PlanError, PlanRefused) as e:
         print(f"rollout demo: error: {e}", file=sys.stderr)
         return 1
 
@@ -198,14 +199,21 @@ async def _show(progress: Progress, stop: asyncio.Event, enabled: bool) -> None:
 # -- the run ----------------------------------------------------------------------------------------------
 
 async def _demo(settings, args) -> int:
+    """A fresh run: its own topics (prefix ``demo-<run>.``) for everything this process starts."""
+    from streams.settings import overridden
+
+    run = uuid.uuid4().hex[:8]
+    prefix = f"demo-{run}."
+    with overridden(topic_prefix=prefix):
+        return await _run(settings, args, run, prefix)
+
+
+async def _run(settings, args, run: str, prefix: str) -> int:
     from consumers.trainer import initial_revision
-    from schemas.plan import compile_plan
+    from schemas.plan_compiler import compile_plan
     from streams.local_broker import free_port
 
     t0 = time.monotonic()
-    run = uuid.uuid4().hex[:8]
-    prefix = f"demo-{run}."
-    os.environ["ROLLOUT_TOPIC_PREFIX"] = prefix
     kw = settings.client_kwargs()
     plan = compile_plan(args.plan)
     family = plan.family
@@ -257,80 +265,53 @@ async def _demo(settings, args) -> int:
 
 async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress,
                 vllm_exited=lambda: False) -> tuple[int, dict]:
-    from aiokafka import AIOKafkaProducer
-
-    from consumers.services import ServiceConfig, build_processor, ensure_topics
-    from consumers.trainer import TrainerTask
-    from streams import serde, topics
-    from streams.transactions import TransactionalProcessor
+    from consumers import settings as service_settings
+    from consumers.registry import SERVICES
+    from consumers.runner import System
+    from streams import topics
+    from streams.revisions import publish
 
     progress.phase = "creating topics"
-    for svc in ("verifier", "credit", "batcher", "trainer"):
-        await ensure_topics(svc, kw)
-    prod = AIOKafkaProducer(**kw)
-    await prod.start()
-    k, v, h = serde.to_message(rev0)
-    await prod.send_and_wait(topics.POLICY_REVISIONS.name, v, key=k, headers=h)
-    await prod.stop()
+    await topics.create_topics(kw)
+    await publish(kw, rev0)
 
-    from schemas.plan import credit_strategy
+    # the plan's settings (its algorithm refused if nothing here runs it), with the demo's own pacing
+    cfg = service_settings.build(plan=plan, credit=True, checkpoint_dir=str(ckdir), lr=args.lr, epochs=args.epochs,
+                                 batch_records=args.batch_records or max(1, plan.batch_size // topics.TRAINING_RECORDS.partitions),
+                                 flush_after_s=1.0, group_timeout_s=60)
+    async with System(SERVICES, cfg, kw):
+        stop_tail = asyncio.Event()
+        tail = asyncio.create_task(_tail(kw, progress, stop_tail))
+        env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
+        progress.phase = "generating and training"
+        t0 = time.monotonic()
+        arena = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rollout.cli", "arena", args.plan, "--groups", str(args.groups), "--follow-revisions",
+            "--evaluate", "--await-final-revision", "300", "--no-progress", "--run-id", run, *arena_args,
+            cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out = b""
+        rc = 0
+        try:
+            out, _ = await asyncio.wait_for(arena.communicate(), args.timeout)
+            progress.phase = f"arena finished (rc {arena.returncode}); draining the services"
+            from consumers.status import service_lag
 
-    credit, credit_params = credit_strategy(plan)  # refuses an algorithm nothing here runs (never GRPO by default)
-    cfg = ServiceConfig(family=plan.family, credit=credit, credit_params=credit_params,
-                        max_off_policy_steps=plan.max_off_policy_steps,
-                        batch_records=args.batch_records or max(1, plan.batch_size // topics.TRAINING_RECORDS.partitions),
-                        flush_after_s=1.0, group_timeout_s=60)
-    procs = [build_processor(n, cfg, kw) for n in ("verifier", "credit", "batcher")]
-    trainer_tasks: list[TrainerTask] = []
-
-    def make_trainer(p: int) -> TrainerTask:
-        t = TrainerTask(p, plan.family, ckdir, lr=args.lr, epochs=args.epochs, producer="trainer",
-                        min_records=plan.batch_size, target_checkpoint=lambda target: rev0.checkpoint)
-        trainer_tasks.append(t)
-        return t
-
-    procs.append(TransactionalProcessor("trainer", [topics.TRAINER_BATCHES.name], topics.TRAINER_BATCHES.partitions,
-                                        make_trainer, kw))
-    tasks = [asyncio.create_task(p.run()) for p in procs]
-    stop_tail = asyncio.Event()
-    tail = asyncio.create_task(_tail(kw, progress, stop_tail))
-    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
-    progress.phase = "generating and training"
-    t0 = time.monotonic()
-    arena = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rollout.cli", "arena", args.plan, "--groups", str(args.groups), "--follow-revisions",
-        "--evaluate", "--await-final-revision", "300", "--no-progress", "--run-id", run, *arena_args,
-        cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out = b""
-    rc = 0
-    try:
-        out, _ = await asyncio.wait_for(arena.communicate(), args.timeout)
-        progress.phase = f"arena finished (rc {arena.returncode}); draining the services"
-        from consumers.status import service_lag
-
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            lag = {r["service"]: r["lag"] for r in await service_lag(kw, sample_s=0.2)}
-            if all(lag.get(s, 0) == 0 for s in ("verifier", "credit", "batcher", "trainer")):
-                await asyncio.sleep(cfg.flush_after_s + 1.0)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
                 lag = {r["service"]: r["lag"] for r in await service_lag(kw, sample_s=0.2)}
-                if all(lag.get(s, 0) == 0 for s in ("verifier", "credit", "batcher", "trainer")):
-                    break
-            await asyncio.sleep(1.0)
-    except asyncio.TimeoutError:
-        arena.kill()
-        rc = 1
-        print(f"rollout demo: the arena did not finish within {args.timeout:.0f}s (--timeout)", file=sys.stderr)
-    finally:
-        for p in procs:
-            p.stopping.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for p in procs:
-            side = getattr(p, "side", None)
-            if side is not None:
-                await side.stop()
-        stop_tail.set()
-        await asyncio.gather(tail, return_exceptions=True)
+                if not any(lag.values()):
+                    await asyncio.sleep(cfg.flush_after_s + 1.0)
+                    lag = {r["service"]: r["lag"] for r in await service_lag(kw, sample_s=0.2)}
+                    if not any(lag.values()):
+                        break
+                await asyncio.sleep(1.0)
+        except asyncio.TimeoutError:
+            arena.kill()
+            rc = 1
+            print(f"rollout demo: the arena did not finish within {args.timeout:.0f}s (--timeout)", file=sys.stderr)
+        finally:
+            stop_tail.set()
+            await asyncio.gather(tail, return_exceptions=True)
     arena_out = out.decode(errors="replace")
     arena_stats = next((json.loads(l) for l in reversed(arena_out.splitlines()) if l.startswith("{")), None)
     if arena.returncode not in (0, None) or arena_stats is None:
@@ -339,12 +320,12 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
         if vllm_exited():
             print(f"rollout demo: vLLM exited during the run; its log: {ROOT / '.state' / 'demo' / run / 'vllm.log'}",
                   file=sys.stderr)
-    summary = await _summary(kw, trainer_tasks, progress, arena_stats or {})
+    summary = await _summary(kw, progress, arena_stats or {})
     summary.update(run=run, topic_prefix=prefix, policy=args.policy, arena_s=round(time.monotonic() - t0, 1))
     return rc, summary
 
 
-async def _summary(kw, trainer_tasks, progress: Progress, arena_stats: dict) -> dict:
+async def _summary(kw, progress: Progress, arena_stats: dict) -> dict:
     from aiokafka import AIOKafkaConsumer
 
     from schemas import codec
@@ -370,7 +351,7 @@ async def _summary(kw, trainer_tasks, progress: Progress, arena_stats: dict) -> 
     batches = await read(topics.TRAINER_BATCHES.name)
     letters = await read(topics.DEAD_LETTERS.name)
     r4 = lambda v: round(v, 4)  # noqa: E731
-    history = [h for t in trainer_tasks for h in t.history]
+    history = [m for _, m in sorted(progress.revisions.items()) if m]  # each trained revision's step figures
     metrics = {str(k): {n: r4(x) for n, x in m.items()} for k, m in sorted(progress.revisions.items()) if m}
     return {
         "rollouts": sum(not r.evaluation for r in rollouts), "eval_rollouts": sum(r.evaluation for r in rollouts),

@@ -11,6 +11,7 @@ from schemas.envelope import Event, Record
 from schemas.errors import MissingCheckpointError
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+TINY_FAMILY = "tiny-byte-lm"  # the built-in byte-level model: the family a plan-less service or server assumes
 
 
 class CheckpointRef(Record):

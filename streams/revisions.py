@@ -7,6 +7,8 @@ arena, batcher and trainer sees every revision the trainer committed, in order. 
 * ``RevisionWatcher``: keeps the latest revision with a checkpoint per family (the batcher's side input);
 * ``latest_revision``: reads to the end once (the trainer, at start).
 
+``publish`` writes a revision outside the trainer's transactions (revision 0 of a fresh log).
+
 A message that does not decode as a ``PolicyRevision`` is skipped: it is nobody's revision to act on.
 """
 
@@ -118,6 +120,21 @@ async def latest_revision(client_kwargs: Mapping[str, Any], family: str, *, idle
     the log has none)."""
     async with RevisionFollower(client_kwargs, family) as follower:
         return await follower.scan(revision, idle_polls=idle_polls)
+
+
+async def publish(client_kwargs: Mapping[str, Any], revision: PolicyRevision) -> None:
+    """Write one revision (idempotent producer, acknowledged by all in-sync replicas)."""
+    from aiokafka import AIOKafkaProducer
+
+    from streams.serde import to_message
+
+    producer = AIOKafkaProducer(**client_kwargs, enable_idempotence=True)
+    await producer.start()
+    try:
+        key, value, headers = to_message(revision)
+        await producer.send_and_wait(topics.POLICY_REVISIONS.name, value, key=key, headers=headers)
+    finally:
+        await producer.stop()
 
 
 class RevisionWatcher:

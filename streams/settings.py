@@ -8,8 +8,11 @@ An empty variable means the default, except ``ROLLOUT_TOPIC_PREFIX``, where "" i
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
+from collections.abc import Iterator
 
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_core import PydanticUseDefault
@@ -45,10 +48,30 @@ class ProcessingSettings(BaseSettings):
 _ENV_NAMES = tuple(f"ROLLOUT_{name.upper()}" for name in ProcessingSettings.model_fields)
 
 
+_OVERRIDES: contextvars.ContextVar[dict[str, object]] = contextvars.ContextVar("rollout_settings", default={})
+
+
 def current() -> ProcessingSettings:
-    """The settings the environment holds now. Tests change ROLLOUT_TOPIC_PREFIX per test and topic names are
-    looked up per record, so this re-reads the variables on every call but parses them only when they changed."""
-    return _parsed(tuple(os.environ.get(name) for name in _ENV_NAMES))
+    """The settings the environment holds now, with any ``overridden`` values. Tests change
+    ROLLOUT_TOPIC_PREFIX per test and topic names are looked up per record, so this re-reads the variables on
+    every call but parses them only when they changed."""
+    parsed = _parsed(tuple(os.environ.get(name) for name in _ENV_NAMES))
+    overrides = _OVERRIDES.get()
+    return parsed.model_copy(update=overrides) if overrides else parsed
+
+
+@contextlib.contextmanager
+def overridden(**values: object) -> Iterator[None]:
+    """Settings for the code run inside (and the tasks and threads it starts), e.g. the demo's own topic
+    prefix for its in-process services, without changing the process environment."""
+    unknown = set(values) - set(ProcessingSettings.model_fields)
+    if unknown:
+        raise TypeError(f"not processing settings: {sorted(unknown)}")
+    token = _OVERRIDES.set({**_OVERRIDES.get(), **values})
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
 
 
 @functools.lru_cache(maxsize=16)

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.events import DeadLetter, Rollout, RolloutScored, Step, TrainerBatch, TrainingRecord
+from schemas.policy import PolicyRevision
 from streams import settings
 from streams.config import KafkaError
 
@@ -45,6 +47,7 @@ class Topic:
     partitions: int
     configs: Mapping[str, str] = field(default_factory=dict)
     doc: str = ""
+    event: type | None = None  # the event type its records hold (None: internal, e.g. a changelog)
 
     @property
     def name(self) -> str:
@@ -67,13 +70,15 @@ class Topic:
 
 _BIG = {"max.message.bytes": str(settings.MAX_MESSAGE_BYTES)}
 
-POLICY_REVISIONS = Topic("policy-revisions", 1, doc="policy/weights revisions, totally ordered")
-STEPS = Topic("steps", 12, _BIG, doc="environment steps (retention: ROLLOUT_STEPS_RETENTION_MS)")
-ROLLOUTS = Topic("rollouts", 12, _BIG, doc="completed rollouts")
-SCORES = Topic("scores", 12, doc="rewards/scores per rollout")
-TRAINING_RECORDS = Topic("training-records", 12, doc="rollouts joined with scores, ready for training")
-TRAINER_BATCHES = Topic("trainer-batches", 1, doc="batches handed to the trainer; 1 partition keeps batch order")
-DEAD_LETTERS = Topic("dead-letters", 3, doc="records a stage could not process")
+POLICY_REVISIONS = Topic("policy-revisions", 1, doc="policy/weights revisions, totally ordered", event=PolicyRevision)
+STEPS = Topic("steps", 12, _BIG, doc="environment steps (retention: ROLLOUT_STEPS_RETENTION_MS)", event=Step)
+ROLLOUTS = Topic("rollouts", 12, _BIG, doc="completed rollouts", event=Rollout)
+SCORES = Topic("scores", 12, doc="rewards/scores per rollout", event=RolloutScored)
+TRAINING_RECORDS = Topic("training-records", 12, doc="rollouts joined with scores, ready for training",
+                         event=TrainingRecord)
+TRAINER_BATCHES = Topic("trainer-batches", 1, doc="batches handed to the trainer; 1 partition keeps batch order",
+                        event=TrainerBatch)
+DEAD_LETTERS = Topic("dead-letters", 3, doc="records a stage could not process", event=DeadLetter)
 
 TOPICS: dict[str, Topic] = {
     t.key: t for t in (POLICY_REVISIONS, STEPS, ROLLOUTS, SCORES, TRAINING_RECORDS, TRAINER_BATCHES, DEAD_LETTERS)

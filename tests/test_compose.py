@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from consumers.registry import SERVICES
 from streams.local_broker import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-PIPELINE = ("verifier", "credit", "batcher", "trainer", "arena")
+PIPELINE = (*SERVICES, "arena")  # every registered service must be in compose.yaml
 
 
 def _compose_cmd() -> list[str]:
@@ -44,6 +45,8 @@ def test_compose_file_is_valid():
     assert services["topics"]["command"] == ["rollout", "topics", "create"]
     assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"
     assert services["topics"]["depends_on"]["kafka"]["condition"] == "service_healthy"
+    for name in SERVICES:
+        assert services[name]["command"][:3] == ["rollout", "serve", name], name
     for name in PIPELINE:
         svc = services[name]
         assert svc["depends_on"]["topics"]["condition"] == "service_completed_successfully"
@@ -64,7 +67,7 @@ def _local(command: list[str], ckdir: Path) -> list[str]:
 
 @pytest.mark.integration
 def test_every_compose_service_starts_and_the_loop_closes(kafka_bootstrap, tmp_path, monkeypatch):
-    from consumers.trainer import latest_revision
+    from streams.revisions import latest_revision
     from streams.config import KafkaSettings
 
     prefix = f"compose-{uuid.uuid4().hex[:8]}."

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
-import time
 import types
 
 import numpy as np
@@ -320,7 +319,8 @@ async def test_zero_sum_judge_prompt_template_and_bare_name_reply():
 
 async def test_verifier_task_scores_parent_after_children_and_dead_letters_bad_input():
     """VerifierTask joins steps with rollouts across records, in any order, and waits for children."""
-    from consumers.services import ServiceConfig, VerifierTask
+    from consumers.settings import ServiceSettings
+    from consumers.tasks.verifier import VerifierTask
     from schemas import codec
     from streams import topics
 
@@ -344,7 +344,7 @@ async def test_verifier_task_scores_parent_after_children_and_dead_letters_bad_i
         def __init__(self, topic, offset, value):
             self.topic, self.partition, self.offset, self.value, self.key, self.headers = topic, 0, offset, value, b"g", []
 
-    task = VerifierTask(0, ServiceConfig())
+    task = VerifierTask(0, ServiceSettings())
     order = [(topics.ROLLOUTS.name, parent), (topics.STEPS.name, kids[0][0]), (topics.ROLLOUTS.name, kids[0][1]),
              (topics.STEPS.name, pstep), (topics.ROLLOUTS.name, kids[1][1]), (topics.STEPS.name, kids[1][0])]
     outs = []

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from consumers import testing
-from consumers.trainer import ReferenceTrainer, TrainerTask, initial_revision, to_tensors
+from consumers.tasks.trainer import TrainerTask
+from consumers.trainer import ReferenceTrainer, initial_revision, to_tensors
 from policy.checkpoint import file_sha256, load_checkpoint
 from policy.model import PolicyModel, token_logprobs
 from schemas.batch import assemble_batch
@@ -106,12 +107,14 @@ async def test_trainer_bootstraps_revision_zero_once(kafka_settings, monkeypatch
     """A fresh log gets revision 0 (seeded, on disk, digest verified); a log that has one gets nothing new."""
     import uuid
 
-    from consumers.services import ensure_topics
-    from consumers.trainer import bootstrap_revision, latest_revision
+    from consumers.registry import SERVICES
+    from consumers.runner import ensure_topics
+    from consumers.tasks.trainer import bootstrap_revision
+    from streams.revisions import latest_revision
 
     monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", f"boot{uuid.uuid4().hex[:8]}.")
     kw = kafka_settings.client_kwargs()
-    await ensure_topics("trainer", kw)
+    await ensure_topics(SERVICES["trainer"], kw)
     assert await latest_revision(kw, "tiny") is None
     rev0 = await bootstrap_revision(kw, "tiny", tmp_path)
     assert rev0 is not None and rev0.revision == 0

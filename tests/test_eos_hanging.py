@@ -18,7 +18,9 @@ import uuid
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from consumers.services import ServiceConfig, build_processor, ensure_topics
+from consumers import testing
+from consumers.runner import System
+from consumers.settings import ServiceSettings
 from streams import topics
 from tests.test_eos_pipeline import publish_revision, seed_groups
 
@@ -73,12 +75,12 @@ async def test_hanging_transaction_is_committed_again(monkeypatch, tmp_path):
                          overrides={"transaction.partition.verification.enable": "false"})
     await asyncio.to_thread(broker.up, 180)
     kw = KafkaSettings().with_bootstrap(broker.bootstrap).client_kwargs()
-    proc = None
     try:
-        await ensure_topics("verifier", kw)
+        await topics.create_topics(kw)
         await publish_revision(kw, 0)
-        proc = build_processor("verifier", ServiceConfig(), kw)
-        task = asyncio.create_task(proc.run())
+        system = System(["verifier"], ServiceSettings(family=testing.FAMILY), kw)
+        await system.__aenter__()
+        proc = system.processors["verifier"]
         await seed_groups(kw, 10)  # 40 rollouts
         for _ in range(120):
             if await _visible(kw, "read_committed") >= 40 and proc.producers:
@@ -111,9 +113,6 @@ async def test_hanging_transaction_is_committed_again(monkeypatch, tmp_path):
         assert await _visible(kw, "read_committed") == 80  # all of them, none twice
         assert proc.stats.recommitted >= 1
         assert proc.stats.aborted == 0
-        proc.stopping.set()
-        await asyncio.wait_for(task, 30)
+        await asyncio.wait_for(system.__aexit__(None, None, None), 30)
     finally:
-        if proc is not None:
-            proc.stopping.set()
         await asyncio.to_thread(broker.down)

@@ -16,14 +16,15 @@ import random
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from consumers.services import ensure_topics
+from consumers import testing
+from consumers.registry import SERVICES
+from consumers.runner import ensure_topics
 from streams import topics
 from tests.test_eos_pipeline import batch_record_ids, publish_revision, read_all, reseed_missing, seed_groups
 
@@ -36,7 +37,8 @@ class Fleet:
 
     def __init__(self, bootstrap: str, prefix: str, logdir: Path, services=("verifier", "credit", "batcher")):
         self.env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix,
-                    "ROLLOUT_SESSION_TIMEOUT_MS": "6000", "PYTHONPATH": str(ROOT)}
+                    "ROLLOUT_SESSION_TIMEOUT_MS": "6000", "PYTHONPATH": str(ROOT),
+                    "ROLLOUT_FAMILY": testing.FAMILY}  # a setting from the environment, as a deployment would
         self.logdir = logdir
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
         self.services = services
@@ -45,8 +47,8 @@ class Fleet:
     def start(self, svc: str, inst: str) -> None:
         log = open(self.logdir / f"{svc}-{inst}.log", "ab")
         self.procs[(svc, inst)] = subprocess.Popen(
-            [sys.executable, "-m", "consumers", "serve", svc, "--instance", inst, "--batch-records", "32",
-             "--flush-after-s", "1"], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            [sys.executable, "-m", "consumers", "serve", svc, "--instance", inst,
+             *(("--batch-records", "32", "--flush-after-s", "1") if svc == "batcher" else ())], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
 
     def start_all(self) -> None:
         for svc in self.services:
@@ -79,7 +81,7 @@ async def test_sigkill_two_instances_exactly_once(kafka_bootstrap, kafka_setting
     monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
     kw = kafka_settings.client_kwargs()
     for svc in ("verifier", "credit", "batcher"):
-        await ensure_topics(svc, kw)
+        await ensure_topics(SERVICES[svc], kw)
     await publish_revision(kw, 0)
     fleet = Fleet(kafka_bootstrap, prefix, tmp_path)
     fleet.start_all()
@@ -155,7 +157,7 @@ async def test_broker_restart_mid_run_exactly_once(monkeypatch, tmp_path):
     fleet = None
     try:
         for svc in ("verifier", "credit", "batcher"):
-            await ensure_topics(svc, kw)
+            await ensure_topics(SERVICES[svc], kw)
         await publish_revision(kw, 0)
         fleet = Fleet(broker.bootstrap, prefix, tmp_path)
         fleet.start_all()

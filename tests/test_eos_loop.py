@@ -8,72 +8,61 @@ from collections import Counter
 
 import pytest
 
-from consumers.services import ServiceConfig
-from consumers.trainer import TrainerTask, initial_revision
+from consumers import testing
+from consumers.registry import SERVICES
+from consumers.runner import System
+from consumers.settings import ServiceSettings
+from consumers.trainer import initial_revision
 from schemas import codec
 from schemas.events import DeadLetter, TrainerBatch
 from schemas.policy import PolicyRevision
-from streams import serde, topics
-from streams.transactions import TransactionalProcessor
-from tests.test_eos_pipeline import Services, prefix, read_all, seed_groups  # noqa: F401 - fixture
+from streams import topics
+from streams.revisions import publish
+from tests.test_eos_pipeline import prefix, read_all, seed_groups  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.integration
 
 
 async def test_trainer_closes_the_loop_and_stale_records_are_refused(kafka_settings, prefix, tmp_path):  # noqa: F811
-    from aiokafka import AIOKafkaProducer
-
     kw = kafka_settings.client_kwargs()
-    cfg = ServiceConfig(batch_records=16, flush_after_s=1.0, max_off_policy_steps=2)
-    rev0 = initial_revision("tiny", tmp_path, seed=0)
-    async with Services(kw, cfg):
-        prod = AIOKafkaProducer(**kw)
-        await prod.start()
-        k, v, h = serde.to_message(rev0)
-        await prod.send_and_wait(topics.POLICY_REVISIONS.name, v, key=k, headers=h)
-        await prod.stop()
-        from consumers.services import ensure_topics
+    cfg = ServiceSettings(family=testing.FAMILY, batch_records=16, flush_after_s=1.0, max_off_policy_steps=2,
+                          checkpoint_dir=str(tmp_path), lr=1e-3)
+    rev0 = initial_revision(testing.FAMILY, tmp_path, seed=0)
+    await topics.create_topics(kw)
+    await publish(kw, rev0)
+    async with System(SERVICES, cfg, kw):
+        async def revisions() -> list[PolicyRevision]:
+            raw = await read_all(kw, topics.POLICY_REVISIONS.name, idle_s=0.3, timeout_s=5)
+            return [codec.decode(r.value, PolicyRevision) for r in raw]
 
-        await ensure_topics("trainer", kw)
-        trainer = TransactionalProcessor("trainer", [topics.TRAINER_BATCHES.name], topics.TRAINER_BATCHES.partitions,
-                                         lambda p: TrainerTask(p, "tiny", tmp_path, lr=1e-3), kw)
-        ttask = asyncio.create_task(trainer.run())
-        try:
-            async def revisions() -> list[PolicyRevision]:
-                raw = await read_all(kw, topics.POLICY_REVISIONS.name, idle_s=0.3, timeout_s=5)
-                return [codec.decode(r.value, PolicyRevision) for r in raw]
-
-            async def wait_revision(at_least: int) -> int:
-                for _ in range(60):
-                    latest = max(r.revision for r in await revisions())
-                    if latest >= at_least:
-                        return latest
-                    await asyncio.sleep(0.5)
-                raise AssertionError(f"no revision {at_least} from the trainer")
-
-            # wave 1: records from r0 -> batches for r0 -> the trainer publishes r1, r2, r3
-            expected = await seed_groups(kw, 12)
-            latest = await wait_revision(3)
-            # wave 2: the arena would never admit these now: r0 records, > 2 behind -> refused, with reasons
-            expected |= await seed_groups(kw, 4, start=100)
-            # wave 3: records from the current revision -> batches that target it
-            expected |= await seed_groups(kw, 8, start=200, revision=latest)
-
-            def settled(_):
-                got = sum(len(codec.decode(r.value, TrainerBatch).records) for r in batches_raw)
-                return got + len(letters_raw) >= len(expected)
-
+        async def wait_revision(at_least: int) -> int:
             for _ in range(60):
-                batches_raw = await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=0.5, timeout_s=5)
-                letters_raw = await read_all(kw, topics.DEAD_LETTERS.name, idle_s=0.5, timeout_s=5)
-                if settled(None):
-                    break
-                await asyncio.sleep(1)
-            await asyncio.sleep(2)  # the trainer's last revision
-            revs_raw = await read_all(kw, topics.POLICY_REVISIONS.name, idle_s=1, timeout_s=10)
-        finally:
-            trainer.stopping.set()
-            await ttask
+                latest = max(r.revision for r in await revisions())
+                if latest >= at_least:
+                    return latest
+                await asyncio.sleep(0.5)
+            raise AssertionError(f"no revision {at_least} from the trainer")
+
+        # wave 1: records from r0 -> batches for r0 -> the trainer publishes r1, r2, r3
+        expected = await seed_groups(kw, 12)
+        latest = await wait_revision(3)
+        # wave 2: the arena would never admit these now: r0 records, > 2 behind -> refused, with reasons
+        expected |= await seed_groups(kw, 4, start=100)
+        # wave 3: records from the current revision -> batches that target it
+        expected |= await seed_groups(kw, 8, start=200, revision=latest)
+
+        def settled(_):
+            got = sum(len(codec.decode(r.value, TrainerBatch).records) for r in batches_raw)
+            return got + len(letters_raw) >= len(expected)
+
+        for _ in range(60):
+            batches_raw = await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=0.5, timeout_s=5)
+            letters_raw = await read_all(kw, topics.DEAD_LETTERS.name, idle_s=0.5, timeout_s=5)
+            if settled(None):
+                break
+            await asyncio.sleep(1)
+        await asyncio.sleep(2)  # the trainer's last revision
+        revs_raw = await read_all(kw, topics.POLICY_REVISIONS.name, idle_s=1, timeout_s=10)
     batches = [codec.decode(r.value, TrainerBatch) for r in batches_raw]
     letters = [codec.decode(r.value, DeadLetter) for r in letters_raw]
     revs = [codec.decode(r.value, PolicyRevision) for r in revs_raw]

@@ -14,11 +14,13 @@ from collections import Counter
 import pytest
 
 from consumers import testing
-from consumers.services import ServiceConfig, build_processor, ensure_topics
+from consumers.runner import System
+from consumers.settings import ServiceSettings
 from schemas import codec
 from schemas.batch import verify_batch
 from schemas.events import DeadLetter, Rollout, TrainerBatch
 from streams import serde, topics
+from streams.settings import MAX_MESSAGE_BYTES
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +48,7 @@ async def seed_groups(kw, groups: int, size: int = 4, *, start: int = 0, extra: 
     from consumers.credit import record_id
 
     prod = AIOKafkaProducer(**kw, transactional_id=transactional_id or f"seed-{uuid.uuid4().hex[:6]}",
-                            enable_idempotence=True, max_request_size=8 * 1024 * 1024)
+                            enable_idempotence=True, max_request_size=MAX_MESSAGE_BYTES)
     await prod.start()
     expected: set[str] = set()
     try:
@@ -141,36 +143,15 @@ def batch_record_ids(recs) -> Counter:
     return c
 
 
-class Services:
-    def __init__(self, kw, cfg: ServiceConfig, names=("verifier", "credit", "batcher")):
-        self.kw, self.cfg, self.names = kw, cfg, names
-        self.procs, self.tasks = [], []
-
-    async def __aenter__(self):
-        for n in self.names:
-            await ensure_topics(n, self.kw)
-        for n in self.names:
-            proc = build_processor(n, self.cfg, self.kw)
-            self.procs.append(proc)
-            self.tasks.append(asyncio.create_task(proc.run()))
-        return self
-
-    async def __aexit__(self, *exc):
-        for p in self.procs:
-            p.stopping.set()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        for p in self.procs:
-            side = getattr(p, "side", None)
-            if side is not None:
-                await side.stop()
+THREE = ("verifier", "credit", "batcher")
 
 
 async def test_three_services_exactly_once(kafka_settings, prefix):
     from consumers.status import service_lag
 
     kw = kafka_settings.client_kwargs()
-    cfg = ServiceConfig(batch_records=32, flush_after_s=1.0)
-    async with Services(kw, cfg):
+    cfg = ServiceSettings(family=testing.FAMILY, batch_records=32, flush_after_s=1.0)
+    async with System(THREE, cfg, kw):
         await publish_revision(kw, 0)
         expected = await seed_groups(kw, 100)
         recs = await read_all(kw, topics.TRAINER_BATCHES.name,
@@ -187,13 +168,13 @@ async def test_three_services_exactly_once(kafka_settings, prefix):
 
 async def test_malformed_events_dead_lettered_everything_else_flows(kafka_settings, prefix):
     kw = kafka_settings.client_kwargs()
-    cfg = ServiceConfig(batch_records=16, flush_after_s=1.0)
+    cfg = ServiceSettings(family=testing.FAMILY, batch_records=16, flush_after_s=1.0)
     future = codec.encode(testing.revision(0))
     future = future[:4] + future[4:6] + future[6:6 + len("policy_revision")] + b"\x09\x00" + future[8 + len("policy_revision"):]
     bad_frames = [b"garbage", b"RLEV\x01\x04rollxxxxxxxx", future]
     extra = [(t.name, b"k", v) for t in (topics.STEPS, topics.ROLLOUTS, topics.SCORES, topics.TRAINING_RECORDS)
              for v in bad_frames]
-    async with Services(kw, cfg):
+    async with System(THREE, cfg, kw):
         await publish_revision(kw, 0)
         expected = await seed_groups(kw, 20, extra=extra)
         recs = await read_all(kw, topics.TRAINER_BATCHES.name,

@@ -17,7 +17,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from policy import PolicyModel, save_checkpoint
-from producers.arena import Arena, RevisionFollower
+from producers.arena import Arena
 from producers.echo_server import EchoServer, ScriptedServer
 from producers.emitter import KafkaEmitter
 from producers.policy_server import PolicyServer
@@ -25,6 +25,7 @@ from schemas.events import Rollout, Step
 from schemas.plan_compiler import compile_plan
 from schemas.policy import PolicyRevision
 from streams import serde
+from streams.revisions import RevisionFollower
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,10 +12,12 @@ import duckdb
 import pytest
 
 from consumers import testing
-from consumers.services import ServiceConfig, build_processor, ensure_topics
+from consumers.runner import System
+from consumers.settings import ServiceSettings
 from replay.audit import run_audit
 from replay.ingest import Replayer
 from streams import serde, topics
+from streams.settings import MAX_MESSAGE_BYTES
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +35,7 @@ async def seed(kw, run_id: str, groups: int, eval_groups: int = 0) -> tuple[int,
     from aiokafka import AIOKafkaProducer
 
     prod = AIOKafkaProducer(**kw, transactional_id=f"arena-{uuid.uuid4().hex[:6]}", enable_idempotence=True,
-                            max_request_size=8 * 1024 * 1024)
+                            max_request_size=MAX_MESSAGE_BYTES)
     await prod.start()
     n_steps = n_rollouts = 0
     right: list[bool] = []
@@ -73,45 +75,33 @@ async def test_replay_of_a_run_from_the_real_pipeline(kafka_settings, prefix, tm
 
     kw = kafka_settings.client_kwargs()
     run_id = f"pipeline-{uuid.uuid4().hex[:8]}"
-    cfg = ServiceConfig(batch_records=16, flush_after_s=0.5)
+    cfg = ServiceSettings(family=testing.FAMILY, batch_records=16, flush_after_s=0.5)
     await topics.create_topics(kafka_settings.admin_kwargs())
-    procs, tasks = [], []
-    for name in ("verifier", "credit", "batcher"):
-        await ensure_topics(name, kw)
-        proc = build_processor(name, cfg, kw)
-        procs.append(proc)
-        tasks.append(asyncio.create_task(proc.run()))
-    admin = AIOKafkaAdminClient(**kafka_settings.admin_kwargs())
-    await admin.start()
-    db = str(tmp_path / "pipeline.duckdb")
-    try:
-        n_steps, n_rollouts, right = await seed(kw, run_id, groups=30, eval_groups=3)
-        # wait until the batcher has batched every record (one per trainable step)
-        deadline = time.monotonic() + 120
-        while True:
-            await Replayer(db, kafka_settings, run_id=run_id).run()  # incremental, while the services run
-            con = duckdb.connect(db, read_only=True)
-            batched = con.execute("SELECT count(DISTINCT record_id) FROM batch_records").fetchone()[0]
-            con.close()
-            if batched >= n_steps or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(1.0)
-        assert batched == n_steps
-        # the services are live; a replay neither joins nor moves their consumer groups
-        before = await group_offsets(admin)
-        assert any(g.endswith("verifier") for g in before)
-        fresh = str(tmp_path / "fresh.duckdb")
-        await Replayer(fresh, kafka_settings, run_id=run_id).run()
-        assert await group_offsets(admin) == before
-    finally:
-        for p in procs:
-            p.stopping.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for p in procs:
-            side = getattr(p, "side", None)
-            if side is not None:
-                await side.stop()
-        await admin.close()
+    async with System(("verifier", "credit", "batcher"), cfg, kw):
+        admin = AIOKafkaAdminClient(**kafka_settings.admin_kwargs())
+        await admin.start()
+        db = str(tmp_path / "pipeline.duckdb")
+        try:
+            n_steps, n_rollouts, right = await seed(kw, run_id, groups=30, eval_groups=3)
+            # wait until the batcher has batched every record (one per trainable step)
+            deadline = time.monotonic() + 120
+            while True:
+                await Replayer(db, kafka_settings, run_id=run_id).run()  # incremental, while the services run
+                con = duckdb.connect(db, read_only=True)
+                batched = con.execute("SELECT count(DISTINCT record_id) FROM batch_records").fetchone()[0]
+                con.close()
+                if batched >= n_steps or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(1.0)
+            assert batched == n_steps
+            # the services are live; a replay neither joins nor moves their consumer groups
+            before = await group_offsets(admin)
+            assert any(g.endswith("verifier") for g in before)
+            fresh = str(tmp_path / "fresh.duckdb")
+            await Replayer(fresh, kafka_settings, run_id=run_id).run()
+            assert await group_offsets(admin) == before
+        finally:
+            await admin.close()
     await Replayer(db, kafka_settings).run()
     con = duckdb.connect(db, read_only=True)
     got = dict(con.execute("SELECT * FROM v_counts").fetchall())
@@ -153,16 +143,10 @@ async def test_replay_of_arena_episodes_through_the_services(kafka_settings, pre
         plan = compile_plan(root / "examples/plans/arithmetic.toml")
         plan = plan.model_copy(update={"targets": {k: t.model_copy(update={"base_urls": [server.base_url]})
                                                    if t.base_urls else t for k, t in plan.targets.items()}})
-        cfg = ServiceConfig(family=plan.family, batch_records=16, flush_after_s=0.5,
-                            max_off_policy_steps=plan.max_off_policy_steps)
-        procs, tasks = [], []
-        for name in ("verifier", "credit", "batcher"):
-            await ensure_topics(name, kw)
-            proc = build_processor(name, cfg, kw)
-            procs.append(proc)
-            tasks.append(asyncio.create_task(proc.run()))
-        db = str(tmp_path / "arena.duckdb")
-        try:
+        cfg = ServiceSettings(family=plan.family, batch_records=16, flush_after_s=0.5,
+                              max_off_policy_steps=plan.max_off_policy_steps)
+        async with System(("verifier", "credit", "batcher"), cfg, kw):
+            db = str(tmp_path / "arena.duckdb")
             from aiokafka import AIOKafkaProducer
 
             prod = AIOKafkaProducer(**kw)
@@ -188,14 +172,6 @@ async def test_replay_of_arena_episodes_through_the_services(kafka_settings, pre
                 if (n_trainable and batched >= n_trainable) or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(1.0)
-        finally:
-            for p in procs:
-                p.stopping.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for p in procs:
-                side = getattr(p, "side", None)
-                if side is not None:
-                    await side.stop()
     con = duckdb.connect(db, read_only=True)
     got = dict(con.execute("SELECT * FROM v_counts").fetchall())
     envs = con.execute("SELECT environment, rollouts FROM v_env_pass_rates").fetchall()

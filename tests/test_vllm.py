@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from policy.hf import FAMILY, load_model, prepare_model, save_checkpoint, token_logprobs
-from producers.arena import Arena, RevisionFollower
+from producers.arena import Arena
 from producers.emitter import MemoryEmitter
 from producers.environment import Environment, Example
 from producers.episodes import MultiTurnEpisode
@@ -27,6 +27,7 @@ from schemas.plan_compiler import compile_plan
 from schemas.policy import PolicyRevision
 from schemas.scoring import ScoringSpec
 from streams.local_broker import free_port
+from streams.revisions import RevisionFollower
 from test_producers_kafka import _emitter, _publish_revision, _wait_for, pipeline_topics, read_all  # noqa: F401
 
 pytestmark = pytest.mark.integration

@@ -1,0 +1,29 @@
+"""Every service of the pipeline, in pipeline order: the one place a service is declared.
+
+To add a service over existing topics: write its task module (a partition task and a ``wiring``, see
+``consumers/tasks/``) and add one ``Service`` here. ``rollout serve``, ``rollout status``, the AsyncAPI
+document, the demo and the compose test all read this table.
+"""
+
+from __future__ import annotations
+
+from consumers.service import Service
+from streams import topics
+
+SERVICES: dict[str, Service] = {s.name: s for s in (
+    Service("verifier", "score Rollouts (with their Steps) -> RolloutScored, exactly-once",
+            inputs=(topics.STEPS, topics.ROLLOUTS), outputs=(topics.SCORES, topics.DEAD_LETTERS),
+            wiring="consumers.tasks.verifier:wiring", options=("step_timeout_s",)),
+    Service("credit", "credit assignment: RolloutScored -> TrainingRecords with the plan's credit strategy",
+            inputs=(topics.SCORES,), outputs=(topics.TRAINING_RECORDS, topics.DEAD_LETTERS),
+            wiring="consumers.tasks.credit:wiring", options=("credit", "alpha", "group_timeout_s"),
+            runs_algorithm=True),
+    Service("batcher", "TrainingRecords -> lineage-stamped TrainerBatches with an off-policy bound",
+            inputs=(topics.TRAINING_RECORDS,), outputs=(topics.TRAINER_BATCHES, topics.DEAD_LETTERS),
+            wiring="consumers.tasks.batcher:wiring", side_inputs=(topics.POLICY_REVISIONS,),
+            options=("family", "max_off_policy_steps", "batch_records", "batch_tokens", "flush_after_s")),
+    Service("trainer", "reference trainer: TrainerBatches -> clipped policy-gradient step -> PolicyRevision",
+            inputs=(topics.TRAINER_BATCHES,), outputs=(topics.POLICY_REVISIONS, topics.DEAD_LETTERS),
+            wiring="consumers.tasks.trainer:wiring", side_inputs=(topics.POLICY_REVISIONS,),
+            options=("family", "checkpoint_dir", "lr", "epochs", "step_records"), runs_algorithm=True),
+)}

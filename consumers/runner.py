@@ -1,0 +1,162 @@
+"""Running services: one supervised process per service (``serve``), or several in one process (``System``).
+
+Each service is a consumer group (scale out by starting more instances), exactly-once through Kafka
+transactions (``streams.transactions``), dead-letters what it cannot process inside the same
+transaction as the offset commit, and stops gracefully on SIGTERM. Everything service-specific comes
+from its ``Service`` declaration (``consumers.registry``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from contextlib import AsyncExitStack
+from typing import Any, Iterable
+
+from consumers.registry import SERVICES
+from consumers.service import Service
+from consumers.settings import ServiceSettings
+from streams import topics
+from streams.changelog import changelog_topic
+from streams.settings import ProcessingSettings
+from streams.transactions import TransactionalProcessor
+
+log = logging.getLogger("rollout.services")
+
+
+async def ensure_topics(service: Service, admin_kwargs: dict[str, Any]) -> None:
+    """The pipeline's topics and the service's changelog (idempotent)."""
+    await topics.create_topics(admin_kwargs, [*topics.TOPICS.values(), changelog_topic(service.name, service.partitions)])
+
+
+def processor(service: Service, factory: Any, settings: ServiceSettings, client_kwargs: dict[str, Any]
+              ) -> TransactionalProcessor:
+    return TransactionalProcessor(service.name, [t.name for t in service.inputs], service.partitions, factory,
+                                  client_kwargs, instance=settings.instance)
+
+
+class System:
+    """Several services in one process (the demo, tests, benchmarks): ``async with System(...) as s``
+    creates the topics, opens each service's wiring, runs its processor, and on exit stops the
+    processors and then closes the wiring. ``s.processors[name]`` is each service's processor."""
+
+    def __init__(self, names: Iterable[str], settings: ServiceSettings, client_kwargs: dict[str, Any]) -> None:
+        self.services = [SERVICES[n] for n in names]
+        self.settings = settings
+        self.kw = client_kwargs
+        self.processors: dict[str, TransactionalProcessor] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._stack = AsyncExitStack()
+
+    async def __aenter__(self) -> System:
+        for svc in self.services:
+            await ensure_topics(svc, self.kw)
+        for svc in self.services:
+            factory = await self._stack.enter_async_context(svc.open(self.settings, self.kw))
+            self.processors[svc.name] = processor(svc, factory, self.settings, self.kw)
+        self._tasks = [asyncio.create_task(p.run(), name=n) for n, p in self.processors.items()]
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        for p in self.processors.values():
+            p.stopping.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._stack.aclose()
+
+
+# -- one service, supervised -------------------------------------------------------------------------------
+async def serve(service: Service, settings: ServiceSettings, client_kwargs: dict[str, Any], *,
+                stats_every_s: float = 10.0) -> None:
+    """Run one service until SIGTERM. Supervises its own Kafka clients: if the broker is unreachable at start,
+    or the clients lose the cluster (aiokafka can be left with no known brokers after a broker restart), or
+    partitions with input make no progress, the processor is torn down and built again; exactly-once is
+    unaffected, since a new processor takes its partitions over from the log (fence, offsets, changelog)."""
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    fields = {"service": service.name, "instance": settings.instance}
+    stall_s = ProcessingSettings().stall_s
+    while not stop.is_set():
+        if not await _retry(lambda: ensure_topics(service, client_kwargs), stop):
+            break
+        try:
+            async with service.open(settings, client_kwargs) as factory:
+                proc = processor(service, factory, settings, client_kwargs)
+                proc.stopping = stop
+                try:
+                    await _supervise(proc, fields, stop, stall_s, stats_every_s)
+                finally:
+                    try:
+                        await asyncio.wait_for(proc.stop(), 5)  # a broker that is away must not keep us spinning
+                    except Exception as e:  # noqa: BLE001
+                        log.warning("closing clients: %s", e)
+        except Exception as e:  # noqa: BLE001 - rebuild the clients and carry on
+            log.warning("restarting the Kafka clients", extra={"fields": {
+                **fields, "error": f"{type(e).__name__}: {e}"}})
+            await asyncio.sleep(1.0)
+    log.info("service stopped", extra={"fields": fields})
+
+
+async def _supervise(proc: TransactionalProcessor, fields: dict[str, Any], stop: asyncio.Event, stall_s: float,
+                     stats_every_s: float) -> None:
+    await proc.start()
+    log.info("service started", extra={"fields": {**fields, "group": proc.group_id}})
+    last = time.monotonic()
+    lost_since: float | None = None
+    while not stop.is_set():
+        await proc.safe_step()
+        if proc.lost_cluster():
+            lost_since = lost_since or time.monotonic()
+            if time.monotonic() - lost_since > 3:
+                raise ConnectionError("Kafka clients lost the cluster metadata")
+        else:
+            lost_since = None
+        if time.monotonic() - last >= stats_every_s:
+            last = time.monotonic()
+            stuck = await proc.stalled(stall_s)
+            if stuck:
+                raise ConnectionError(f"partitions {stuck} have input but made no progress")
+            s = proc.stats
+            log.info("stats", extra={"fields": {
+                **fields, "partitions": sorted(proc.tasks), "in": s.records_in, "out": s.records_out,
+                "txns": s.transactions, "aborted": s.aborted, "fenced": s.fenced, "rebuilt": s.rebuilt,
+                "recommitted": s.recommitted, "by_type": dict(s.by_type)}})
+
+
+async def _retry(fn, stop: asyncio.Event, *, every_s: float = 2.0) -> bool:
+    while not stop.is_set():
+        try:
+            await fn()
+            return True
+        except Exception as e:  # noqa: BLE001 - broker not there yet
+            log.warning("Kafka not reachable yet: %s: %s", type(e).__name__, e)
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+            except asyncio.TimeoutError:
+                pass
+    return False
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        d = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
+             "msg": record.getMessage()}
+        extra = getattr(record, "fields", None)
+        if extra:
+            d.update(extra)
+        return json.dumps(d)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [h]
+    root.setLevel(level)
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)

@@ -1,0 +1,63 @@
+"""What a service is: one declaration each, listed in ``consumers.registry``.
+
+Everything about a service is derived from its ``Service``: the processor that runs it
+(``consumers.runner``), its consumer group and lag (``rollout status``), its AsyncAPI entry, its
+``rollout serve`` sub-command and flags, its place in the demo and in compose.yaml (checked by a test).
+The task module holds the partition task and its ``wiring``; nothing else names the service.
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from schemas.events import DeadLetter
+from streams import serde, topics
+from streams.transactions import Out, PartitionTask
+
+TaskFactory = Callable[[int], PartitionTask]
+Wiring = Callable[[Any, dict[str, Any]], AbstractAsyncContextManager[TaskFactory]]
+"""wiring(settings, client_kwargs): an async context that opens what the tasks share (side inputs, a judge
+client, revision 0 on the log) and yields the per-partition task factory; it closes them on exit."""
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    help: str
+    inputs: tuple[topics.Topic, ...]  # co-partitioned: one task per partition number owns all of them
+    outputs: tuple[topics.Topic, ...]
+    wiring: str  # "module:function" of a ``Wiring``, imported only when the service runs (torch stays lazy)
+    options: tuple[str, ...] = ()  # ServiceSettings fields that are this service's own flags
+    side_inputs: tuple[topics.Topic, ...] = ()  # read besides the inputs, without a consumer group
+    runs_algorithm: bool = False  # refuses a plan whose algorithm nothing here runs
+
+    @property
+    def partitions(self) -> int:
+        counts = {t.partitions for t in self.inputs}
+        if len(counts) != 1:
+            raise ValueError(f"{self.name}: co-partitioned inputs must share a partition count, got {counts}")
+        return counts.pop()
+
+    @property
+    def group_id(self) -> str:
+        return topics.group_id(self.name)
+
+    def open(self, settings: Any, client_kwargs: dict[str, Any]) -> AbstractAsyncContextManager[TaskFactory]:
+        module, _, fn = self.wiring.partition(":")
+        return getattr(importlib.import_module(module), fn)(settings, client_kwargs)
+
+
+def dead_letter(rec: Any, service: str, error_type: str, message: str, run_id: str | None = None) -> Out:
+    """The dead letter for input record ``rec``: its bytes, where it came from and why it was refused."""
+    run = run_id or serde.header(rec.headers, "run_id") or "unknown"
+    return Out(topics.DEAD_LETTERS.name, DeadLetter(
+        run_id=run, producer=service, origin_topic=rec.topic, origin_partition=rec.partition,
+        origin_offset=rec.offset, origin_key=rec.key, raw=rec.value or b"", error_type=error_type,
+        error_message=message[:4000], service=service))
+
+
+def decode(rec: Any, expect: type) -> Any:
+    return serde.from_message(rec.value, expect)

@@ -1,0 +1,1 @@
+"""One module per service: its partition task (pure with respect to Kafka) and its wiring."""

@@ -1,0 +1,75 @@
+"""credit: RolloutScored -> TrainingRecords with the plan's credit strategy (``consumers.credit``).
+
+A strategy that waits for whole groups keeps each open group's input records, so a group that times
+out dead-letters exactly the rollouts it held and a new owner re-reads exactly those.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from consumers import credit
+from consumers.service import TaskFactory, dead_letter, decode
+from consumers.settings import ServiceSettings
+from schemas.errors import EventDecodeError
+from schemas.events import RolloutScored
+from streams import topics
+from streams.transactions import Out
+
+NAME = "credit"
+
+
+class CreditTask:
+    def __init__(self, partition: int, cfg: ServiceSettings) -> None:
+        self.p = partition
+        self.assigner = credit.CreditAssigner(cfg.credit, cfg.strategy_params, producer=f"{NAME}{cfg.instance}")
+        self.recs: dict[str, Any] = {}  # rollout id -> input record (while its group is open)
+
+    async def process(self, rec: Any) -> list[Out]:
+        try:
+            scored = decode(rec, RolloutScored)
+        except EventDecodeError as e:
+            return [dead_letter(rec, NAME, type(e).__name__, str(e))]
+        if self.assigner.buffers and not scored.evaluation:
+            self.recs.setdefault(scored.rollout_id, rec)
+        records = self.assigner.add(scored, time.monotonic())
+        self._forget_closed()
+        return [Out(topics.TRAINING_RECORDS.name, r) for r in records]
+
+    def restore(self, rec: Any) -> None:
+        scored = decode(rec, RolloutScored)
+        self.recs.setdefault(scored.rollout_id, rec)
+        self.assigner.groups.add(scored, time.monotonic())
+
+    def _forget_closed(self) -> None:
+        if len(self.recs) != sum(len(g) for g in self.assigner.groups.groups.values()):
+            open_ids = {rid for g in self.assigner.groups.groups.values() for rid in g}
+            self.recs = {k: v for k, v in self.recs.items() if k in open_ids}
+
+    def tick(self, now: float) -> list[Out]:
+        records, refused = self.assigner.flush_expired(now)
+        outs = [Out(topics.TRAINING_RECORDS.name, r) for r in records]
+        for group, reason in refused:
+            for s in group:
+                rec = self.recs.get(s.rollout_id)
+                if rec is not None:
+                    outs.append(dead_letter(rec, NAME, "GroupTimeout", reason, s.run_id))
+        if records or refused:
+            self._forget_closed()
+        return outs
+
+    def buffered(self) -> dict[str, list[int]]:
+        return {topics.SCORES.name: [r.offset for r in self.recs.values()]}
+
+    def state(self) -> dict[str, Any]:
+        return self.assigner.state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.assigner.load_state(state)
+
+
+@asynccontextmanager
+async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIterator[TaskFactory]:
+    yield lambda p: CreditTask(p, cfg)

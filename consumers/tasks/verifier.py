@@ -1,0 +1,127 @@
+"""verifier: joins each Rollout with its Steps (co-partitioned by root group) and scores it.
+
+A rollout whose verifier kind scores it from its children's outcomes (Monte Carlo proposer/solver)
+waits for their scores; they share its root group, so they arrive on this partition.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from consumers import scoring
+from consumers.service import TaskFactory, dead_letter, decode
+from consumers.settings import ServiceSettings
+from schemas.errors import EventDecodeError
+from schemas.events import Rollout, Step
+from streams import topics
+from streams.transactions import Out
+
+NAME = "verifier"
+
+
+class VerifierTask:
+    def __init__(self, partition: int, cfg: ServiceSettings, judge: scoring.Judge | None = None) -> None:
+        self.p = partition
+        self.cfg = cfg
+        self.judge = judge
+        self.steps: dict[str, tuple[Any, Step, float]] = {}  # step_id -> (rec, step, arrived)
+        self.rollouts: dict[str, tuple[Any, Rollout, float]] = {}
+        self.children: dict[str, dict[str, float]] = {}  # parent id -> child id -> outcome (state)
+        self.scored = 0
+
+    def _buffer(self, rec: Any) -> str:
+        if rec.topic == topics.STEPS.name:
+            step = decode(rec, Step)
+            self.steps[step.step_id] = (rec, step, time.monotonic())
+            return step.rollout_id
+        ro = decode(rec, Rollout)
+        self.rollouts[ro.rollout_id] = (rec, ro, time.monotonic())
+        return ro.rollout_id
+
+    async def process(self, rec: Any) -> list[Out]:
+        try:
+            rid = self._buffer(rec)
+        except EventDecodeError as e:
+            return [dead_letter(rec, NAME, type(e).__name__, str(e))]
+        return await self._try(rid)
+
+    def restore(self, rec: Any) -> None:
+        self._buffer(rec)
+
+    async def _try(self, rollout_id: str) -> list[Out]:
+        entry = self.rollouts.get(rollout_id)
+        if entry is None:
+            return []
+        rec, ro, _ = entry
+        if any(s not in self.steps for s in ro.step_ids):
+            return []
+        outcomes = None
+        if scoring.needs_children(ro):
+            got = self.children.get(ro.rollout_id, {})
+            if any(c not in got for c in ro.child_rollout_ids):
+                return []
+            outcomes = [got[c] for c in ro.child_rollout_ids]
+        steps = [self.steps[s][1] for s in ro.step_ids]
+        outs: list[Out] = []
+        scored = None
+        try:
+            verdict = await scoring.score(ro, steps, judge=self.judge, child_outcomes=outcomes)
+            scored = scoring.to_scored(ro, steps, verdict, producer=f"{NAME}{self.cfg.instance}")
+            outs.append(Out(topics.SCORES.name, scored))
+            self.scored += 1
+        except scoring.ScoringError as e:
+            outs.append(dead_letter(rec, NAME, "ScoringError", str(e), ro.run_id))
+        except Exception as e:  # noqa: BLE001 - an unexpected scoring bug dead-letters too; the service goes on
+            outs.append(dead_letter(rec, NAME, type(e).__name__, f"scoring crashed: {e}", ro.run_id))
+        self._forget(ro)
+        if ro.parent_rollout_id:
+            parent = self.rollouts.get(ro.parent_rollout_id)
+            member = scoring.child_member(parent[1]) if parent is not None else None
+            outcome = scoring.child_outcome(scored, member) if scored is not None else 0.0
+            self.children.setdefault(ro.parent_rollout_id, {})[ro.rollout_id] = outcome
+            outs.extend(await self._try(ro.parent_rollout_id))
+        return outs
+
+    def _forget(self, ro: Rollout) -> None:
+        self.rollouts.pop(ro.rollout_id, None)
+        for s in ro.step_ids:
+            self.steps.pop(s, None)
+        self.children.pop(ro.rollout_id, None)
+
+    def tick(self, now: float) -> list[Out]:
+        outs: list[Out] = []
+        t = self.cfg.step_timeout_s
+        for rid, (rec, ro, arrived) in list(self.rollouts.items()):
+            if now - arrived >= t:
+                missing = [s for s in ro.step_ids if s not in self.steps]
+                waiting = [c for c in ro.child_rollout_ids if c not in self.children.get(rid, {})]
+                outs.append(dead_letter(rec, NAME, "Timeout",
+                                        f"rollout {rid} incomplete after {t:g}s: {len(missing)} steps missing, "
+                                        f"{len(waiting)} children unscored", ro.run_id))
+                del self.rollouts[rid]
+                for s in ro.step_ids:
+                    self.steps.pop(s, None)
+        for sid, (rec, st, arrived) in list(self.steps.items()):
+            if now - arrived >= t and st.rollout_id not in self.rollouts:
+                outs.append(dead_letter(rec, NAME, "OrphanStep",
+                                        f"step {sid}: no rollout {st.rollout_id} within {t:g}s", st.run_id))
+                del self.steps[sid]
+        return outs
+
+    def buffered(self) -> dict[str, list[int]]:
+        return {topics.STEPS.name: [r.offset for r, _, _ in self.steps.values()],
+                topics.ROLLOUTS.name: [r.offset for r, _, _ in self.rollouts.values()]}
+
+    def state(self) -> dict[str, Any]:
+        return {"children": self.children} if self.children else {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.children = {k: dict(v) for k, v in state.get("children", {}).items()}
+
+
+@asynccontextmanager
+async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIterator[TaskFactory]:
+    judge = scoring.http_judge(cfg.judge_targets) if cfg.judge_targets else None
+    yield lambda p: VerifierTask(p, cfg, judge)
