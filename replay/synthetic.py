@@ -27,7 +27,7 @@ import numpy as np
 
 from schemas.batch import assemble_batch
 from schemas.envelope import Event
-from schemas.events import ChatMessage, Rollout, RolloutScored, Step, StepTokens, TrainerBatch, TrainingRecord
+from schemas.events import ChatMessage, Rollout, RolloutScored, Step, StepTokens, TrainingRecord
 from schemas.policy import CheckpointRef, PolicyRevision
 
 FAMILY = "toy"
