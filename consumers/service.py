@@ -50,12 +50,15 @@ class Service:
         return getattr(importlib.import_module(module), fn)(settings, client_kwargs)
 
 
-def dead_letter(rec: Any, service: str, error_type: str, message: str, run_id: str | None = None) -> Out:
-    """The dead letter for input record ``rec``: its bytes, where it came from and why it was refused."""
+def dead_letter(rec: Any, service: str, error_type: str, message: str, run_id: str | None = None, *,
+                raw: bytes | None = None) -> Out:
+    """The dead letter for input record ``rec``: its bytes (or ``raw``, the part of it refused: one record of a
+    batch), where it came from and why it was refused."""
     run = run_id or serde.header(rec.headers, "run_id") or "unknown"
     return Out(topics.DEAD_LETTERS.name, DeadLetter(
         run_id=run, producer=service, origin_topic=rec.topic, origin_partition=rec.partition,
-        origin_offset=rec.offset, origin_key=rec.key, raw=rec.value or b"", error_type=error_type,
+        origin_offset=rec.offset, origin_key=rec.key, raw=(rec.value or b"") if raw is None else raw,
+        error_type=error_type,
         error_message=message[:4000], service=service))
 
 

@@ -38,10 +38,11 @@ class ServiceSettings(BaseSettings):
     judge_targets: dict[str, Any] = Field(default_factory=dict, description="judge endpoints (from the plan)")
     max_off_policy_steps: int = Field(DEFAULT_MAX_OFF_POLICY_STEPS, ge=0,
                                       description="refuse records more revisions behind the batch target than this")
-    batch_records: int | None = Field(DEFAULT_BATCH_SIZE, ge=1, description="records per TrainerBatch")
+    batch_records: int | None = Field(DEFAULT_BATCH_SIZE, ge=1,
+                                      description="records per TrainerBatch: one optimizer step (the plan's batch_size)")
     batch_tokens: int | None = Field(None, ge=1, description="completion tokens per TrainerBatch (instead of records)")
-    flush_after_s: float = Field(5.0, description="emit a partial batch after this long")
-    step_records: int = Field(1, ge=1, description="trainer: records per optimizer step (smaller batches are merged)")
+    flush_after_s: float = Field(10.0, description="emit a partial batch (a smaller step) when no batch filled for "
+                                                   "this long: the end of a run, or generation stalled")
     checkpoint_dir: str = Field(".state/checkpoints", description="trainer: where checkpoints are written")
     lr: float = Field(1e-3, gt=0, description="trainer: learning rate")
     epochs: int = Field(1, ge=1, description="trainer: optimizer passes over each batch (PPO epochs)")
@@ -61,7 +62,7 @@ def plan_values(plan: GenerationPlan, *, credit: bool) -> dict[str, Any]:
     from schemas.plan import PlanError, credit_strategy
 
     values: dict[str, Any] = {"family": plan.family, "max_off_policy_steps": plan.max_off_policy_steps,
-                              "judge_targets": dict(plan.targets), "step_records": plan.batch_size}
+                              "judge_targets": dict(plan.targets)}
     if plan.token_batch_size:
         values.update(batch_tokens=plan.token_batch_size, batch_records=None)
     else:

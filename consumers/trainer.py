@@ -247,12 +247,14 @@ class ReferenceTrainer:
             return {"mismatch_tokens": 0.0}
         return {"mismatch_mean": float(d.mean()), "mismatch_max": float(d.max()), "mismatch_tokens": float(d.numel())}
 
-    def publish(self, *, run_id: str, producer: str = "trainer",
-                metrics: dict[str, float] | None = None) -> PolicyRevision:
+    def publish(self, *, run_id: str, producer: str = "trainer", metrics: dict[str, float] | None = None,
+                batch: TrainerBatch | None = None) -> PolicyRevision:
+        """The next revision: its checkpoint written, its parent and the batch it was trained on named."""
         nxt = self.revision + 1
         ref = self.kind.save(self.model, self.dir, self.family, nxt)
         rev = PolicyRevision(run_id=run_id, producer=producer, family=self.family, revision=nxt, checkpoint=ref,
-                             parent_revision=self.revision,
+                             parent_revision=self.revision, batch_id=batch.batch_id if batch else None,
+                             batch_digest=batch.batch_digest if batch else None,
                              metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)})
         self.revision = nxt
         self._snapshot()

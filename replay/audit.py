@@ -21,11 +21,16 @@ Violations (the audit fails):
 * ``checkpoint_mismatch`` a revision referenced with a checkpoint digest other than the published one;
 * ``revision_conflict``   a revision published twice with different checkpoints;
 * ``undecodable``         a message of the run that could not be decoded (see replay_errors);
-* ``evaluation_trained``  a training record (or batched record) of an evaluation rollout, which is held out.
+* ``evaluation_trained``  a training record (or batched record) of an evaluation rollout, which is held out;
+* ``revision_chain``      a broken link walking from each family's latest revision back to revision 0:
+                          revision N -> its parent N-1 -> the batch it names (on the log, same digest, trained
+                          by no other revision, targeting a revision before N) -> the batch's records -> their
+                          rollouts and steps -> the revisions that generated them (published, before N).
 
 Warnings (reported, not failing): missing steps of a rollout (steps may have a shorter retention),
 dead letters, harmless re-emissions (same content, new event id), and steps whose revision is the
-arena's belief only (``policy_exact`` false: ``inexact_policy``, one finding per revision with the count).
+arena's belief only (``policy_exact`` false: ``inexact_policy``, one finding per revision with the count),
+and revisions that name no batch in a log written before revisions named them (``unnamed_batches``).
 """
 
 from __future__ import annotations
@@ -48,8 +53,8 @@ from schemas.policy import PolicyRef
 VIOLATIONS = ("record_digest", "record_conflict", "batch_digest", "lineage_digest", "batch_sources", "record_mismatch",
               "replayed_lineage", "batch_record_missing", "batch_conflict", "record_unbatched", "record_multi_batch",
               "off_policy", "unknown_revision", "checkpoint_mismatch", "revision_conflict", "undecodable",
-              "evaluation_trained")
-WARNINGS = ("missing_step", "dead_letter", "re_emitted", "inexact_policy")
+              "evaluation_trained", "revision_chain")
+WARNINGS = ("missing_step", "dead_letter", "re_emitted", "inexact_policy", "unnamed_batches")
 
 
 @dataclass
@@ -315,6 +320,8 @@ def audit(con: duckdb.DuckDBPyConnection) -> AuditReport:
                    "are not known to come from it exactly (policy_exact = false)")
     report.checked["inexact_steps"] = n_inexact
 
+    _revision_chain(con, report)
+
     # -- evaluation rollouts are held out: nothing of theirs is trained on
     for kind, ident, rid in con.execute("""
             SELECT * FROM (SELECT 'training record' AS kind, record_id, rollout_id FROM training_records
@@ -335,6 +342,64 @@ def audit(con: duckdb.DuckDBPyConnection) -> AuditReport:
             WHERE r.step_id NOT IN (SELECT step_id FROM steps) GROUP BY ALL ORDER BY ALL""").fetchall():
         report.add("missing_step", rid, f"rollout {rid}: {n} of its steps are not on the log (retention?)")
     return report
+
+
+def _revision_chain(con: duckdb.DuckDBPyConnection, report: AuditReport) -> None:
+    """Walk each family's chain from its latest revision back to revision 0 (see ``revision_chain``)."""
+    chains: dict[str, dict[int, tuple]] = defaultdict(dict)
+    for row in con.execute("SELECT * FROM v_revision_chain").fetchall():
+        chains[row[0]][row[1]] = row
+    for fam, rev, batches in con.execute(
+            "SELECT family, revision, list(DISTINCT batch_id) FROM policy_revisions WHERE batch_id IS NOT NULL "
+            "GROUP BY ALL HAVING count(DISTINCT batch_id) > 1").fetchall():
+        report.add("revision_chain", f"{fam}@r{rev}", f"revision {fam}@r{rev} published naming different batches {batches}")
+    links = 0
+    for fam, revs in sorted(chains.items()):
+        latest = max(revs)
+        if latest > 0 and all(revs[n][3] is None for n in revs if n > 0):
+            report.add("unnamed_batches", fam, f"{fam}: revisions r1..r{latest} name no batch (published before "
+                       "revisions named their batches): the chain stops at the batches")
+            continue
+        trained_by: dict[str, list[int]] = defaultdict(list)
+        for n in range(latest, 0, -1):
+            subject = f"{fam}@r{n}"
+            if n not in revs:
+                report.add("revision_chain", subject, f"revision {subject} is not on the log: the chain from r{latest} "
+                           "breaks there")
+                continue
+            links += 1
+            _, _, parent, batch_id, digest, logged, target, records, rollouts, steps, generated = revs[n]
+            if parent != n - 1:
+                report.add("revision_chain", subject, f"revision {subject} names parent {parent}, not r{n - 1}")
+            if batch_id is None:
+                report.add("revision_chain", subject, f"revision {subject} names no batch")
+                continue
+            trained_by[batch_id].append(n)
+            if logged is None:
+                report.add("revision_chain", subject, f"revision {subject} names batch {batch_id}, not on the log")
+                continue
+            if digest != logged:
+                report.add("revision_chain", subject, f"revision {subject} names batch {batch_id} with digest "
+                           f"{(digest or 'none')[:12]}, the batch on the log has {logged[:12]}")
+            if target >= n:
+                report.add("revision_chain", subject, f"revision {subject} was trained on batch {batch_id}, which "
+                           f"targets r{target}, not a revision before it")
+            if not records or not rollouts:
+                report.add("revision_chain", subject, f"batch {batch_id} of revision {subject} leads to {records} "
+                           f"records and {rollouts} rollouts on the log")
+            unknown = [g for g in generated if g not in revs]
+            late = [g for g in generated if g >= n]
+            if unknown or late:
+                report.add("revision_chain", subject, f"batch {batch_id} of revision {subject} holds tokens generated "
+                           f"by revisions {sorted(set(unknown) | set(late))}, "
+                           + ("never published" if unknown else f"not before r{n}"))
+        for batch_id, ns in trained_by.items():
+            if len(ns) > 1:
+                report.add("revision_chain", batch_id, f"batch {batch_id} is named by revisions {sorted(ns)}: one "
+                           "batch, one optimizer step")
+        if 0 not in revs:
+            report.add("revision_chain", f"{fam}@r0", f"revision {fam}@r0, where the chain starts, is not on the log")
+    report.checked["chain_links"] = links
 
 
 def _fmt_sources(c: Counter) -> str:

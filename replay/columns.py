@@ -85,7 +85,7 @@ def _table(table: T.Table, cols: dict[str, Any]) -> pa.Table:
 
 
 def policy_revisions(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
-    cols = _envelope(events) | _same(events, "family revision parent_revision") | {
+    cols = _envelope(events) | _same(events, "family revision parent_revision batch_id batch_digest") | {
         "checkpoint_uri": [e.checkpoint.uri if e.checkpoint else None for e in events],
         "checkpoint_digest": [e.checkpoint.digest if e.checkpoint else None for e in events],
         "metrics": [list(e.metrics.items()) for e in events],

@@ -240,6 +240,11 @@ def build_report(con: duckdb.DuckDBPyConnection, *, audit_summary: str | None = 
 <h2>Rewards and staleness</h2><div class="grid">{"".join(f'<div class="card">{c}</div>' for c in charts)}</div>
 <h2>Held-out evaluation accuracy by revision</h2>{evaluation}
 <h2>Trainer–inference logprob mismatch</h2>{mismatch}
+<h2>Revision chain</h2><p>Each revision, the parent it was trained from, the batch (one optimizer step) it names,
+and where that batch's tokens came from (the audit walks this chain from the latest revision back to r0).</p>
+{_table(con, "SELECT family, revision, parent_revision, batch_id, batch_digest = logged_batch_digest AS digest_ok, "
+             "batch_target_revision, records, rollouts, steps, generated_by FROM v_revision_chain "
+             "ORDER BY family, revision DESC", 10_000)}
 <h2>Counts</h2>{_table(con, "SELECT * FROM v_counts")}
 <h2>Reward by revision and role (training rollouts)</h2>{_table(con, "SELECT * FROM v_reward_by_revision")}
 <h2>Staleness per batch</h2>{_table(con, "SELECT batch_id, target_revision, max_off_policy_steps, records, min_staleness, "

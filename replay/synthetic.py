@@ -27,7 +27,7 @@ import numpy as np
 
 from schemas.batch import assemble_batch
 from schemas.envelope import Event
-from schemas.events import ChatMessage, Rollout, RolloutScored, Step, StepTokens, TrainingRecord
+from schemas.events import ChatMessage, Rollout, RolloutScored, Step, StepTokens, TrainerBatch, TrainingRecord
 from schemas.policy import CheckpointRef, PolicyRevision
 
 FAMILY = "toy"
@@ -49,13 +49,14 @@ class SyntheticRun:
         return out
 
 
-def _revision(run_id: str, rev: int) -> PolicyRevision:
+def _revision(run_id: str, rev: int, batch: TrainerBatch | None = None) -> PolicyRevision:
     digest = hashlib.sha256(f"{run_id}/{FAMILY}/{rev}".encode()).hexdigest()
     metrics = {"loss": 1.0 / (rev + 1), "mismatch_mean": 0.01 * rev, "mismatch_max": 0.1 * rev,
                "mismatch_tokens": 100.0 * rev} if rev else {}
     return PolicyRevision(run_id=run_id, producer="trainer", family=FAMILY, revision=rev,
                           checkpoint=CheckpointRef(uri=f"file:///ckpt/{run_id}/r{rev}.pt", digest=digest),
-                          parent_revision=rev - 1 if rev else None, metrics=metrics)
+                          parent_revision=rev - 1 if rev else None, metrics=metrics,
+                          batch_id=batch.batch_id if batch else None, batch_digest=batch.batch_digest if batch else None)
 
 
 def generate_run(run_id: str, *, rounds: int = 3, groups: int = 3, group_size: int = 4, prompt_tokens: int = 32,
@@ -191,7 +192,7 @@ def generate_run(run_id: str, *, rounds: int = 3, groups: int = 3, group_size: i
         batch = assemble_batch(records, current, max_off_policy_steps, run_id=run_id, producer="batcher",
                                causation_id=records[0].event_id)
         run.transactions.append([("trainer-batches", batch)])
-        revisions.append(_revision(run_id, current.revision + 1))
+        revisions.append(_revision(run_id, current.revision + 1, batch))
         run.transactions.append([("policy-revisions", revisions[-1])])
     return run
 

@@ -60,6 +60,7 @@ REVISION_METRIC_COLUMNS = ("mismatch_mean", "mismatch_max", "mismatch_tokens")
 POLICY_REVISIONS = _table("policy_revisions", [
     pa.field("family", STR), pa.field("revision", I64), pa.field("checkpoint_uri", STR),
     pa.field("checkpoint_digest", STR), pa.field("parent_revision", I64),
+    column("batch_id", STR, "NULL"), column("batch_digest", STR, "NULL"),
     column("metrics", pa.map_(STR, F64), "NULL"),
     *(column(name, F64, "NULL") for name in REVISION_METRIC_COLUMNS),
 ], "PolicyRevision events: which weights exist (family, revision, checkpoint) and the trainer's statistics "
@@ -301,6 +302,17 @@ LEFT JOIN (SELECT DISTINCT ON (record_id) record_id, record_digest, step_ids FRO
 LEFT JOIN steps st ON list_contains(tr.step_ids, st.step_id)
 LEFT JOIN (SELECT DISTINCT ON (family, revision) * FROM policy_revisions ORDER BY family, revision, _offset) pr
        ON pr.family = st.policy_family AND pr.revision = st.policy_revision""",
+    "v_revision_chain": """
+SELECT pr.family, pr.revision, pr.parent_revision, pr.batch_id, pr.batch_digest,
+       tb.batch_digest AS logged_batch_digest, tb.target_revision AS batch_target_revision,
+       count(DISTINCT l.record_id) AS records, count(DISTINCT l.rollout_id) AS rollouts,
+       count(DISTINCT l.step_id) AS steps,
+       coalesce(list(DISTINCT l.step_revision ORDER BY l.step_revision) FILTER (WHERE l.step_revision IS NOT NULL),
+                []) AS generated_by
+FROM (SELECT DISTINCT ON (family, revision) * FROM policy_revisions ORDER BY family, revision, _offset) pr
+LEFT JOIN (SELECT DISTINCT ON (batch_id) * FROM trainer_batches ORDER BY batch_id, _offset) tb ON tb.batch_id = pr.batch_id
+LEFT JOIN v_lineage l ON l.batch_id = tb.batch_id AND l.batch_offset = tb._offset
+GROUP BY ALL ORDER BY pr.family, pr.revision""",
     "v_counts": """
 SELECT 'policy_revisions' AS "table", count(*) AS rows FROM policy_revisions UNION ALL
 SELECT 'steps', count(*) FROM steps UNION ALL SELECT 'rollouts', count(*) FROM rollouts UNION ALL

@@ -59,8 +59,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                                               f"default {defaults('groups')}")
     p.add_argument("--lr", type=float, help=f"reference trainer learning rate (default {defaults('lr')})")
     p.add_argument("--epochs", type=int, help=f"optimizer passes over each batch (default {defaults('epochs')})")
-    p.add_argument("--batch-records", type=int, default=None, help="batcher batch size (default: the plan's "
-                                                                   "batch_size spread over the partitions)")
     p.add_argument("--vllm-port", type=int, default=0, help="vLLM's port (default: a free one)")
     p.add_argument("--vllm-url", help="use this running vLLM server (http://host:port/v1, started with "
                                       "VLLM_SERVER_DEV_MODE=1 on the packaged model) instead of starting one")
@@ -277,8 +275,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
 
     # the plan's settings (its algorithm refused if nothing here runs it), with the demo's own pacing
     cfg = service_settings.build(plan=plan, credit=True, checkpoint_dir=str(ckdir), lr=args.lr, epochs=args.epochs,
-                                 batch_records=args.batch_records or max(1, plan.batch_size // topics.TRAINING_RECORDS.partitions),
-                                 flush_after_s=1.0, group_timeout_s=60)
+                                 group_timeout_s=60)
     async with System(SERVICES, cfg, kw):
         stop_tail = asyncio.Event()
         tail = asyncio.create_task(_tail(kw, progress, stop_tail))

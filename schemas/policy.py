@@ -41,6 +41,10 @@ class PolicyRevision(Event):
     revision: int = Field(ge=0, description="monotonically increasing within a family")
     checkpoint: CheckpointRef | None = None
     parent_revision: int | None = Field(default=None, ge=0)
+    batch_id: str | None = Field(default=None, description=(
+        "the TrainerBatch this revision was trained on (one optimizer step from parent_revision); None for a "
+        "revision no batch made (revision 0)"))
+    batch_digest: str | None = Field(default=None, description="that batch's batch_digest, as the trainer read it")
     metrics: dict[str, float] = Field(default_factory=dict, description=(
         "the training step that made this revision: loss, clip fraction, step seconds, and the trainer-inference "
         "logprob mismatch (mean/max |logprob(trainer) - logprob(inference)| over the batch's tokens, each "

@@ -74,8 +74,9 @@ POLICY_REVISIONS = Topic("policy-revisions", 1, doc="policy/weights revisions, t
 STEPS = Topic("steps", 12, _BIG, doc="environment steps (retention: ROLLOUT_STEPS_RETENTION_MS)", event=Step)
 ROLLOUTS = Topic("rollouts", 12, _BIG, doc="completed rollouts", event=Rollout)
 SCORES = Topic("scores", 12, doc="rewards/scores per rollout", event=RolloutScored)
-TRAINING_RECORDS = Topic("training-records", 12, doc="rollouts joined with scores, ready for training",
-                         event=TrainingRecord)
+TRAINING_RECORDS = Topic("training-records", 1, event=TrainingRecord,
+                         doc="rollouts joined with scores, ready for training; one partition, so one batcher "
+                             "builds each optimizer step from all of them")
 TRAINER_BATCHES = Topic("trainer-batches", 1, doc="batches handed to the trainer; 1 partition keeps batch order",
                         event=TrainerBatch)
 DEAD_LETTERS = Topic("dead-letters", 3, doc="records a stage could not process", event=DeadLetter)

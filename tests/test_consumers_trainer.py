@@ -147,3 +147,37 @@ def test_mismatch_is_measured_under_the_revision_that_generated_each_token(tmp_p
     assert second["mismatch_tokens"] == 8 and abs(second["mismatch_mean"] - 0.5) < 1e-4
     tr.snapshots.clear()
     assert tr.mismatch(to_tensors(b), b, torch.zeros(4, 5)) == {"mismatch_tokens": 0.0}  # too old: not measured
+
+
+async def test_each_batch_is_one_step_named_by_its_revision_and_rechecked_against_the_held_revision(tmp_path):
+    """Pipelined: the batcher built both batches for r0, but the trainer holds r1 when the second arrives and
+    r2 for a third. With a bound of 1 a record from r0 may still train r1 (1 behind), not r2 (2 behind): those
+    are refused with their reason, one dead letter each, the record itself as the raw bytes."""
+    from schemas import codec
+    from schemas.events import DeadLetter, TrainingRecord
+    from schemas.policy import PolicyRevision
+
+    rev0 = initial_revision("tiny", tmp_path, seed=0)
+    model = load_checkpoint(rev0.checkpoint)
+    batches = [batch_of([_record(4 * k + i, model, list(b"2+2="), list(b"4"), 1.0 if i % 2 else -1.0)
+                         for i in range(4)], rev0) for k in range(3)]
+
+    class Rec:
+        topic, partition, key, headers = "tb", 0, b"tiny", []
+
+        def __init__(self, offset, value):
+            self.offset, self.value = offset, value
+
+    task = TrainerTask(0, "tiny", tmp_path)
+    got = [await task.process(Rec(i, codec.encode(b))) for i, b in enumerate(batches)]
+    revs = [[o.event for o in outs if isinstance(o.event, PolicyRevision)] for outs in got]
+    letters = [[o.event for o in outs if isinstance(o.event, DeadLetter)] for outs in got]
+    assert [[r.revision for r in rs] for rs in revs] == [[1], [2], []]
+    for b, (r,) in zip(batches, revs[:2]):
+        assert (r.batch_id, r.batch_digest, r.parent_revision) == (b.batch_id, b.batch_digest, r.revision - 1)
+        assert r.metrics["records"] == 4 and r.metrics["refused_records"] == 0
+    assert letters[:2] == [[], []] and len(letters[2]) == 4 and task.refused == 4
+    assert {codec.decode(d.raw, TrainingRecord).record_id for d in letters[2]} == \
+           {x.record_id for x in batches[2].records}
+    assert all(d.error_type == "StaleRecordError" and "2 revisions behind target r2" in d.error_message
+               and d.origin_offset == 2 for d in letters[2])

@@ -90,15 +90,9 @@ async def reseed_missing(kw, transactional_id: str, groups: int, *, start: int =
 
 
 async def publish_revision(kw, rev: int = 0) -> None:
-    from aiokafka import AIOKafkaProducer
+    from streams.revisions import publish
 
-    prod = AIOKafkaProducer(**kw)
-    await prod.start()
-    try:
-        k, v, h = serde.to_message(testing.revision(rev))
-        await prod.send_and_wait(topics.POLICY_REVISIONS.name, v, key=k, headers=h)
-    finally:
-        await prod.stop()
+    await publish(kw, testing.revision(rev))
 
 
 async def read_all(kw, topic: str, *, until=None, timeout_s: float = 60.0, idle_s: float = 3.0) -> list:

@@ -147,7 +147,7 @@ async def test_create_topics_idempotent_with_configs(kafka_settings: KafkaSettin
 
     described = await topics.describe_topics(admin_kwargs, [t.name for t in topics.TOPICS.values()])
     expected_partitions = {"policy-revisions": 1, "steps": 12, "rollouts": 12, "scores": 12,
-                           "training-records": 12, "trainer-batches": 1, "dead-letters": 3}
+                           "training-records": 1, "trainer-batches": 1, "dead-letters": 3}
     assert {k: described[topics.TOPICS[k].name]["partitions"] for k in expected_partitions} == expected_partitions
     for key, t in topics.TOPICS.items():
         cfg = described[t.name]["configs"]

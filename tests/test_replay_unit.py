@@ -155,6 +155,41 @@ def test_audit_catches_a_batch_altered_after_assembly(run):
     assert "batch_digest" in found and "record_mismatch" in found
 
 
+def test_audit_walks_the_revision_chain_back_to_revision_zero(run):
+    revs = run.events("policy-revisions")
+    con = load(flat(run))
+    report = audit(con)
+    assert report.ok and report.checked["chain_links"] == max(r.revision for r in revs) >= 3
+    chain = con.execute("SELECT revision, parent_revision, batch_id, records, rollouts, steps, generated_by "
+                        "FROM v_revision_chain ORDER BY revision").fetchall()
+    batches = {b.batch_id: b for b in run.events("trainer-batches")}
+    for rev, parent, batch_id, records, rollouts, steps, generated_by in chain[1:]:
+        b = batches[batch_id]
+        assert parent == rev - 1 and b.target.revision == rev - 1 and records == len(b.records) > 0
+        assert rollouts > 0 and steps >= records and generated_by and max(generated_by) < rev
+
+
+@pytest.mark.parametrize("tamper, says", [("another_batch", "is named by revisions"),
+                                           ("digest", "the batch on the log has"),
+                                           ("no_such_batch", "not on the log"),
+                                           ("skipped_parent", "names parent 1, not r2")])
+def test_audit_catches_a_revision_naming_the_wrong_batch(run, tamper, says):
+    """The latest revision rewritten on the topic (a tampered or buggy trainer) breaks the chain, and says where."""
+    items = flat(run)
+    revs = [(i, e) for i, (k, e) in enumerate(items) if k == "policy-revisions"]
+    (i, last), (_, prev) = revs[-1], revs[-2]
+    assert last.revision == 3
+    items[i] = ("policy-revisions", last.model_copy(update={
+        "another_batch": {"batch_id": prev.batch_id, "batch_digest": prev.batch_digest},
+        "digest": {"batch_digest": "0" * 64},
+        "no_such_batch": {"batch_id": "batch-that-never-was"},
+        "skipped_parent": {"parent_revision": 1}}[tamper]))
+    report = audit(load(items))
+    chain = [f.message for f in report.violations if f.kind == "revision_chain"]
+    assert not report.ok and len(chain) == 1 and says in chain[0], report.findings
+    assert {f.kind for f in report.violations} == {"revision_chain"}
+
+
 def test_audit_catches_off_policy_unknown_revision_and_checkpoint(run):
     items = flat(run)
     last = [(i, e) for i, (k, e) in enumerate(items) if k == "trainer-batches"][-1]
@@ -412,6 +447,9 @@ def test_report_shows_evaluation_and_mismatch_or_says_there_is_none(run, eval_ru
     bare = [(k, e.model_copy(update={"metrics": {}}) if k == "policy-revisions" else e) for k, e in flat(run)]
     page = build_report(load(bare))
     assert "no evaluation rollouts in this run" in page and "no logprob mismatch reported" in page
+    # the revision chain, every revision with the batch it names
+    assert "<h2>Revision chain</h2>" in page
+    assert all(b.batch_id in page for b in run.events("trainer-batches"))
 
 
 def test_an_older_database_gets_the_new_columns_with_their_defaults(run, tmp_path, capsys):

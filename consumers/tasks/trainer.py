@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from consumers.service import TaskFactory, dead_letter, decode
 from consumers.settings import ServiceSettings
+from schemas import codec
+from schemas.batch import stale_reason
 from schemas.errors import EventDecodeError
 from schemas.events import TrainerBatch
-from schemas.policy import CheckpointRef, PolicyRevision
+from schemas.policy import CheckpointRef, PolicyRef, PolicyRevision
 from streams import topics
 from streams.revisions import latest_revision, publish
 from streams.transactions import Out
@@ -31,21 +33,20 @@ NAME = "trainer"
 
 
 class TrainerTask:
-    """One partition of trainer-batches (the topic has one): train, publish the next revision.
+    """One partition of trainer-batches (the topic has one): each batch is one optimizer step, and the step
+    publishes the next revision, naming its parent and the batch (id and digest) it was trained on.
 
-    ``min_records``: take one optimizer step (one revision) per at least this many records, accumulating
-    smaller batches (the batcher's batches are partition-local, so several make one plan ``batch_size``;
-    the arena paces admission by that size). Waiting batches are buffered input (changelog snapshot).
+    A batch targets the latest revision the batcher knew; pipelined, the trainer may already hold a newer one.
+    Every record is then checked again against the plan's bound from the revision the trainer holds, and what
+    now breaks it is refused (``StaleRecordError`` dead letters, counted in the revision's metrics): nothing
+    trains further off-policy than the plan allows. Nothing is buffered: a batch is trained when it arrives.
     """
 
     def __init__(self, partition: int, family: str, checkpoint_dir: str | Path, *, lr: float = 1e-3,
                  epochs: int = 1, train_step: TrainStep | None = None, producer: str = "trainer",
-                 min_records: int = 1,
                  target_checkpoint: Callable[[Any], CheckpointRef | None] | None = None) -> None:
         # target_checkpoint: where the first batch's target revision's weights are (default: this trainer's
-        # checkpoint_dir naming of the tiny model); the revisions topic says it, see checkpoint_from_log
-        self.min_records = min_records
-        self.pending: list[tuple[Any, TrainerBatch]] = []
+        # checkpoint_dir naming of the tiny model); the revisions topic says it, see ``wiring``
         self.family = family
         self.dir = Path(checkpoint_dir)
         self.lr = lr
@@ -55,7 +56,7 @@ class TrainerTask:
         self.producer = producer
         self.trainer: ReferenceTrainer | None = None
         self.current: dict[str, Any] = {}
-        self.history: list[dict[str, float]] = []
+        self.refused = 0
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.current = dict(state.get("current", {}))
@@ -64,10 +65,10 @@ class TrainerTask:
         return {"current": self.current} if self.current else {}
 
     def buffered(self) -> dict[str, list[int]]:
-        return {rec.topic: [r.offset for r, _ in self.pending] for rec, _ in self.pending[:1]}
+        return {}
 
     def restore(self, rec: Any) -> None:
-        self.pending.append((rec, decode(rec, TrainerBatch)))
+        raise AssertionError("the trainer buffers nothing, so a snapshot never lists a batch to restore")
 
     def tick(self, now: float) -> list:
         return []
@@ -101,28 +102,34 @@ class TrainerTask:
         if batch.family != self.family:
             return [dead_letter(rec, NAME, "CrossFamilyMixError",
                                 f"batch {batch.batch_id} is {batch.family!r}; this trainer trains {self.family!r}")]
-        self.pending.append((rec, batch))
-        if sum(len(b.records) for _, b in self.pending) < self.min_records:
-            return []
-        batches = [b for _, b in self.pending]
-        self.pending = []
-        trainer = self._ensure(batches[0])
-        if len(batches) == 1:
-            merged = batches[0]
-        else:  # one step over all of them (records keep their own lineage; the step's target is the newest)
-            merged = batches[-1].model_copy(update={"records": [r for b in batches for r in b.records]})
+        trainer = self._ensure(batch)
+        holds = PolicyRef(family=self.family, revision=trainer.revision)
+        keep, outs = [], []
+        for r in batch.records:
+            reason = stale_reason(r, holds, batch.max_off_policy_steps)
+            if reason is None:
+                keep.append(r)
+            else:
+                outs.append(dead_letter(rec, NAME, "StaleRecordError", f"batch {batch.batch_id}: {reason} (the "
+                                        f"trainer holds r{holds.revision})", batch.run_id, raw=codec.encode(r)))
+        self.refused += len(outs)
+        if not keep:
+            log.warning("refused a whole batch", extra={"fields": {"service": NAME, "batch_id": batch.batch_id,
+                                                                   "holds": holds.revision}})
+            return outs
         from consumers.trainer import to_tensors
 
-        tensors = to_tensors(merged)
+        step = batch if len(keep) == len(batch.records) else batch.model_copy(update={"records": keep})
+        tensors = to_tensors(step)
         # in a worker thread: a real model's step takes seconds, and the services' clients must keep running
-        stats = await asyncio.to_thread(self.user_step or trainer.step, tensors, merged)
-        rev = await asyncio.to_thread(trainer.publish, run_id=batch.run_id, producer=self.producer, metrics=stats)
-        stats.update(revision=rev.revision, batch_target=batch.target.revision, records=len(merged.records),
-                     batches=len(batches))
-        self.history.append(stats)
-        log.info("trained", extra={"fields": {"service": "trainer", **stats}})
+        stats = await asyncio.to_thread(self.user_step or trainer.step, tensors, step)
+        stats.update(records=float(len(keep)), refused_records=float(len(outs)))
+        rev = await asyncio.to_thread(trainer.publish, run_id=batch.run_id, producer=self.producer, metrics=stats,
+                                      batch=batch)
+        log.info("trained", extra={"fields": {"service": NAME, "revision": rev.revision, "batch_id": batch.batch_id,
+                                              "batch_target": batch.target.revision, **stats}})
         self.current = {"revision": rev.revision, "checkpoint": rev.checkpoint.model_dump(mode="json")}
-        return [Out(topics.POLICY_REVISIONS.name, rev)]
+        return outs + [Out(topics.POLICY_REVISIONS.name, rev)]
 
 
 async def bootstrap_revision(client_kwargs: dict[str, Any], family: str, checkpoint_dir: str | Path, *,
@@ -152,5 +159,4 @@ async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIt
     rev0 = await latest_revision(client_kwargs, cfg.family, revision=0)
     start = (lambda target: rev0.checkpoint if target.revision == 0 else None) if rev0 and rev0.checkpoint else None
     yield lambda p: TrainerTask(p, cfg.family, cfg.checkpoint_dir, lr=cfg.lr, epochs=cfg.epochs,
-                                producer=f"{NAME}{cfg.instance}", min_records=cfg.step_records,
-                                target_checkpoint=start)
+                                producer=f"{NAME}{cfg.instance}", target_checkpoint=start)
