@@ -14,7 +14,10 @@ The learner target (a plan's learner has no base_url) is served by ``--policy``:
 
 Topics are created if missing. ``--follow-revisions`` follows the policy-revisions topic: each new revision's
 checkpoint is loaded into the server without a restart (calls in flight drain first, so every Step names the
-revision that produced all of its tokens) and paces admission. ``--evaluate`` answers every environment's
+revision that produced all of its tokens) and paces admission. Every arena of a run, on any machine, paces
+against the one admissions ledger on the log (``producers/arena.py``, "Admission pacing"): start as many as
+there are inference servers, each with its own ``--run-id`` (its identity: restarting one under the same
+id gives back what its killed predecessor had claimed at once, a new id after ``--admission-lease-s``). ``--evaluate`` answers every environment's
 held-out questions with each revision (Rollouts marked ``evaluation``). SIGTERM (or Ctrl-C) stops admission;
 the episodes in flight finish and are written before it exits.
 """
@@ -47,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--await-final-revision", type=float, default=0.0, metavar="SECONDS",
                    help="after the last group, wait up to this long for the revision trained on the last batch "
                         "(and its evaluation) before exiting")
+    p.add_argument("--admission-lease-s", type=float, default=600.0, metavar="SECONDS",
+                   help="a group not fully emitted this long after its claim may be released by any arena "
+                        "(longer than a group takes; default 600)")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     p.add_argument("--run-id", help="run id stamped on every event (default: random)")
     p.add_argument("--seed", type=int, default=0, help="arena sampling seed")
@@ -59,6 +65,7 @@ async def _main(args: argparse.Namespace) -> int:
     import json
 
     from producers.arena import Arena
+    from streams.admissions import KafkaLedger
     from streams.revisions import RevisionFollower
     from producers.emitter import KafkaEmitter
     from schemas.envelope import new_id
@@ -112,7 +119,8 @@ async def _main(args: argparse.Namespace) -> int:
         follower = RevisionFollower(settings.client_kwargs(), plan.family) if args.follow_revisions else None
         arena = Arena(plan, emitter=emitter, policy_base_url=url, concurrency=args.concurrency,
                       progress=not args.no_progress, run_id=run_id, revisions=follower, seed=args.seed,
-                      weights=weights, evaluate=args.evaluate, client_options=client_options)
+                      weights=weights, evaluate=args.evaluate, client_options=client_options,
+                      admissions=KafkaLedger(settings.client_kwargs()), admission_lease_s=args.admission_lease_s)
         stop = asyncio.Event()  # SIGTERM/SIGINT: admit no more, finish and emit what is in flight, exit 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -125,8 +133,7 @@ async def _main(args: argparse.Namespace) -> int:
                 print(f"rollout arena: error: admission stopped: {e}", file=sys.stderr)
                 return 1
             if args.await_final_revision > 0 and follower is not None and not stop.is_set():
-                final = arena.pacer.base_revision + arena.pacer.admitted // plan.batch_size
-                await arena.wait_for_revision(final, args.await_final_revision)
+                await arena.wait_for_revision(arena.pacer.final_revision(), args.await_final_revision)
         print(json.dumps({"run_id": run_id, "plan": args.plan, **stats.as_dict(),
                           "reload_s": [round(x, 3) for x in arena.reload_s],
                           "transactions": emitter.stats.transactions, "messages": emitter.stats.messages,

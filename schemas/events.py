@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, JsonValue, model_validator
 
+from schemas.admission import ADMISSION_EVENTS
 from schemas.arrays import Logprobs, Mask, TokenIds
 from schemas.envelope import Event, Record
 from schemas.policy import PolicyRef, PolicyRevision
@@ -218,5 +219,5 @@ class DeadLetter(Event):
 
 
 ALL_EVENTS: tuple[type[Event], ...] = (
-    PolicyRevision, Step, Rollout, RolloutScored, TrainingRecord, TrainerBatch, DeadLetter)
+    PolicyRevision, Step, Rollout, RolloutScored, TrainingRecord, TrainerBatch, DeadLetter, *ADMISSION_EVENTS)
 EVENTS_BY_TYPE: dict[str, type[Event]] = {cls.EVENT_TYPE: cls for cls in ALL_EVENTS}

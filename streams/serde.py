@@ -7,7 +7,7 @@ Keys decide co-location, so they are chosen here, once:
   every such topic (all have the same partition count and the default murmur2 partitioner),
   so the verifier and credit assignment see a group whole from one partition.
 * TrainingRecord by ``record_id``; PolicyRevision by family; TrainerBatch by target family;
-  DeadLetter by the originating topic.
+  DeadLetter by the originating topic; the admissions ledger's events by ``claim_id``.
 
 Headers repeat the event type and schema version so a consumer (or a person with
 kafka-console-consumer) can route or refuse a message without decoding its body.
@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas import codec
+from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRelease
 from schemas.envelope import Event
 from schemas.errors import EventDecodeError
 from schemas.events import DeadLetter, Rollout, RolloutScored, Step, TrainerBatch, TrainingRecord
@@ -38,6 +39,8 @@ def key_for(event: Event) -> bytes:
             key = event.family
         case DeadLetter():
             key = event.origin_topic
+        case AdmissionClaim() | AdmissionDone() | AdmissionRelease():
+            key = event.claim_id
         case _:
             raise TypeError(f"no partitioning key defined for {type(event).__name__}")
     return key.encode()

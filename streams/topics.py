@@ -80,9 +80,13 @@ TRAINING_RECORDS = Topic("training-records", 1, event=TrainingRecord,
 TRAINER_BATCHES = Topic("trainer-batches", 1, doc="batches handed to the trainer; 1 partition keeps batch order",
                         event=TrainerBatch)
 DEAD_LETTERS = Topic("dead-letters", 3, doc="records a stage could not process", event=DeadLetter)
+ADMISSIONS = Topic("admissions", 1, {"message.timestamp.type": "LogAppendTime"},
+                   doc="the arenas' admissions ledger (schemas.admission's three events); 1 partition: one order "
+                       "every arena folds alike; broker timestamps time the leases")
 
 TOPICS: dict[str, Topic] = {
-    t.key: t for t in (POLICY_REVISIONS, STEPS, ROLLOUTS, SCORES, TRAINING_RECORDS, TRAINER_BATCHES, DEAD_LETTERS)
+    t.key: t for t in (POLICY_REVISIONS, STEPS, ROLLOUTS, SCORES, TRAINING_RECORDS, TRAINER_BATCHES, DEAD_LETTERS,
+                        ADMISSIONS)
 }
 
 

@@ -75,6 +75,7 @@ FIXTURE_LOGPROBS = np.array([-0.5, -0.0, np.nan, -np.inf, -1e-30, -12.25], dtype
 def fixture_events() -> dict[str, "Event"]:
     """One event of each type with fixed ids, timestamps and contents: the frames were written
     once by ``tests/fixtures/events/make_fixtures.py`` and must keep decoding to these values."""
+    from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRelease
     from schemas.batch import assemble_batch
     from schemas.events import DeadLetter, RolloutScored, StepTokens
 
@@ -97,5 +98,10 @@ def fixture_events() -> dict[str, "Event"]:
                       origin_topic="rollouts", origin_partition=2, origin_offset=41, origin_key=b"group-1",
                       raw=b"RLEV\x01\x04junk", error_type="EventDecodeError", error_message="truncated frame",
                       service="verifier")
-    events = [revision(3), s, rollout(), scored, rec, batch, dead]
+    common = dict(run_id="run-1", producer="arena-0", created_at=T0, claim_id="claim-1", arena_id="arena-0")
+    claim = AdmissionClaim(event_id="ev-claim-1", **common, family=FAMILY, group_id="group-1", rollouts=4,
+                           seen_revision=3, batch_size=16, max_off_policy_steps=1, lease_s=600.0)
+    done = AdmissionDone(event_id="ev-done-1", **common)
+    release = AdmissionRelease(event_id="ev-release-1", **common, reason="lease of 600s expired (arena arena-0)")
+    events = [revision(3), s, rollout(), scored, rec, batch, dead, claim, done, release]
     return {e.EVENT_TYPE: e for e in events}

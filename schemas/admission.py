@@ -1,0 +1,143 @@
+"""The admissions ledger: how any number of arenas share one off-policy bound through the log alone.
+
+Events (one partition, so one total order every reader folds the same way):
+
+* ``AdmissionClaim``: an arena asks to admit a group of ``rollouts`` top-level rollouts, having seen trainer
+  revision ``seen_revision``; it carries the plan's ``batch_size`` and bound, so the fold needs nothing else.
+* ``AdmissionDone``: the claimer emitted every rollout of the group.
+* ``AdmissionRelease``: a granted claim gives its capacity back: written by the claimer when it abandons the
+  group, or by any arena once the claim's lease ran out (its arena died).
+
+``AdmissionBook`` is the fold: pure, deterministic from the records and their log timestamps, so every arena
+computes the same grants. Per family, with ``A`` the rollouts of the granted, not released claims before it
+in log order and ``R0`` the ``seen_revision`` of the family's first claim, a claim is granted iff::
+
+    A + rollouts  <=  (seen_revision - R0 + max_off_policy_steps + 1) * batch_size
+
+i.e. its last rollout lands in a batch at most ``max_off_policy_steps`` revisions ahead of the revision its
+claimer had seen (the rollouts numbered ``[kB, (k+1)B)`` fill the batch that trains revision ``R0 + k``).
+``seen_revision`` never exceeds the trainer's revision, so the bound holds whoever appends. A denied claim
+costs nothing. A release by anyone but the claimer counts only when its timestamp is at least ``lease_s``
+after the claim's: a dead arena's claims block the others for one lease at most, and a release written
+early by a fast clock is ignored, identically by every reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from pydantic import Field
+
+from schemas.envelope import Event
+
+
+class AdmissionClaim(Event):
+    """An arena's request to admit one group (granted or denied by its place in the ledger)."""
+
+    EVENT_TYPE: ClassVar[str] = "admission_claim"
+
+    claim_id: str = Field(min_length=1)
+    arena_id: str = Field(min_length=1)
+    family: str = Field(min_length=1)
+    group_id: str = Field(min_length=1)
+    rollouts: int = Field(ge=1, description="top-level rollouts of the group (sub-episodes ride on them)")
+    seen_revision: int = Field(ge=0, description="the newest trainer revision the claimer had seen")
+    batch_size: int = Field(ge=1)
+    max_off_policy_steps: int = Field(ge=0)
+    lease_s: float = Field(gt=0, description="after this long without Done, any arena may release the claim")
+
+
+class AdmissionDone(Event):
+    """Every rollout of the claimed group is on the log: the claim can no longer expire."""
+
+    EVENT_TYPE: ClassVar[str] = "admission_done"
+
+    claim_id: str = Field(min_length=1)
+    arena_id: str = Field(min_length=1)
+
+
+class AdmissionRelease(Event):
+    """A granted claim's capacity returns to the pool (abandoned by its claimer, or its lease expired)."""
+
+    EVENT_TYPE: ClassVar[str] = "admission_release"
+
+    claim_id: str = Field(min_length=1)
+    arena_id: str = Field(min_length=1, description="who wrote the release")
+    reason: str
+
+
+ADMISSION_EVENTS = (AdmissionClaim, AdmissionDone, AdmissionRelease)
+
+
+@dataclass
+class ClaimState:
+    claim: AdmissionClaim
+    at: float  # the claim record's log timestamp (seconds)
+    granted: bool
+    done: bool = False
+    released: str | None = None  # the reason, once released
+
+    @property
+    def open(self) -> bool:
+        """Granted and still running: counts and may expire."""
+        return self.granted and not self.done and self.released is None
+
+
+@dataclass
+class _Family:
+    base_revision: int
+    admitted: int = 0  # rollouts of granted, not released claims
+
+
+@dataclass
+class AdmissionBook:
+    """The ledger folded in log order (see the module docstring)."""
+
+    claims: dict[str, ClaimState] = field(default_factory=dict)
+    families: dict[str, _Family] = field(default_factory=dict)
+
+    def apply(self, event: Event, at: float) -> None:
+        """Fold one record, ``at`` its log timestamp in seconds."""
+        if isinstance(event, AdmissionClaim):
+            if event.claim_id in self.claims:
+                return  # a retried append: the first one decided
+            fam = self.families.setdefault(event.family, _Family(event.seen_revision))
+            granted = self.grantable(event.family, event.rollouts, event.seen_revision, event.batch_size,
+                                     event.max_off_policy_steps)
+            fam.admitted += event.rollouts if granted else 0
+            self.claims[event.claim_id] = ClaimState(event, at, granted)
+            return
+        state = self.claims.get(getattr(event, "claim_id", ""))
+        if state is None or not state.open:
+            return
+        if isinstance(event, AdmissionDone):
+            state.done = True
+        elif isinstance(event, AdmissionRelease) and (
+                event.arena_id == state.claim.arena_id or at >= state.at + state.claim.lease_s):
+            state.released = event.reason
+            self.families[state.claim.family].admitted -= state.claim.rollouts
+
+    def grantable(self, family: str, rollouts: int, seen_revision: int, batch_size: int, bound: int) -> bool:
+        """Whether a claim appended now would be granted."""
+        fam = self.families.get(family)
+        base, admitted = (fam.base_revision, fam.admitted) if fam else (seen_revision, 0)
+        return admitted + rollouts <= (seen_revision - base + bound + 1) * batch_size
+
+    def admitted(self, family: str) -> int:
+        fam = self.families.get(family)
+        return fam.admitted if fam else 0
+
+    def base_revision(self, family: str, default: int) -> int:
+        fam = self.families.get(family)
+        return fam.base_revision if fam else default
+
+    def expired(self, family: str, now: float) -> list[AdmissionClaim]:
+        """Open claims of ``family`` whose lease ran out by ``now``: anyone may release them."""
+        return [s.claim for s in self.claims.values()
+                if s.open and s.claim.family == family and now >= s.at + s.claim.lease_s]
+
+    def granted(self, claim_id: str) -> bool | None:
+        """None while the claim is not in the book yet."""
+        state = self.claims.get(claim_id)
+        return None if state is None else state.granted

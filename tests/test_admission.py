@@ -1,0 +1,89 @@
+"""The admissions ledger's fold (schemas.admission.AdmissionBook): pure, in log order, the same for every reader."""
+
+from __future__ import annotations
+
+import asyncio
+
+from producers.arena import AdmissionPacer
+from schemas.admission import AdmissionBook, AdmissionClaim, AdmissionDone, AdmissionRelease
+from streams.admissions import MemoryLedger
+
+B, BOUND, LEASE = 4, 1, 10.0
+
+
+def claim(cid: str, *, arena: str = "a", n: int = 4, seen: int = 0, family: str = "f") -> AdmissionClaim:
+    return AdmissionClaim(run_id="r", producer=arena, claim_id=cid, arena_id=arena, family=family, group_id=cid,
+                          rollouts=n, seen_revision=seen, batch_size=B, max_off_policy_steps=BOUND, lease_s=LEASE)
+
+
+def release(cid: str, arena: str) -> AdmissionRelease:
+    return AdmissionRelease(run_id="r", producer=arena, claim_id=cid, arena_id=arena, reason="test")
+
+
+def fold(*records) -> AdmissionBook:
+    book = AdmissionBook()
+    for at, event in records:
+        book.apply(event, at)
+    return book
+
+
+def test_grants_in_log_order_within_the_bound_and_denies_beyond():
+    # (seen - R0 + bound + 1) * B = 8 rollouts at revision 0: two groups of 4; the third waits for revision 1
+    book = fold((0, claim("c1")), (1, claim("c2", arena="b")), (2, claim("c3")), (3, claim("c4", seen=1)))
+    assert [book.granted(c) for c in ("c1", "c2", "c3", "c4")] == [True, True, False, True]
+    assert book.admitted("f") == 12 and book.admitted("other") == 0
+    assert not book.grantable("f", 1, 1, B, BOUND) and book.grantable("f", 4, 2, B, BOUND)
+
+
+def test_the_first_claim_sets_the_base_revision_and_families_are_apart():
+    book = fold((0, claim("c1", seen=5)), (1, claim("c2", seen=5)), (2, claim("c3", seen=5)),
+                (3, claim("g1", family="g")))
+    assert [book.granted(c) for c in ("c1", "c2", "c3", "g1")] == [True, True, False, True]
+    assert book.base_revision("f", 0) == 5 and book.base_revision("new", 7) == 7
+
+
+def test_two_claimers_racing_only_the_one_within_the_bound_is_granted():
+    """Both saw room for one more group; the log orders them, every reader agrees on the winner."""
+    records = [(0, claim("c1")), (1, claim("a2", arena="a")), (1, claim("b2", arena="b"))]
+    assert [fold(*records).granted(c) for c in ("a2", "b2")] == [True, False]
+    assert fold(*records).admitted("f") == fold(*records).admitted("f") == 8
+    assert fold((0, claim("c1")), (1, claim("c1")), (2, claim("c2"))).granted("c2")  # a repeated claim: once
+
+
+def test_release_gives_capacity_back_and_done_closes_a_claim():
+    book = fold((0, claim("c1")), (1, claim("c2")), (2, AdmissionDone(run_id="r", producer="a", claim_id="c1",
+                                                                     arena_id="a")))
+    assert not book.grantable("f", 4, 0, B, BOUND)
+    book.apply(release("c1", "a"), 3)  # done: nothing to give back
+    book.apply(release("c2", "a"), 4)  # the claimer abandons its open claim: at once
+    assert book.admitted("f") == 4 and book.grantable("f", 4, 0, B, BOUND)
+    book.apply(release("c2", "a"), 5)
+    assert book.admitted("f") == 4 and book.claims["c2"].released == "test"
+
+
+def test_lease_expiry_lets_any_arena_release_a_dead_arenas_claim():
+    book = fold((100, claim("c1", arena="dead")), (101, claim("c2", arena="dead")))
+    assert book.expired("f", 100 + LEASE - 0.1) == []
+    assert [c.claim_id for c in book.expired("f", 100 + LEASE)] == ["c1"]
+    book.apply(release("c2", "b"), 105)  # early: ignored by every reader alike
+    assert book.claims["c2"].released is None and book.admitted("f") == 8
+    book.apply(release("c1", "b"), 100 + LEASE)
+    book.apply(release("c2", "b"), 101 + LEASE)
+    assert book.admitted("f") == 0 and book.expired("f", 1e9) == []
+
+
+async def test_a_restarted_arena_releases_its_earlier_claims_and_joins_in():
+    ledger = MemoryLedger()
+    first = AdmissionPacer(B, BOUND, ledger=ledger, arena_id="a1")
+    await first.start()
+    await first.admit(4)
+    await first.admit(4)  # killed now: both claims left open
+    other = AdmissionPacer(B, BOUND, ledger=ledger, arena_id="b")
+    waiter = asyncio.create_task(other.admit(4))
+    await asyncio.sleep(0.05)
+    assert other.paused and not waiter.done()
+    again = AdmissionPacer(B, BOUND, ledger=ledger, arena_id="a1")  # the same arena, restarted
+    await again.start()
+    await asyncio.wait_for(waiter, 2)
+    assert ledger.book.admitted("default") == 4 and other.admitted == 4 and other.pauses == 1
+    assert {s.released for s in ledger.book.claims.values()} >= {"restarted: the arena's earlier process left it open"}
