@@ -44,6 +44,8 @@ class ServiceSettings(BaseSettings):
     flush_after_s: float = Field(10.0, description="emit a partial batch (a smaller step) when no batch filled for "
                                                    "this long: the end of a run, or generation stalled")
     checkpoint_dir: str = Field(".state/checkpoints", description="trainer: where checkpoints are written")
+    keep_checkpoints: int = Field(0, ge=0, description="trainer: keep only the newest N checkpoint files it wrote "
+                                                       "(0: keep all; the arena must still find the one it loads)")
     lr: float = Field(1e-3, gt=0, description="trainer: learning rate")
     epochs: int = Field(1, ge=1, description="trainer: optimizer passes over each batch (PPO epochs)")
 

@@ -102,6 +102,10 @@ class TinyPolicy:
         return save_checkpoint(model, directory, family, revision)
 
     @staticmethod
+    def remove(ref: CheckpointRef) -> None:
+        Path(ref.uri.removeprefix("file://")).unlink(missing_ok=True)
+
+    @staticmethod
     def logprobs(model: Any, t: TrainerTensors) -> torch.Tensor:
         logits, _ = model(t.input_ids[:, :-1])
         return torch.log_softmax(logits.float(), dim=-1).gather(2, t.input_ids[:, 1:].unsqueeze(2)).squeeze(2)
@@ -123,6 +127,12 @@ class HFPolicy:
         from policy.hf import save_checkpoint
 
         return save_checkpoint(model, directory, family, revision)
+
+    @staticmethod
+    def remove(ref: CheckpointRef) -> None:
+        import shutil
+
+        shutil.rmtree(Path(ref.uri.removeprefix("file://")).parent, ignore_errors=True)  # the revision's folder
 
     @staticmethod
     def logprobs(model: Any, t: TrainerTensors) -> torch.Tensor:
@@ -148,7 +158,8 @@ class ReferenceTrainer:
 
     def __init__(self, model: Any, family: str, revision: int, checkpoint_dir: str | Path, *, lr: float = 1e-3,
                  clip: float = 0.2, max_grad_norm: float = 1.0, epochs: int = 1,
-                 kind: type[TinyPolicy] | type[HFPolicy] = TinyPolicy, keep_revisions: int = 3) -> None:
+                 kind: type[TinyPolicy] | type[HFPolicy] = TinyPolicy, keep_revisions: int = 3,
+                 keep_checkpoints: int = 0) -> None:
         self.model = model
         self.family = family
         self.revision = revision
@@ -161,6 +172,9 @@ class ReferenceTrainer:
         # the weights of recent revisions (this one included), to measure the trainer-inference mismatch on
         # tokens an earlier revision generated: with pipelining, a batch rarely comes from the current weights
         self.keep_revisions = keep_revisions
+        # checkpoint files this trainer wrote, by revision: all kept (0), or only the newest keep_checkpoints
+        self.keep_checkpoints = keep_checkpoints
+        self.written: dict[int, CheckpointRef] = {}
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self._probe: Any = None
         self._snapshot()
@@ -258,6 +272,9 @@ class ReferenceTrainer:
                              metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)})
         self.revision = nxt
         self._snapshot()
+        self.written[nxt] = ref
+        while self.keep_checkpoints and len(self.written) > self.keep_checkpoints:
+            self.kind.remove(self.written.pop(min(self.written)))
         return rev
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+DEMO_KEEP_CHECKPOINTS = 4  # a demo run writes one checkpoint per revision (270 MB each for SmolLM2): keep the newest
 
 
 @dataclass(frozen=True)
@@ -275,7 +276,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
 
     # the plan's settings (its algorithm refused if nothing here runs it), with the demo's own pacing
     cfg = service_settings.build(plan=plan, credit=True, checkpoint_dir=str(ckdir), lr=args.lr, epochs=args.epochs,
-                                 group_timeout_s=60)
+                                 group_timeout_s=60, keep_checkpoints=DEMO_KEEP_CHECKPOINTS)
     async with System(SERVICES, cfg, kw):
         stop_tail = asyncio.Event()
         tail = asyncio.create_task(_tail(kw, progress, stop_tail))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -181,3 +183,18 @@ async def test_each_batch_is_one_step_named_by_its_revision_and_rechecked_agains
            {x.record_id for x in batches[2].records}
     assert all(d.error_type == "StaleRecordError" and "2 revisions behind target r2" in d.error_message
                and d.origin_offset == 2 for d in letters[2])
+
+
+def test_the_trainer_keeps_only_the_newest_checkpoints_when_asked(tmp_path):
+    rev0 = initial_revision("tiny", tmp_path / "r0", seed=0)
+    model = load_checkpoint(rev0.checkpoint)
+    recs = [_record(i, model, list(b"2+2="), list(b"4"), 1.0 if i % 2 else -1.0) for i in range(4)]
+    trainer = ReferenceTrainer(model, "tiny", 0, tmp_path / "ck", keep_checkpoints=2)
+    b = batch_of(recs, rev0)
+    revs = []
+    for _ in range(4):
+        trainer.step(to_tensors(b), b)
+        revs.append(trainer.publish(run_id="run", batch=b))
+    kept = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert kept == [Path(r.checkpoint.uri.removeprefix("file://")).name for r in revs[-2:]]
+    assert (tmp_path / "r0").exists() and any((tmp_path / "r0").iterdir())  # never one it did not write

@@ -44,7 +44,8 @@ class TrainerTask:
 
     def __init__(self, partition: int, family: str, checkpoint_dir: str | Path, *, lr: float = 1e-3,
                  epochs: int = 1, train_step: TrainStep | None = None, producer: str = "trainer",
-                 target_checkpoint: Callable[[Any], CheckpointRef | None] | None = None) -> None:
+                 target_checkpoint: Callable[[Any], CheckpointRef | None] | None = None,
+                 keep_checkpoints: int = 0) -> None:
         # target_checkpoint: where the first batch's target revision's weights are (default: this trainer's
         # checkpoint_dir naming of the tiny model); the revisions topic says it, see ``wiring``
         self.family = family
@@ -54,6 +55,7 @@ class TrainerTask:
         self.user_step = train_step
         self.target_checkpoint = target_checkpoint
         self.producer = producer
+        self.keep_checkpoints = keep_checkpoints
         self.trainer: ReferenceTrainer | None = None
         self.current: dict[str, Any] = {}
         self.refused = 0
@@ -91,7 +93,7 @@ class TrainerTask:
                 rev = ck.revision
             kind = policy_kind(ref)
             self.trainer = ReferenceTrainer(kind.load(ref), self.family, rev, self.dir, lr=self.lr,
-                                            epochs=self.epochs, kind=kind)
+                                            epochs=self.epochs, kind=kind, keep_checkpoints=self.keep_checkpoints)
         return self.trainer
 
     async def process(self, rec: Any) -> list:
@@ -159,4 +161,5 @@ async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIt
     rev0 = await latest_revision(client_kwargs, cfg.family, revision=0)
     start = (lambda target: rev0.checkpoint if target.revision == 0 else None) if rev0 and rev0.checkpoint else None
     yield lambda p: TrainerTask(p, cfg.family, cfg.checkpoint_dir, lr=cfg.lr, epochs=cfg.epochs,
-                                producer=f"{NAME}{cfg.instance}", target_checkpoint=start)
+                                producer=f"{NAME}{cfg.instance}", target_checkpoint=start,
+                                keep_checkpoints=cfg.keep_checkpoints)
