@@ -50,6 +50,25 @@ class Service:
         return getattr(importlib.import_module(module), fn)(settings, client_kwargs)
 
 
+class TaskDefaults:
+    """What a partition task that buffers no input, keeps no state or has no timers inherits: override the rest."""
+
+    def restore(self, rec: Any) -> None:
+        raise AssertionError(f"{type(self).__name__} buffers nothing, so a snapshot never lists input to restore")
+
+    def tick(self, now: float) -> list[Out]:
+        return []
+
+    def buffered(self) -> dict[str, list[int]]:
+        return {}
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        pass
+
+
 def dead_letter(rec: Any, service: str, error_type: str, message: str, run_id: str | None = None, *,
                 raw: bytes | None = None) -> Out:
     """The dead letter for input record ``rec``: its bytes (or ``raw``, the part of it refused: one record of a

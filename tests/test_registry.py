@@ -17,7 +17,7 @@ import pytest
 
 from consumers import testing
 from consumers.registry import SERVICES
-from consumers.service import Service, TaskFactory, dead_letter, decode
+from consumers.service import Service, TaskDefaults, TaskFactory, dead_letter, decode
 from consumers.settings import ServiceSettings
 from schemas import codec
 from schemas.events import DeadLetter, RolloutScored
@@ -27,7 +27,7 @@ from streams.transactions import Out
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class RewardGateTask:
+class RewardGateTask(TaskDefaults):  # buffers nothing, keeps no state
     def __init__(self, partition: int, cfg: ServiceSettings) -> None:
         self.floor = cfg.flush_after_s  # borrowed setting: a real service would add its own field
 
@@ -35,21 +35,6 @@ class RewardGateTask:
         scored = decode(rec, RolloutScored)
         low = {m: r for m, r in scored.rewards.items() if r < self.floor}
         return [dead_letter(rec, "reward-gate", "LowReward", f"rewards {low}", scored.run_id)] if low else []
-
-    def restore(self, rec: Any) -> None:
-        pass
-
-    def tick(self, now: float) -> list[Out]:
-        return []
-
-    def buffered(self) -> dict[str, list[int]]:
-        return {}
-
-    def state(self) -> dict[str, Any]:
-        return {}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        pass
 
 
 @asynccontextmanager

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from consumers.batching import BatchPolicy, Batcher
-from consumers.service import TaskFactory, dead_letter, decode
+from consumers.service import TaskDefaults, TaskFactory, dead_letter, decode
 from consumers.settings import ServiceSettings
 from schemas.errors import EventDecodeError
 from schemas.events import TrainingRecord
@@ -22,7 +22,7 @@ from streams.transactions import Out
 NAME = "batcher"
 
 
-class BatcherTask:
+class BatcherTask(TaskDefaults):  # no state beyond the buffered records
     def __init__(self, partition: int, cfg: ServiceSettings, revisions: RevisionWatcher) -> None:
         self.p = partition
         self.family = cfg.family
@@ -57,11 +57,6 @@ class BatcherTask:
     def buffered(self) -> dict[str, list[int]]:
         return {topics.TRAINING_RECORDS.name: [it.tag.offset for it in self.batcher.items]}
 
-    def state(self) -> dict[str, Any]:
-        return {}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        pass
 
 
 @asynccontextmanager

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-from consumers.service import TaskFactory, dead_letter, decode
+from consumers.service import TaskDefaults, TaskFactory, dead_letter, decode
 from consumers.settings import ServiceSettings
 from schemas import codec
 from schemas.batch import stale_reason
@@ -32,7 +32,7 @@ log = logging.getLogger("rollout.trainer")
 NAME = "trainer"
 
 
-class TrainerTask:
+class TrainerTask(TaskDefaults):
     """One partition of trainer-batches (the topic has one): each batch is one optimizer step, and the step
     publishes the next revision, naming its parent and the batch (id and digest) it was trained on.
 
@@ -65,15 +65,6 @@ class TrainerTask:
 
     def state(self) -> dict[str, Any]:
         return {"current": self.current} if self.current else {}
-
-    def buffered(self) -> dict[str, list[int]]:
-        return {}
-
-    def restore(self, rec: Any) -> None:
-        raise AssertionError("the trainer buffers nothing, so a snapshot never lists a batch to restore")
-
-    def tick(self, now: float) -> list:
-        return []
 
     def _ensure(self, batch: TrainerBatch) -> ReferenceTrainer:
         from consumers.trainer import ReferenceTrainer, policy_kind
