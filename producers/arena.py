@@ -320,7 +320,10 @@ class Arena:
                  weights: WeightLoader | None | str = "auto", seed: int = 0, base_revision: int | None = None,
                  client_options: Mapping[str, Any] | None = None, manage_emitter: bool = True,
                  evaluate: bool = False, eval_sampling: Mapping[str, Any] | None = None,
-                 admissions: MemoryLedger | None = None, admission_lease_s: float = 600.0) -> None:
+                 admissions: MemoryLedger | None = None, admission_lease_s: float = 600.0,
+                 arena_id: str | None = None) -> None:
+        """``arena_id``: this arena among the run's many (its claims on the admissions ledger; default the run id,
+        for a run with one arena). ``producer_name`` is what its events say produced them."""
         self.plan = plan
         # keyed by the source's name: two sources of one environment (different args, ratios) stay two
         if environments is None:
@@ -362,7 +365,8 @@ class Arena:
         # admissions: the ledger shared with every other arena of the run (streams.admissions.KafkaLedger); an
         # arena alone in its process and without one folds its own claims in memory, by the same rule
         self.pacer = AdmissionPacer(plan.batch_size, plan.max_off_policy_steps, base_revision or 0,
-                                    ledger=admissions, family=plan.family, arena_id=self.run_id, run_id=self.run_id,
+                                    ledger=admissions, family=plan.family, arena_id=arena_id or self.run_id,
+                                    run_id=self.run_id,
                                     lease_s=admission_lease_s)
         self.stats = ArenaStats()
         self.client_options = dict(client_options or {})

@@ -225,6 +225,14 @@ def dead_letters(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.T
     return {"dead_letters": _table(T.DEAD_LETTERS, cols)}
 
 
+def admissions(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
+    """Claims, done groups and releases in one table: the fields an event type lacks are NULL."""
+    fields = [f.name for f in T.ADMISSIONS.schema if f.name not in _envelope(events[:0]) | _kafka([])]
+    cols = _envelope(events) | {name: [getattr(e, name, None) for e in events] for name in fields} | {
+        "event_type": [e.EVENT_TYPE for e in events]} | _kafka(metas)
+    return {"admissions": _table(T.ADMISSIONS, cols)}
+
+
 class BadMessage(NamedTuple):
     meta: Meta
     key: bytes | None
@@ -244,4 +252,5 @@ def replay_errors(bad: Sequence[BadMessage]) -> dict[str, pa.Table]:
 BUILDERS = {
     "policy_revision": policy_revisions, "step": steps, "rollout": rollouts, "rollout_scored": scores,
     "training_record": training_records, "trainer_batch": trainer_batches, "dead_letter": dead_letters,
+    "admission_claim": admissions, "admission_done": admissions, "admission_release": admissions,
 }

@@ -139,18 +139,26 @@ DEAD_LETTERS = _table("dead_letters", [
     pa.field("raw_event_type", STR), pa.field("raw_subject_id", STR),
 ], "DeadLetter events; raw_event_type/raw_subject_id are read from `raw` when it decodes (record_id, rollout_id...)")
 
+ADMISSIONS = _table("admissions", [
+    pa.field("event_type", STR), pa.field("claim_id", STR), pa.field("arena_id", STR), pa.field("family", STR),
+    pa.field("group_id", STR), pa.field("rollouts", I32), pa.field("seen_revision", I64),
+    pa.field("batch_size", I32), pa.field("max_off_policy_steps", I32), pa.field("lease_s", F64),
+    pa.field("reason", STR),
+], "the arenas' admissions ledger in log order (schemas.admission): claims, done groups, released claims")
+
 REPLAY_ERRORS = _table("replay_errors", [
     pa.field("key", pa.binary()), pa.field("value", pa.binary()), pa.field("headers", STR), pa.field("error", STR),
 ], "messages of this run that could not be decoded (kept whole, with the reason)", envelope=False)
 
 TABLES: dict[str, Table] = {t.name: t for t in (
     POLICY_REVISIONS, STEPS, ROLLOUTS, SCORES, SCORE_REWARDS, TRAINING_RECORDS, TRAINER_BATCHES,
-    BATCH_RECORDS, BATCH_SOURCES, DEAD_LETTERS, REPLAY_ERRORS)}
+    BATCH_RECORDS, BATCH_SOURCES, DEAD_LETTERS, ADMISSIONS, REPLAY_ERRORS)}
 
 # Which table each event type lands in (child tables are written alongside their parent).
 TABLE_FOR_EVENT = {
     "policy_revision": "policy_revisions", "step": "steps", "rollout": "rollouts", "rollout_scored": "scores",
     "training_record": "training_records", "trainer_batch": "trainer_batches", "dead_letter": "dead_letters",
+    "admission_claim": "admissions", "admission_done": "admissions", "admission_release": "admissions",
 }
 
 _DUCK_TYPES = {

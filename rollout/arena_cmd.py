@@ -16,8 +16,9 @@ Topics are created if missing. ``--follow-revisions`` follows the policy-revisio
 checkpoint is loaded into the server without a restart (calls in flight drain first, so every Step names the
 revision that produced all of its tokens) and paces admission. Every arena of a run, on any machine, paces
 against the one admissions ledger on the log (``producers/arena.py``, "Admission pacing"): start as many as
-there are inference servers, each with its own ``--run-id`` (its identity: restarting one under the same
-id gives back what its killed predecessor had claimed at once, a new id after ``--admission-lease-s``). ``--evaluate`` answers every environment's
+there are inference servers, all with the run's ``--run-id``, each with its own ``--arena-id`` (its identity:
+restarting one under the same id gives back what its killed predecessor had claimed at once, a new id after
+``--admission-lease-s``). ``--evaluate`` answers every environment's
 held-out questions with each revision (Rollouts marked ``evaluation``). SIGTERM (or Ctrl-C) stops admission;
 the episodes in flight finish and are written before it exits.
 """
@@ -54,7 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a group not fully emitted this long after its claim may be released by any arena "
                         "(longer than a group takes; default 600)")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
-    p.add_argument("--run-id", help="run id stamped on every event (default: random)")
+    p.add_argument("--run-id", help="run id stamped on every event (default: random); every arena of a run shares it")
+    p.add_argument("--arena-id", help="this arena among the run's (default: the run id): its admission claims and "
+                                      "transactional id; restart a killed arena under the same id")
     p.add_argument("--seed", type=int, default=0, help="arena sampling seed")
     p.add_argument("--start-local", action="store_true",
                    help="start the local broker when ROLLOUT_BOOTSTRAP_SERVERS is not set")
@@ -115,12 +118,14 @@ async def _main(args: argparse.Namespace) -> int:
         url = server.base_url
         print(f"local policy server: {url} serving {server.policy}")
     try:
-        emitter = KafkaEmitter(settings.client_kwargs(), f"arena-{run_id}")
+        arena_id = args.arena_id or run_id
+        emitter = KafkaEmitter(settings.client_kwargs(), f"arena-{arena_id}")
         follower = RevisionFollower(settings.client_kwargs(), plan.family) if args.follow_revisions else None
         arena = Arena(plan, emitter=emitter, policy_base_url=url, concurrency=args.concurrency,
                       progress=not args.no_progress, run_id=run_id, revisions=follower, seed=args.seed,
                       weights=weights, evaluate=args.evaluate, client_options=client_options,
-                      admissions=KafkaLedger(settings.client_kwargs()), admission_lease_s=args.admission_lease_s)
+                      admissions=KafkaLedger(settings.client_kwargs()), admission_lease_s=args.admission_lease_s,
+                      arena_id=arena_id, producer_name=f"arena-{arena_id}")
         stop = asyncio.Event()  # SIGTERM/SIGINT: admit no more, finish and emit what is in flight, exit 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)

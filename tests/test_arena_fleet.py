@@ -20,6 +20,8 @@ from consumers import settings as service_settings
 from consumers.registry import SERVICES
 from consumers.runner import System
 from consumers.trainer import initial_revision
+from replay.audit import run_audit
+from replay.ingest import Replayer
 from schemas import codec
 from schemas.admission import AdmissionBook
 from schemas.events import DeadLetter, TrainerBatch, TrainingRecord
@@ -33,6 +35,7 @@ from tests.test_eos_pipeline import prefix, read_all  # noqa: F401 - fixture
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
+RUN = "fleet"  # one training run, three arenas
 PLAN = """
 [model]
 name = "tiny-byte-lm"
@@ -61,7 +64,7 @@ async def _arena(plan: Path, ckpt: str, bootstrap: str, prefix: str, groups: int
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "rollout.cli", "arena", str(plan), "--groups", str(groups), "--follow-revisions",
         "--no-progress", "--policy", "local", "--policy-port", str(free_port()), "--checkpoint", ckpt,
-        "--concurrency", "4", "--run-id", name, cwd=str(ROOT), env=env,
+        "--concurrency", "4", "--run-id", RUN, "--arena-id", name, cwd=str(ROOT), env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -87,11 +90,10 @@ async def run_fleet(kafka_settings, prefix: str, tmp_path: Path, *, arenas: int,
     plan_path = tmp_path / "plan.toml"
     plan_path.write_text(PLAN)
     plan = compile_plan(str(plan_path))
-    rev0 = initial_revision(plan.family, tmp_path / "ckpt", seed=0)
+    rev0 = initial_revision(plan.family, tmp_path / "ckpt", seed=0, run_id=RUN)
     await topics.create_topics(kw)
     await publish(kw, rev0)
     cfg = service_settings.build(plan=plan, credit=True, checkpoint_dir=str(tmp_path / "ckpt"), lr=1e-3,
-                                 batch_records=max(1, plan.batch_size // topics.TRAINING_RECORDS.partitions),
                                  flush_after_s=3.0, group_timeout_s=5.0)
     ckpt = rev0.checkpoint.uri.removeprefix("file://")
     t0 = time.monotonic()
@@ -157,3 +159,9 @@ async def test_three_arenas_share_one_bound_and_a_killed_one_blocks_nobody(kafka
     assert all(s.done or s.released for s in granted)
     assert sum(s.claim.rollouts for s in granted if s.done) >= 3 * 8 * 4  # the restarted arena0 admits 8 anew
     assert {r.group_id for r in records} <= {s.claim.group_id for s in granted}, "a group generated unclaimed"
+    # the replayed run: every revision trained on one named batch, the chain unbroken back to r0
+    db = str(tmp_path / "fleet.duckdb")
+    await Replayer(db, kafka_settings, run_id=RUN).run()
+    report = run_audit(db)
+    assert report.ok, [f.message for f in report.violations][:5]
+    assert report.checked["chain_links"] >= len(batches) - 1 > 0

@@ -29,7 +29,7 @@ from schemas.policy import PolicyRef
 
 TOPIC_TABLE = {"policy-revisions": "policy_revisions", "steps": "steps", "rollouts": "rollouts", "scores": "scores",
                "training-records": "training_records", "trainer-batches": "trainer_batches",
-               "dead-letters": "dead_letters"}
+               "dead-letters": "dead_letters", "admissions": "admissions"}
 
 
 def placed(events_by_topic):
@@ -482,3 +482,25 @@ def test_an_older_database_gets_the_new_columns_with_their_defaults(run, tmp_pat
     con.close()
     assert run_audit(db).checked["trainable_steps"] == sum(s.trainable for s in run.events("steps")) + \
         sum(s.trainable for k, s in flat(run)[:3] if k == "steps")
+
+
+def test_the_admissions_ledger_is_replayed_in_log_order(run):
+    """An arena's claims, done groups and releases (the admissions topic) land in one table."""
+    from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRelease
+
+    def claim(i: int) -> AdmissionClaim:
+        return AdmissionClaim(run_id=run.run_id, producer="arena-a", claim_id=f"c{i}", arena_id="a", family="toy",
+                              group_id=f"g{i}", rollouts=4, seen_revision=0, batch_size=8, max_off_policy_steps=1,
+                              lease_s=600.0)
+
+    ledger = [("admissions", claim(0)), ("admissions", claim(1)),
+              ("admissions", AdmissionDone(run_id=run.run_id, producer="arena-a", claim_id="c0", arena_id="a")),
+              ("admissions", AdmissionRelease(run_id=run.run_id, producer="arena-b", claim_id="c1", arena_id="b",
+                                              reason="lease of 600s expired"))]
+    con = load(flat(run) + ledger)
+    rows = con.execute("SELECT event_type, claim_id, arena_id, group_id, rollouts, reason FROM admissions "
+                       "ORDER BY _offset").fetchall()
+    assert rows == [("admission_claim", "c0", "a", "g0", 4, None), ("admission_claim", "c1", "a", "g1", 4, None),
+                    ("admission_done", "c0", "a", None, None, None),
+                    ("admission_release", "c1", "b", None, None, "lease of 600s expired")]
+    assert audit(con).ok
