@@ -48,8 +48,10 @@ def test_demo_on_vllm_trains_serves_and_evaluates_revisions(kafka_bootstrap, vll
     print(out.stdout[-3000:])
     s = json.loads(out.stdout.strip().splitlines()[-1])
     assert s["policy"] == "vllm" and s["rollouts"] == s["scored"] == groups * 8 and s["failed_rollouts"] == 0
-    stale = s["dead_letter_reasons"].get("batcher: StaleRecordError", 0)
+    stale = sum(n for k, n in s["dead_letter_reasons"].items() if k.endswith(": StaleRecordError"))
     assert s["records_in_batches"] + stale == groups * 8 and s["dead_letters"] == stale
+    # one batch, one optimizer step of the plan's batch_size (32), one revision; paced, nothing went stale
+    assert s["batches"] == s["revisions"] and s["records_in_batches"] == 32 * s["batches"] == groups * 8
     # at least 3 revisions trained from batches, each loaded into the running vLLM and answering the held-out set
     assert s["revisions"] >= 3
     assert len(s["reload_s"]) >= s["revisions"]  # revision 0 and every trained one
@@ -70,6 +72,7 @@ def test_demo_on_vllm_trains_serves_and_evaluates_revisions(kafka_bootstrap, vll
     report = json.loads(res.stdout)
     assert report["checked"]["trainable_steps"] == groups * 8 + sum(s["eval_questions_by_revision"].values())
     assert not report["checked"].get("inexact_steps"), report["checked"]
+    assert report["checked"]["chain_links"] == s["revisions"]  # revision -> batch -> ... -> r0, unbroken
     import duckdb
 
     con = duckdb.connect(str(db), read_only=True)
