@@ -108,9 +108,9 @@ def add_flags(p: argparse.ArgumentParser, fields: tuple[str, ...]) -> None:
             from consumers.credit import STRATEGIES
 
             extra["choices"] = list(STRATEGIES)
+        shown = f"default: {default}; " if default is not None else ""
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=argparse.SUPPRESS,
-                       metavar=name.upper() if kind is str else None,
-                       help=f"{info.description} (default: {default}; env ROLLOUT_{name.upper()})", **extra)
+                       help=f"{info.description} ({shown}env ROLLOUT_{name.upper()})", **extra)
 
 
 def flags_of(args: argparse.Namespace, fields: tuple[str, ...]) -> dict[str, Any]:
