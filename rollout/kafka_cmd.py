@@ -1,4 +1,5 @@
-"""`rollout kafka up|down|status|logs`: the local single-node broker (streams/local_broker.py)."""
+"""`rollout kafka up|down|status|logs`: the local single-node broker (streams/local_broker.py);
+`rollout kafka acls [--apply]`: the ACLs of each service's principal (streams/security.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     logs.add_argument("-n", "--lines", type=int, default=50)
     logs.add_argument("-f", "--follow", action="store_true")
     logs.set_defaults(func=cmd_logs)
+    acls = ksub.add_parser("acls", help="print the ACLs each principal needs (derived from the services); "
+                                        "--apply creates them on ROLLOUT_BOOTSTRAP_SERVERS as the admin in the env")
+    acls.add_argument("--apply", action="store_true")
+    acls.set_defaults(func=cmd_acls)
 
 
 def _settings():
@@ -102,4 +107,23 @@ def cmd_logs(args: argparse.Namespace) -> int:
                         time.sleep(0.5)
             except KeyboardInterrupt:
                 pass
+    return 0
+
+
+def cmd_acls(args: argparse.Namespace) -> int:
+    from streams import security
+
+    acls = security.all_acls()
+    print(security.table(acls))
+    if args.apply:
+        from streams.local_broker import run_sync
+
+        settings = _settings()
+        if not settings.external:
+            from streams.config import KafkaError
+
+            raise KafkaError("rollout kafka acls --apply needs ROLLOUT_BOOTSTRAP_SERVERS (a cluster with an authorizer) "
+                             "and an admin principal in ROLLOUT_KAFKA_SASL_USERNAME/PASSWORD")
+        n = run_sync(security.apply_acls(settings.admin_kwargs(), acls))
+        print(f"applied {n} ACLs to {settings.bootstrap}")
     return 0
