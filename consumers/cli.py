@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from pydantic import ValidationError
 
@@ -52,13 +53,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from consumers.runner import serve, setup_logging
-    from streams.config import KafkaSettings, ensure_broker
+    from streams.config import KafkaError, KafkaSettings, ensure_broker
 
     cfg = settings_from_args(args)
     setup_logging(args.log_level)
-    kafka = KafkaSettings.from_env()
-    kafka = kafka.with_bootstrap(ensure_broker(kafka))
-    asyncio.run(serve(SERVICES[args.name], cfg, kafka.client_kwargs()))
+    try:
+        kafka = KafkaSettings.from_env()
+        kafka = kafka.with_bootstrap(ensure_broker(kafka))
+        asyncio.run(serve(SERVICES[args.name], cfg, kafka.client_kwargs()))
+    except KafkaError as e:  # wrong credentials, untrusted broker, missing permission: one line, exit 1
+        print(f"rollout serve {args.name}: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

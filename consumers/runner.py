@@ -21,6 +21,9 @@ from consumers.service import Service
 from consumers.settings import ServiceSettings
 from streams import topics
 from streams.changelog import changelog_topic
+from streams.config import KafkaAccessError
+from streams.errors import diagnose
+from streams.security import check_access
 from streams.settings import ProcessingSettings
 from streams.transactions import TransactionalProcessor
 
@@ -82,9 +85,13 @@ async def serve(service: Service, settings: ServiceSettings, client_kwargs: dict
         loop.add_signal_handler(sig, stop.set)
     fields = {"service": service.name, "instance": settings.instance}
     stall_s = ProcessingSettings().stall_s
+    checked = False
     while not stop.is_set():
-        if not await _retry(lambda: ensure_topics(service, client_kwargs), stop):
+        if not await _retry(lambda: ensure_topics(service, client_kwargs), stop, client_kwargs):
             break
+        if not checked:  # once: the principal may read its inputs and write its outputs (KafkaError if not)
+            await check_access(service, client_kwargs)
+            checked = True
         try:
             async with service.open(settings, client_kwargs) as factory:
                 proc = processor(service, factory, settings, client_kwargs)
@@ -129,13 +136,18 @@ async def _supervise(proc: TransactionalProcessor, fields: dict[str, Any], stop:
                 "recommitted": s.recommitted, "by_type": dict(s.by_type)}})
 
 
-async def _retry(fn, stop: asyncio.Event, *, every_s: float = 2.0) -> bool:
+async def _retry(fn, stop: asyncio.Event, client_kwargs: dict[str, Any], *, every_s: float = 2.0) -> bool:
+    """Until ``fn`` succeeds: a broker not up yet is waited for; credentials, certificates or permissions
+    that are wrong end the service with their one-line ``KafkaError`` (waiting would not fix them)."""
     while not stop.is_set():
         try:
             await fn()
             return True
-        except Exception as e:  # noqa: BLE001 - broker not there yet
-            log.warning("Kafka not reachable yet: %s: %s", type(e).__name__, e)
+        except Exception as e:  # noqa: BLE001 - broker not there yet, or a cause named below
+            why = await diagnose(e, client_kwargs)
+            if isinstance(why, KafkaAccessError):
+                raise why from None
+            log.warning("Kafka not ready yet: %s", why)
             try:
                 await asyncio.wait_for(stop.wait(), every_s)
             except asyncio.TimeoutError:

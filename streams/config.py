@@ -37,6 +37,10 @@ class KafkaUnreachable(KafkaError):
     pass
 
 
+class KafkaAccessError(KafkaError):
+    """Credentials, certificates or permissions are wrong: waiting and retrying will not fix it."""
+
+
 _ENV = {
     "bootstrap_servers": "ROLLOUT_BOOTSTRAP_SERVERS",
     "security_protocol": "ROLLOUT_KAFKA_SECURITY_PROTOCOL",

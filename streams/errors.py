@@ -15,7 +15,7 @@ from typing import Any
 
 from aiokafka import errors as ak
 
-from streams.config import KafkaError, KafkaUnreachable
+from streams.config import KafkaAccessError, KafkaError, KafkaUnreachable
 
 
 def principal(client_kwargs: Mapping[str, Any]) -> str:
@@ -35,28 +35,28 @@ def explain_now(e: BaseException, client_kwargs: Mapping[str, Any]) -> KafkaErro
     if isinstance(e, KafkaError):
         return e
     if isinstance(e, ssl.SSLCertVerificationError):
-        return KafkaError(
+        return KafkaAccessError(
             f"TLS: the certificate of the Kafka broker at {servers} is not trusted ({e.verify_message}): set "
             "ROLLOUT_KAFKA_SSL_CAFILE to the CA that signed the brokers' certificates")
     if isinstance(e, ssl.SSLError):
-        return KafkaError(f"TLS handshake with the Kafka broker at {servers} failed ({_first_line(e)}): check that "
+        return KafkaAccessError(f"TLS handshake with the Kafka broker at {servers} failed ({_first_line(e)}): check that "
                           "the listener speaks SSL/SASL_SSL and ROLLOUT_KAFKA_SSL_* are right")
     if isinstance(e, ak.SaslAuthenticationFailed):
-        return KafkaError(
+        return KafkaAccessError(
             f"SASL authentication of {who} ({client_kwargs.get('sasl_mechanism')}) at {servers} failed: check "
             "ROLLOUT_KAFKA_SASL_USERNAME / ROLLOUT_KAFKA_SASL_PASSWORD and ROLLOUT_KAFKA_SASL_MECHANISM")
     if isinstance(e, ak.UnsupportedSaslMechanismError):
-        return KafkaError(f"the Kafka broker at {servers} does not accept SASL mechanism "
+        return KafkaAccessError(f"the Kafka broker at {servers} does not accept SASL mechanism "
                           f"{client_kwargs.get('sasl_mechanism')}: set ROLLOUT_KAFKA_SASL_MECHANISM to one it enables")
     if isinstance(e, ak.TopicAuthorizationFailedError):
-        return KafkaError(f"{who} is not allowed this on topic(s) {_args(e)}: grant it with `rollout kafka acls "
+        return KafkaAccessError(f"{who} is not allowed this on topic(s) {_args(e)}: grant it with `rollout kafka acls "
                           "--apply` (as an admin) or fix the principal's ACLs")
     if isinstance(e, ak.GroupAuthorizationFailedError):
-        return KafkaError(f"{who} may not use consumer group {_args(e)}: grant it with `rollout kafka acls --apply`")
+        return KafkaAccessError(f"{who} may not use consumer group {_args(e)}: grant it with `rollout kafka acls --apply`")
     if isinstance(e, ak.TransactionalIdAuthorizationFailed):
-        return KafkaError(f"{who} may not use transactional id {_args(e)}: grant it with `rollout kafka acls --apply`")
+        return KafkaAccessError(f"{who} may not use transactional id {_args(e)}: grant it with `rollout kafka acls --apply`")
     if isinstance(e, ak.ClusterAuthorizationFailedError):
-        return KafkaError(f"{who} lacks a cluster permission for this request ({_first_line(e)}): use an admin "
+        return KafkaAccessError(f"{who} lacks a cluster permission for this request ({_first_line(e)}): use an admin "
                           "principal (a super user) for it")
     return None
 
@@ -67,11 +67,13 @@ def _args(e: BaseException) -> str:
 
 
 async def diagnose(e: BaseException, client_kwargs: Mapping[str, Any]) -> KafkaError:
-    """``explain_now``, and for an opaque bootstrap failure the reason found by connecting once more."""
-    known = explain_now(e, client_kwargs)
+    """``explain_now``, and for an opaque bootstrap failure (aiokafka's, or our ``KafkaUnreachable`` wrapping it)
+    the reason found by connecting once more."""
+    opaque = (ak.KafkaConnectionError, OSError, asyncio.TimeoutError, KafkaUnreachable)
+    known = None if isinstance(e, KafkaUnreachable) else explain_now(e, client_kwargs)
     if known is not None:
         return known
-    if isinstance(e, (ak.KafkaConnectionError, OSError, asyncio.TimeoutError)):
+    if isinstance(e, opaque):
         from aiokafka.conn import create_conn
 
         kw = dict(client_kwargs)

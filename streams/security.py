@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streams import topics
-from streams.config import KafkaError
+from streams.config import KafkaAccessError, KafkaError
 
 ARENA = "arena"
 
@@ -136,6 +136,6 @@ async def check_access(service: Any, client_kwargs: Mapping[str, Any]) -> None:
     for verb, names in (("read input", reads), ("write output", writes)):
         denied = [n for n in names if n not in visible]
         if denied:
-            raise KafkaError(f"service {service.name}: {principal(client_kwargs)} may not {verb} topic(s) "
+            raise KafkaAccessError(f"service {service.name}: {principal(client_kwargs)} may not {verb} topic(s) "
                              f"{', '.join(denied)} (or they do not exist): grant it with `rollout kafka acls --apply` "
                              "as an admin")

@@ -22,10 +22,11 @@ from typing import Any
 from schemas.events import DeadLetter, Rollout, RolloutScored, Step, TrainerBatch, TrainingRecord
 from schemas.policy import PolicyRevision
 from streams import settings
-from streams.config import KafkaError
+from streams.config import KafkaAccessError, KafkaError
 
 INFINITE = "-1"
-TOPIC_ALREADY_EXISTS = 36  # Kafka protocol error code
+TOPIC_ALREADY_EXISTS = 36  # Kafka protocol error codes
+TOPIC_AUTHORIZATION_FAILED = 29
 
 
 def topic_prefix() -> str:
@@ -140,7 +141,11 @@ async def create_topics(
     finally:
         await admin.close()
     if failures:
-        raise KafkaError("creating topics failed: " + "; ".join(failures))
+        who = admin_kwargs.get("sasl_plain_username")
+        hint = (f" ({'User:' + who if who else 'this principal'} may not create or see them: grant it with "
+                f"`rollout kafka acls --apply` as an admin)") if any(
+            f" error {TOPIC_AUTHORIZATION_FAILED} " in f + " " for f in failures) else ""
+        raise (KafkaAccessError if hint else KafkaError)("creating topics failed: " + "; ".join(failures) + hint)
     return result
 
 

@@ -225,3 +225,24 @@ def test_acls_cli_prints_and_applies(secured, secure_broker):
                          env={**env, "ROLLOUT_KAFKA_SASL_PASSWORD": "wrong"}, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1
     assert bad.stderr.startswith("rollout: error: SASL authentication of User:admin (SCRAM-SHA-512)")
+
+
+def test_a_service_started_with_wrong_credentials_or_permissions_stops_with_one_line(secured, secure_broker):
+    """`rollout serve`: a wrong password, or a principal without read permission on the service's input, ends
+    the service at start-up with the cause in one line (exit 1) instead of retrying forever."""
+    bootstrap, certs = secure_broker
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": bootstrap, "ROLLOUT_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+           "ROLLOUT_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "ROLLOUT_KAFKA_SSL_CAFILE": str(certs / "test-ca.pem")}
+    cases = {("credit", "wrong"): "rollout serve credit: error: SASL authentication of User:credit",
+             # its own changelog is the first thing a service touches: the batcher's principal may not create it
+             ("batcher", USERS["batcher"]): f"rollout serve credit: error: creating topics failed: "
+                                            f"{changelog_topic('credit', 12).name}: error 29"}
+    for (user, password), expected in cases.items():
+        out = subprocess.run([sys.executable, "-m", "consumers", "serve", "credit", "--log-level", "ERROR"],
+                             env={**env, "ROLLOUT_KAFKA_SASL_USERNAME": user, "ROLLOUT_KAFKA_SASL_PASSWORD": password},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1, out.stderr[-2000:]
+        lines = [line for line in out.stderr.splitlines() if line.startswith("rollout serve")]
+        assert len(lines) == 1 and lines[0].startswith(expected), out.stderr[-2000:]
+        assert "rollout kafka acls --apply" in lines[0] or "ROLLOUT_KAFKA_SASL_PASSWORD" in lines[0]
+        assert "Traceback" not in out.stderr
