@@ -227,7 +227,8 @@ def dead_letters(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.T
 
 def admissions(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
     """Claims, done groups and releases in one table: the fields an event type lacks are NULL."""
-    fields = [f.name for f in T.ADMISSIONS.schema if f.name not in _envelope(events[:0]) | _kafka([])]
+    framing = {f.name for f in T.ENVELOPE + T.KAFKA}
+    fields = [f.name for f in T.ADMISSIONS.schema if f.name not in framing]
     cols = _envelope(events) | {name: [getattr(e, name, None) for e in events] for name in fields} | {
         "event_type": [e.EVENT_TYPE for e in events]} | _kafka(metas)
     return {"admissions": _table(T.ADMISSIONS, cols)}
