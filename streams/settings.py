@@ -36,6 +36,8 @@ class ProcessingSettings(BaseSettings):
     topic_prefix: str = Field("rollout.", description="prefix of every topic, consumer group and transactional id")
     topic_replication_factor: int = Field(1, description="replication factor of created topics")
     steps_retention_ms: int = Field(-1, description="retention of the steps topic (-1: forever)")
+    metrics_port: int = Field(0, ge=0, description="base port of the Prometheus endpoints: each process serves on "
+                              "base + its offset (streams.metrics.OFFSETS); 0: none")
 
     @field_validator("*", mode="before")
     @classmethod

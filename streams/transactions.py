@@ -114,6 +114,8 @@ class TransactionalProcessor:
         self.committed: dict[int, dict[str, int]] = {}
         self.snap_written: dict[int, bytes] = {}
         self.stats = Stats()
+        # called with (partition, input records, outputs) after each committed transaction (streams.metrics)
+        self.on_commit: Callable[[int, list, list[Out]], None] | None = None
         self.lock = asyncio.Lock()
         self.stopping = asyncio.Event()
         self.consumer: AIOKafkaConsumer | None = None
@@ -373,6 +375,8 @@ class TransactionalProcessor:
         self.stats.records_out += len(outs)
         for o in outs:
             self.stats.by_type[o.event.EVENT_TYPE] += 1
+        if self.on_commit is not None:
+            self.on_commit(p, recs, outs)
 
 
     async def _send_and_commit(self, p: int, prod: AIOKafkaProducer, outs: list[Out], snap: bytes,

@@ -1,0 +1,209 @@
+"""Prometheus metrics of every long-lived process, one ``/metrics`` endpoint each (``prometheus_client``).
+
+Port scheme: ``ROLLOUT_METRICS_PORT`` is a base port (0, the default: no endpoint); each process serves on the
+base plus its offset (``OFFSETS``: the arena +0, the policy server +1, the vLLM manager +2, the services +10 in
+``consumers.registry`` order: verifier 10, credit 11, batcher 12, trainer 13). ``--metrics-port N`` on a
+command sets that process's own port (a second instance of a service on one host needs it).
+
+A service's counters are taken from what its transactions **committed** (``TransactionalProcessor.on_commit``),
+so they agree with the log: an aborted transaction counts in ``rollout_aborts_total`` and nowhere else. Series
+carry a ``service`` label (several services may share one process: ``consumers.runner.System``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from schemas.events import DeadLetter, RolloutScored, TrainerBatch
+from schemas.policy import PolicyRevision
+from streams.settings import current
+
+log = logging.getLogger("rollout.metrics")
+
+OFFSETS = {"arena": 0, "policy": 1, "vllm": 2}
+SERVICE_OFFSET = 10  # + the service's position in consumers.registry
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+
+
+def port_for(offset: int, explicit: int | None = None) -> int:
+    """The port a process serves its metrics on: ``explicit`` (its ``--metrics-port``), else the base + offset,
+    else 0 (off)."""
+    if explicit is not None:
+        return explicit
+    base = current().metrics_port
+    return base + offset if base else 0
+
+
+class Endpoint:
+    """One registry served over HTTP by prometheus_client's own server (a daemon thread)."""
+
+    def __init__(self, name: str, port: int, *, addr: str = "0.0.0.0") -> None:
+        self.name, self.port, self.addr = name, port, addr
+        self.registry = CollectorRegistry()
+        self._server: Any = None
+
+    def start(self) -> Endpoint:
+        """Serve if a port is set. A port already taken is a warning, not the end of the service."""
+        if self.port and self._server is None:
+            try:
+                self._server, _ = start_http_server(self.port, self.addr, registry=self.registry)
+                log.info("metrics on http://%s:%d/metrics (%s)", self.addr, self.port, self.name)
+            except OSError as e:
+                log.warning("%s: cannot serve metrics on port %d (%s); give this process its own --metrics-port",
+                            self.name, self.port, e)
+        return self
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _Reader(Collector):
+    """Values read at scrape time from live objects (stats dataclasses, consumer positions)."""
+
+    def __init__(self, fn: Callable[[], Iterable[Any]]) -> None:
+        self.fn = fn
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            yield from self.fn()
+        except RuntimeError:  # a dict changed size while read from the HTTP thread: the next scrape reads it
+            return
+
+
+class ServiceMetrics:
+    """The metrics of one stream service: ``observe_commit`` is its processors' ``on_commit``; ``attach`` each
+    processor it runs (a supervised service rebuilds its processor: counters carry on across rebuilds)."""
+
+    def __init__(self, service: str, registry: CollectorRegistry, *, refusals: frozenset[str] = frozenset()) -> None:
+        self.service = service
+        self.refusals = refusals
+        self._procs: list[Any] = []
+        self._lock = threading.Lock()
+        lb = ("service",)
+        self.records_in = Counter("rollout_records_in", "input records processed in committed transactions",
+                                  (*lb, "topic"), registry=registry)
+        self.records_out = Counter("rollout_records_out", "records written by committed transactions",
+                                   (*lb, "topic", "event_type"), registry=registry)
+        self.dead_letters = Counter("rollout_dead_letters", "dead letters written, by reason (error type)",
+                                    (*lb, "reason"), registry=registry)
+        self.refused = Counter("rollout_refusals", "valid input refused by a pipeline rule (stale, cross-family, "
+                               "duplicate, group timeout), by reason; also counted in rollout_dead_letters",
+                               (*lb, "reason"), registry=registry)
+        self.staleness = Histogram("rollout_staleness_revisions", "batch target revision minus the revision that "
+                                   "generated each record (off-policy lag)", lb, buckets=STALENESS_BUCKETS,
+                                   registry=registry)
+        self.tokens = Counter("rollout_tokens", "completion tokens, by stage (generated by the arena, batched "
+                              "for the trainer)", (*lb, "stage"), registry=registry)
+        self.reward = Summary("rollout_reward", "learner reward of scored training rollouts, by revision",
+                              (*lb, "revision"), registry=registry)
+        self.eval_answers = Counter("rollout_eval_answers", "scored held-out evaluation answers, by revision",
+                                    (*lb, "revision"), registry=registry)
+        self.eval_correct = Counter("rollout_eval_correct", "correct held-out answers (the verifier's exact_match, "
+                                    "else reward >= 1), by revision", (*lb, "revision"), registry=registry)
+        self.step_time = Histogram("rollout_trainer_step_seconds", "time of one optimizer step", lb,
+                                   buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=registry)
+        self.revision = Gauge("rollout_trainer_revision", "latest revision the trainer published", lb,
+                              registry=registry)
+        self.mismatch = Gauge("rollout_trainer_logprob_mismatch", "trainer-inference |logprob difference| over "
+                              "the last step's tokens", (*lb, "stat"), registry=registry)
+        registry.register(_Reader(self._collect))
+
+    def attach(self, proc: Any) -> None:
+        proc.on_commit = self.observe_commit
+        with self._lock:
+            self._procs.append(proc)
+
+    def observe_commit(self, partition: int, records: list[Any], outs: list[Any]) -> None:
+        s = self.service
+        for r in records:
+            self.records_in.labels(s, r.topic).inc()
+        for o in outs:
+            ev = o.event
+            self.records_out.labels(s, o.topic, ev.EVENT_TYPE).inc()
+            if isinstance(ev, DeadLetter):
+                self.dead_letters.labels(s, ev.error_type).inc()
+                if ev.error_type in self.refusals:
+                    self.refused.labels(s, ev.error_type).inc()
+            elif isinstance(ev, TrainerBatch):
+                self.tokens.labels(s, "batched").inc(ev.completion_tokens)
+                for src in ev.source_revisions:
+                    for _ in range(src.records):
+                        self.staleness.labels(s).observe(ev.target.revision - src.policy.revision)
+            elif isinstance(ev, RolloutScored) and ev.trainable_steps:
+                self._scored(ev)
+            elif isinstance(ev, PolicyRevision):
+                self._revision(ev)
+
+    def _scored(self, ev: RolloutScored) -> None:
+        member = ev.trainable_steps[0].member_id
+        rev = str(max(st.policy.revision for st in ev.trainable_steps))
+        reward = ev.rewards.get(member, 0.0)
+        if not ev.evaluation:
+            self.reward.labels(self.service, rev).observe(reward)
+            return
+        self.eval_answers.labels(self.service, rev).inc()
+        exact = ev.metrics.get(f"{member}/metric/exact_match", ev.metrics.get(f"{member}/reward/exact_match"))
+        if (exact if exact is not None else (1.0 if reward >= 1 else 0.0)) >= 1:
+            self.eval_correct.labels(self.service, rev).inc()
+
+    def _revision(self, ev: PolicyRevision) -> None:
+        self.revision.labels(self.service).set(ev.revision)
+        m = ev.metrics
+        if "step_s" in m:
+            self.step_time.labels(self.service).observe(m["step_s"])
+        for stat in ("mean", "max"):
+            if f"mismatch_{stat}" in m:
+                self.mismatch.labels(self.service, stat).set(m[f"mismatch_{stat}"])
+
+    def _collect(self) -> Iterator[Any]:
+        """What the processors count themselves (summed over every processor this service ran) and the
+        consumer lag of the partitions the live one owns."""
+        with self._lock:
+            procs = list(self._procs)
+        fields = (("transactions", "rollout_transactions", "committed transactions"),
+                  ("aborted", "rollout_aborts", "transactions aborted (the partition is taken over again)"),
+                  ("fenced", "rollout_fences", "partitions lost to a newer owner (ProducerFenced)"),
+                  ("rebuilt", "rollout_partition_rebuilds", "partition tasks rebuilt from the changelog"),
+                  ("recommitted", "rollout_recommits", "committed transactions found hanging and committed again"))
+        for attr, name, doc in fields:
+            c = CounterMetricFamily(name, doc, labels=("service",))
+            c.add_metric((self.service,), float(sum(getattr(p.stats, attr) for p in procs)))
+            yield c
+        lag = GaugeMetricFamily("rollout_consumer_lag", "committed records not yet consumed by this service "
+                                "(last stable offset minus committed offset), per owned input partition",
+                                labels=("service", "topic", "partition"))
+        live = procs[-1] if procs else None
+        consumer = getattr(live, "consumer", None)
+        if consumer is not None:
+            from aiokafka import TopicPartition
+
+            for p, offs in list(live.committed.items()):
+                for topic, off in list(offs.items()):
+                    lso = consumer.last_stable_offset(TopicPartition(topic, p))
+                    if lso is not None and lso >= 0:
+                        lag.add_metric((self.service, topic, str(p)), float(max(0, lso - off)))
+        yield lag
+
+
+def stats_reader(registry: CollectorRegistry, service: str, read: Callable[[], dict[str, tuple[str, str, float]]]
+                 ) -> None:
+    """Register counters/gauges read from a process's own stats at scrape time: ``read()`` returns
+    ``{metric name: ("counter"|"gauge", help, value)}``."""
+
+    def collect() -> Iterator[Any]:
+        for name, (kind, doc, value) in read().items():
+            fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=("service",))
+            fam.add_metric((service,), float(value))
+            yield fam
+
+    registry.register(_Reader(collect))
