@@ -31,6 +31,9 @@ from schemas.events import ChatMessage, Rollout, RolloutScored, Step, StepTokens
 from schemas.policy import CheckpointRef, PolicyRevision
 
 FAMILY = "toy"
+# The scoring kind each episode type's rewards stand for (0/1 answers are exact matches; debate is zero-sum).
+VERIFIER = {"arithmetic": "exact_match", "solver": "exact_match", "debate": "zero_sum_judge",
+            "proposer_solver": "monte_carlo"}
 
 
 @dataclass
@@ -145,7 +148,7 @@ def generate_run(run_id: str, *, rounds: int = 3, groups: int = 3, group_size: i
                     environment=roll.environment, example_id=roll.example_id,
                     parent_rollout_id=roll.parent_rollout_id, status=roll.status, rewards=rewards,
                     metrics={"length": float(sum(len(s.completion_token_ids) for s in steps))},
-                    verifier="synthetic", verifier_version="1",
+                    verifier=VERIFIER[roll.episode_type], verifier_version="1",
                     trainable_steps=[StepTokens(step_id=s.step_id, member_id=s.member_id, policy=s.policy,
                                                 prompt_token_ids=s.prompt_token_ids,
                                                 completion_token_ids=s.completion_token_ids,

@@ -197,6 +197,11 @@ META_SQL = [
 # (held out, never trained on) are left out of the training views (reward, pass rates), carry an
 # `evaluation` column where a view lists everything (v_step_rewards, v_token_counts), and have
 # views of their own (v_eval_*). Views are created in this order (later ones use earlier ones).
+# The verifier's own exact-answer verdict for member `m` of score `sc`, where it reports one: a rubric's reward
+# function or metric named exact_match (or exact_answer, arithmetic's shaped rubric); NULL otherwise.
+_EXACT = ("coalesce(sc.metrics[{m} || '/metric/exact_match'], sc.metrics[{m} || '/reward/exact_match'], "
+          "sc.metrics[{m} || '/reward/exact_answer'])")
+
 VIEWS: dict[str, str] = {
     "v_eval_rollouts": """
 SELECT rollout_id FROM rollouts WHERE evaluation UNION SELECT rollout_id FROM scores WHERE evaluation""",
@@ -222,8 +227,8 @@ WHERE sr.rollout_id NOT IN (SELECT rollout_id FROM v_eval_rollouts)
 GROUP BY ALL ORDER BY ro.policy_family, ro.policy_revision, role""",
     # Per evaluation answer (rollout x trainable member), attributed to the revision of that member's
     # steps (the latest, if a weight swap fell inside the episode: mixed_revision). Correct = the
-    # verifier's exact_match metric for the member when it reports one, else reward >= 1.
-    "v_eval_answers": """
+    # verifier's exact-answer verdict for the member (_EXACT) when it reports one, else reward >= 1.
+    "v_eval_answers": f"""
 WITH sc AS (SELECT DISTINCT ON (rollout_id) * FROM scores WHERE evaluation ORDER BY rollout_id, _offset),
 learner AS (
   SELECT rollout_id, member_id, policy_family, max(policy_revision) AS policy_revision,
@@ -231,8 +236,8 @@ learner AS (
   FROM steps WHERE trainable AND rollout_id IN (SELECT rollout_id FROM sc) GROUP BY ALL)
 SELECT l.policy_family, l.policy_revision, sc.rollout_id, l.member_id AS role, sc.environment, sc.example_id,
        sc.status, sc.rewards[l.member_id] AS reward,
-       coalesce(sc.metrics[l.member_id || '/metric/exact_match'], sc.metrics[l.member_id || '/reward/exact_match'],
-                CASE WHEN sc.rewards[l.member_id] >= 1 THEN 1.0 ELSE 0.0 END) >= 1 AS correct,
+       coalesce({_EXACT.format(m='l.member_id')}, CASE WHEN sc.rewards[l.member_id] >= 1 THEN 1.0 ELSE 0.0 END) >= 1
+         AS correct,
        l.mixed_revision, l.policy_exact
 FROM sc JOIN learner l ON l.rollout_id = sc.rollout_id""",
     "v_eval_accuracy_by_revision": """
@@ -267,23 +272,37 @@ SELECT batch_id, batch_offset, target_revision, max_off_policy_steps, count(*) A
        min(staleness) AS min_staleness, avg(staleness) AS mean_staleness, max(staleness) AS max_staleness,
        histogram(staleness) AS histogram, count(*) FILTER (WHERE breaks_bound) AS out_of_bound
 FROM v_batch_staleness GROUP BY ALL ORDER BY batch_offset""",
-    "v_env_pass_rates": """
-WITH per_rollout AS (
-  SELECT sc.rollout_id, sc.environment, sc.status,
-         avg(sr.reward) FILTER (WHERE list_contains(ro.trainable_members, sr.member_id)) AS trainable_reward,
-         avg(sr.reward) AS any_reward
+    # A pass is what the environment's verifier calls one, per answer (training rollout x trainable scored member,
+    # every scored member when none is trainable): its exact-answer verdict (_EXACT), else an exact_match
+    # verifier's reward of 1; a failed episode is no pass. Verifiers without a pass/fail verdict (judges, Monte
+    # Carlo, rubrics without an exact part) give no answers: pass_rate is NULL and mean_reward is what there is.
+    "v_env_pass_rates": f"""
+WITH scored AS (
+  SELECT sc.rollout_id, sc.environment, sc.status, sr.member_id, sr.reward,
+         {_EXACT.format(m='sr.member_id')} AS exact, sc.verifier,
+         list_contains(ro.trainable_members, sr.member_id) AS trainable,
+         bool_or(list_contains(ro.trainable_members, sr.member_id)) OVER (PARTITION BY sc.event_id) AS any_trainable
   FROM scores sc
   LEFT JOIN score_rewards sr ON sr.score_event_id = sc.event_id
   LEFT JOIN (SELECT DISTINCT ON (rollout_id) rollout_id, trainable_members FROM rollouts) ro
          ON ro.rollout_id = sc.rollout_id
-  WHERE sc.rollout_id NOT IN (SELECT rollout_id FROM v_eval_rollouts)
-  GROUP BY ALL)
-SELECT environment, count(*) AS rollouts,
-       avg(CASE WHEN coalesce(trainable_reward, any_reward) > 0 THEN 1.0 ELSE 0.0 END) AS pass_rate,
-       avg(coalesce(trainable_reward, any_reward)) AS mean_reward,
-       avg(CASE WHEN status = 'failed' THEN 1.0 ELSE 0.0 END) AS failed_rate,
-       avg(CASE WHEN status = 'truncated' THEN 1.0 ELSE 0.0 END) AS truncated_rate
-FROM per_rollout GROUP BY environment ORDER BY environment""",
+  WHERE sc.rollout_id NOT IN (SELECT rollout_id FROM v_eval_rollouts)),
+answers AS (
+  SELECT *, CASE WHEN exact IS NOT NULL THEN 'exact-answer metric = 1'
+                 WHEN verifier = 'exact_match' THEN 'exact_match reward = 1'
+                 WHEN status = 'failed' THEN 'failed episode' END AS rule,
+         CASE WHEN exact IS NOT NULL THEN exact >= 1 WHEN verifier = 'exact_match' THEN reward >= 1
+              WHEN status = 'failed' THEN false END AS passed
+  FROM scored WHERE member_id IS NULL OR trainable OR NOT coalesce(any_trainable, false))
+SELECT environment, count(DISTINCT rollout_id) AS rollouts, count(passed) AS answers,
+       count(*) FILTER (WHERE passed) AS passes,
+       CASE WHEN count(*) FILTER (WHERE rule <> 'failed episode') > 0
+            THEN count(*) FILTER (WHERE passed) / count(passed) END AS pass_rate,
+       string_agg(DISTINCT rule, '; ') FILTER (WHERE rule <> 'failed episode') AS pass_rule,
+       string_agg(DISTINCT verifier, ', ') AS verifiers, avg(reward) AS mean_reward,
+       count(DISTINCT rollout_id) FILTER (WHERE status = 'failed') / count(DISTINCT rollout_id) AS failed_rate,
+       count(DISTINCT rollout_id) FILTER (WHERE status = 'truncated') / count(DISTINCT rollout_id) AS truncated_rate
+FROM answers GROUP BY environment ORDER BY environment""",
     "v_token_counts": """
 SELECT ro.environment, s.member_id AS role, s.policy_family, s.policy_revision,
        s.rollout_id IN (SELECT rollout_id FROM v_eval_rollouts) AS evaluation, count(*) AS steps,
