@@ -1,4 +1,5 @@
-"""`rollout kafka up|down|status|logs`: the local single-node broker (streams/local_broker.py);
+"""`rollout kafka up|down|status|logs`: the local single-node broker (streams/local_broker.py), or with
+`up --brokers 3` / `down --cluster` / `status --cluster` a replicated cluster in Docker (streams/docker_cluster.py);
 `rollout kafka acls [--apply]`: the ACLs of each service's principal (streams/security.py)."""
 
 from __future__ import annotations
@@ -14,9 +15,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     ksub.required = True
     up = ksub.add_parser("up", help="start the broker in the background (fetches the jars on first use)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for readiness")
+    up.add_argument("--brokers", type=int, default=1,
+                    help="1 (default): one java process from the Maven jars; 3: a KRaft cluster of three "
+                         "broker+controller containers from the rollout-log/kafka:local image (needs Docker), "
+                         "its topics replicated 3 times with min.insync.replicas=2")
     up.set_defaults(func=cmd_up)
-    ksub.add_parser("down", help="stop the broker (data is kept)").set_defaults(func=cmd_down)
-    ksub.add_parser("status", help="show whether the broker runs and answers").set_defaults(func=cmd_status)
+    cluster_help = "the Docker cluster started with `up --brokers N`, not the single local broker"
+    down = ksub.add_parser("down", help="stop the broker (data is kept; --cluster removes the containers and data)")
+    down.add_argument("--cluster", action="store_true", help=cluster_help)
+    down.set_defaults(func=cmd_down)
+    status = ksub.add_parser("status", help="show whether the broker runs and answers")
+    status.add_argument("--cluster", action="store_true", help=cluster_help)
+    status.set_defaults(func=cmd_status)
     logs = ksub.add_parser("logs", help="print the end of the broker log")
     logs.add_argument("-n", "--lines", type=int, default=50)
     logs.add_argument("-f", "--follow", action="store_true")
@@ -48,7 +58,30 @@ def _local_broker(instead: str):
     return _broker(settings)
 
 
+def _cluster(brokers: int = 3):
+    import os
+
+    from streams.docker_cluster import DockerCluster
+
+    return DockerCluster(os.environ.get("ROLLOUT_CLUSTER_NAME") or "rollout-cluster", brokers=brokers,
+                         image=os.environ.get("ROLLOUT_KAFKA_IMAGE") or "rollout-log/kafka:local")
+
+
+def cmd_cluster_up(args: argparse.Namespace) -> int:
+    cluster = _cluster(args.brokers)
+    t0 = time.monotonic()
+    cluster.up(timeout_s=max(args.timeout, 180.0))
+    print(f"{cluster.brokers} Kafka brokers up in {time.monotonic() - t0:.1f}s (containers {cluster.container(1)}.., "
+          f"network {cluster.name}; active controller: node {cluster.quorum_leader()}). Point the pipeline at it:")
+    for k, v in cluster.client_env().items():
+        print(f"  export {k}={v}")
+    print("then `rollout topics create`; `rollout kafka down --cluster` removes it (and its data)")
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    if args.brokers > 1:
+        return cmd_cluster_up(args)
     broker = _local_broker("using that cluster, not starting a local broker")
     if broker is None:
         return 0
@@ -62,6 +95,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    if args.cluster:
+        cluster = _cluster()
+        existed = cluster.exists()
+        cluster.down(remove=True)
+        print(f"cluster {cluster.name} removed" if existed else f"no cluster {cluster.name}")
+        return 0
     broker = _local_broker("no local broker to stop")
     if broker is None:
         return 0
@@ -73,6 +112,12 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.cluster:
+        cluster = _cluster().load()
+        states = {n: cluster.state(n) for n in cluster.nodes}
+        print(f"cluster {cluster.name}: " + ", ".join(f"node {n} {cluster.address(n)} {st}" for n, st in states.items())
+              + f"; active controller: node {cluster.quorum_leader()}; bootstrap {cluster.bootstrap}")
+        return 0 if set(states.values()) == {"running"} else 1
     settings = _settings()
     if settings.external:
         from streams.local_broker import fetch_metadata, run_sync

@@ -34,7 +34,7 @@ def cmd_create(args: argparse.Namespace) -> int:
     for t in topics.TOPICS.values():
         cfg = t.topic_configs()
         print(f"{result.get(t.name, '?'):8} {t.name:32} partitions={t.partitions} rf={t.replication_factor} "
-              f"retention.ms={cfg['retention.ms']}")
+              f"min.insync.replicas={cfg['min.insync.replicas']} retention.ms={cfg['retention.ms']}")
     return 0
 
 

@@ -35,6 +35,8 @@ class ProcessingSettings(BaseSettings):
     stall_s: float = Field(30.0, description="rebuild the clients when input waits this long with no commit")
     topic_prefix: str = Field("rollout.", description="prefix of every topic, consumer group and transactional id")
     topic_replication_factor: int = Field(1, description="replication factor of created topics")
+    topic_min_insync_replicas: int = Field(1, description="min.insync.replicas of created topics: replicas that "
+                                           "must have a write before acks=all succeeds (2 on a 3-broker cluster)")
     steps_retention_ms: int = Field(-1, description="retention of the steps topic (-1: forever)")
     metrics_port: int = Field(0, ge=0, description="base port of the Prometheus endpoints: each process serves on "
                               "base + its offset (streams.metrics.OFFSETS); 0: none")

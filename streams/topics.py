@@ -8,8 +8,9 @@
 Retention is infinite (-1) by default: the log is the source of truth. Only `steps` (the bulkiest)
 has a configurable retention: ROLLOUT_STEPS_RETENTION_MS (default -1).
 Replication factor: ROLLOUT_TOPIC_REPLICATION_FACTOR (default 1, the local single-node broker; use 3
-on a real cluster). The Kafka protocol's "broker default" (-1) needs CreateTopics v4, which aiokafka
-0.14 does not speak, so it is always explicit. The prefix, replication factor and retention are read
+on a real cluster) and ROLLOUT_TOPIC_MIN_INSYNC_REPLICAS (default 1; 2 with 3 replicas: one broker may be
+down, and every acknowledged write is still on two). The Kafka protocol's "broker default" (-1) needs
+CreateTopics v4, which aiokafka 0.14 does not speak, so it is always explicit. The prefix, replication factor and retention are read
 from ``streams.settings`` at each use (a test or a benchmark sets its own prefix at run time).
 """
 
@@ -59,7 +60,8 @@ class Topic:
         return replication_factor()
 
     def topic_configs(self) -> dict[str, str]:
-        cfg = {"cleanup.policy": "delete", "retention.ms": INFINITE, "retention.bytes": INFINITE}
+        cfg = {"cleanup.policy": "delete", "retention.ms": INFINITE, "retention.bytes": INFINITE,
+               "min.insync.replicas": str(settings.current().topic_min_insync_replicas)}
         cfg.update(self.configs)
         if self.key == "steps":
             cfg["retention.ms"] = str(settings.current().steps_retention_ms)
