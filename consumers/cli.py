@@ -21,6 +21,9 @@ def add_service_parser(ssub: argparse._SubParsersAction, name: str) -> argparse.
         "scale out. Settings: a flag given here > the plan (--plan) > ROLLOUT_<SETTING> > the default.")
     p.add_argument("--plan", default=None, help="GenerationPlan (prime-rl TOML) whose settings this service uses")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (default: ROLLOUT_METRICS_PORT + the service's offset; "
+                        "see README 'Metrics'; 0: off)")
     settings_mod.add_flags(p, COMMON + svc.options)
     p.set_defaults(func=cmd_serve, name=name)
     return p
@@ -60,7 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         kafka = KafkaSettings.from_env()
         kafka = kafka.with_bootstrap(ensure_broker(kafka))
-        asyncio.run(serve(SERVICES[args.name], cfg, kafka.client_kwargs()))
+        asyncio.run(serve(SERVICES[args.name], cfg, kafka.client_kwargs(), metrics_port=args.metrics_port))
     except KafkaError as e:  # wrong credentials, untrusted broker, missing permission: one line, exit 1
         print(f"rollout serve {args.name}: error: {e}", file=sys.stderr)
         return 1

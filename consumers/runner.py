@@ -17,12 +17,13 @@ from contextlib import AsyncExitStack
 from typing import Any, Iterable
 
 from consumers.registry import SERVICES
-from consumers.service import Service
+from consumers.service import REFUSALS, Service
 from consumers.settings import ServiceSettings
 from streams import topics
 from streams.changelog import changelog_topic
 from streams.config import KafkaAccessError
 from streams.errors import diagnose
+from streams.metrics import SERVICE_OFFSET, Endpoint, ServiceMetrics, port_for
 from streams.security import check_access
 from streams.settings import ProcessingSettings
 from streams.transactions import TransactionalProcessor
@@ -41,6 +42,13 @@ def processor(service: Service, factory: Any, settings: ServiceSettings, client_
                                   client_kwargs, instance=settings.instance)
 
 
+def metrics_endpoint(service: Service, port: int | None = None) -> tuple[Endpoint, ServiceMetrics]:
+    """The service's Prometheus endpoint (``streams.metrics``): ``port``, else ROLLOUT_METRICS_PORT + 10 + its
+    place in the registry; started (a port of 0 serves nothing)."""
+    ep = Endpoint(service.name, port_for(SERVICE_OFFSET + list(SERVICES).index(service.name), port))
+    return ep.start(), ServiceMetrics(service.name, ep.registry, refusals=REFUSALS)
+
+
 class System:
     """Several services in one process (the demo, tests, benchmarks): ``async with System(...) as s``
     creates the topics, opens each service's wiring, runs its processor, and on exit stops the
@@ -51,6 +59,7 @@ class System:
         self.settings = settings
         self.kw = client_kwargs
         self.processors: dict[str, TransactionalProcessor] = {}
+        self.metrics: dict[str, Endpoint] = {}  # each service's own /metrics (ROLLOUT_METRICS_PORT set)
         self._tasks: list[asyncio.Task] = []
         self._stack = AsyncExitStack()
 
@@ -60,6 +69,9 @@ class System:
         for svc in self.services:
             factory = await self._stack.enter_async_context(svc.open(self.settings, self.kw))
             self.processors[svc.name] = processor(svc, factory, self.settings, self.kw)
+            self.metrics[svc.name], observer = metrics_endpoint(svc)
+            self._stack.callback(self.metrics[svc.name].close)
+            observer.attach(self.processors[svc.name])
         self._tasks = [asyncio.create_task(p.run(), name=n) for n, p in self.processors.items()]
         return self
 
@@ -72,7 +84,7 @@ class System:
 
 # -- one service, supervised -------------------------------------------------------------------------------
 async def serve(service: Service, settings: ServiceSettings, client_kwargs: dict[str, Any], *,
-                stats_every_s: float = 10.0) -> None:
+                stats_every_s: float = 10.0, metrics_port: int | None = None) -> None:
     """Run one service until SIGTERM. Supervises its own Kafka clients: if the broker is unreachable at start,
     or the clients lose the cluster (aiokafka can be left with no known brokers after a broker restart), or
     partitions with input make no progress, the processor is torn down and built again; exactly-once is
@@ -85,6 +97,16 @@ async def serve(service: Service, settings: ServiceSettings, client_kwargs: dict
         loop.add_signal_handler(sig, stop.set)
     fields = {"service": service.name, "instance": settings.instance}
     stall_s = ProcessingSettings().stall_s
+    endpoint, observer = metrics_endpoint(service, metrics_port)
+    try:
+        await _serve(service, settings, client_kwargs, stop, fields, stall_s, stats_every_s, observer)
+    finally:
+        endpoint.close()
+    log.info("service stopped", extra={"fields": fields})
+
+
+async def _serve(service: Service, settings: ServiceSettings, client_kwargs: dict[str, Any], stop: asyncio.Event,
+                 fields: dict[str, Any], stall_s: float, stats_every_s: float, observer: ServiceMetrics) -> None:
     checked = False
     while not stop.is_set():
         if not await _retry(lambda: ensure_topics(service, client_kwargs), stop, client_kwargs):
@@ -96,6 +118,7 @@ async def serve(service: Service, settings: ServiceSettings, client_kwargs: dict
             async with service.open(settings, client_kwargs) as factory:
                 proc = processor(service, factory, settings, client_kwargs)
                 proc.stopping = stop
+                observer.attach(proc)
                 try:
                     await _supervise(proc, fields, stop, stall_s, stats_every_s)
                 finally:
@@ -107,7 +130,6 @@ async def serve(service: Service, settings: ServiceSettings, client_kwargs: dict
             log.warning("restarting the Kafka clients", extra={"fields": {
                 **fields, "error": f"{type(e).__name__}: {e}"}})
             await asyncio.sleep(1.0)
-    log.info("service stopped", extra={"fields": fields})
 
 
 async def _supervise(proc: TransactionalProcessor, fields: dict[str, Any], stop: asyncio.Event, stall_s: float,
