@@ -258,8 +258,11 @@ def _parse_tool_calls(text: str) -> list[dict[str, Any]]:
 
 
 async def serve(host: str = "127.0.0.1", port: int = 8000, *, checkpoint: str | None = None,
-                family: str = TINY_FAMILY, revision: int = 0, seed: int = 0, max_batch: int = 64) -> None:
-    """Run until cancelled (the ``rollout serve policy`` entry point)."""
+                family: str = TINY_FAMILY, revision: int = 0, seed: int = 0, max_batch: int = 64,
+                metrics_port: int | None = None) -> None:
+    """Run until cancelled (the ``rollout serve policy`` entry point); Prometheus metrics as ``producers.metrics``."""
+    from producers.metrics import endpoint, policy_server_samples
+
     if checkpoint:
         model, info = load_checkpoint_info(checkpoint)
         server = PolicyServer(model, family=info["family"], revision=info["revision"],
@@ -268,9 +271,11 @@ async def serve(host: str = "127.0.0.1", port: int = 8000, *, checkpoint: str | 
         server = PolicyServer(PolicyModel.from_seed(seed), family=family, revision=revision, host=host, port=port,
                               max_batch=max_batch)
     await server.start()
+    metrics = endpoint("policy", metrics_port, ("policy", lambda: policy_server_samples(server)))
     print(f"policy server: {server.base_url} serving {server.policy} "
           f"({server.model.num_parameters():,} parameters)", flush=True)
     try:
         await asyncio.Event().wait()
     finally:
+        metrics.close()
         await server.stop()

@@ -59,6 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--arena-id", help="this arena among the run's (default: the run id): its admission claims and "
                                       "transactional id; restart a killed arena under the same id")
     p.add_argument("--seed", type=int, default=0, help="arena sampling seed")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (default: ROLLOUT_METRICS_PORT + 0; 0: off): the "
+                        "arena's, its local policy server's and its vLLM manager's")
     p.add_argument("--start-local", action="store_true",
                    help="start the local broker when ROLLOUT_BOOTSTRAP_SERVERS is not set")
     p.set_defaults(func=cmd_arena)
@@ -82,7 +85,7 @@ async def _main(args: argparse.Namespace) -> int:
         settings = settings.with_bootstrap(ensure_broker(settings))
     await topics.create_topics(settings.admin_kwargs())
     run_id = args.run_id or new_id()
-    server = vllm = None
+    server = vllm = metrics = None
     url = args.policy_url
     weights: object = "auto"
     client_options: dict = {}
@@ -126,6 +129,11 @@ async def _main(args: argparse.Namespace) -> int:
                       weights=weights, evaluate=args.evaluate, client_options=client_options,
                       admissions=KafkaLedger(settings.client_kwargs()), admission_lease_s=args.admission_lease_s,
                       arena_id=arena_id, producer_name=f"arena-{arena_id}")
+        from producers.metrics import arena_samples, endpoint, policy_server_samples, vllm_samples
+
+        metrics = endpoint("arena", args.metrics_port, ("arena", lambda: arena_samples(arena, emitter)),
+                           *([("policy", lambda: policy_server_samples(server))] if server else []),
+                           *([("vllm", lambda: vllm_samples(vllm))] if vllm else []))
         stop = asyncio.Event()  # SIGTERM/SIGINT: admit no more, finish and emit what is in flight, exit 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -144,6 +152,8 @@ async def _main(args: argparse.Namespace) -> int:
                           "transactions": emitter.stats.transactions, "messages": emitter.stats.messages,
                           "steps_topic": emitter.steps_topic, "rollouts_topic": emitter.rollouts_topic}))
     finally:
+        if metrics is not None:
+            metrics.close()
         if server is not None:
             await server.stop()
         if vllm is not None:

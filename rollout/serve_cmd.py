@@ -15,6 +15,9 @@ import asyncio
 
 from schemas.policy import TINY_FAMILY
 
+METRICS_HELP = ("serve Prometheus metrics on this port (default: ROLLOUT_METRICS_PORT + this process's offset, "
+                "see README 'Metrics'; 0: off)")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from consumers.cli import register_serve as register_services
@@ -35,6 +38,7 @@ def register_servers(ssub: argparse._SubParsersAction) -> None:
     p.add_argument("--revision", type=int, default=0)
     p.add_argument("--seed", type=int, default=0, help="init seed (without --checkpoint)")
     p.add_argument("--max-batch", type=int, default=64, help="requests generated together")
+    p.add_argument("--metrics-port", type=int, default=None, help=METRICS_HELP)
     p.set_defaults(func=cmd_policy)
     _register_vllm(ssub)
 
@@ -43,7 +47,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
     from producers.policy_server import serve
 
     asyncio.run(serve(args.host, args.port, checkpoint=args.checkpoint, family=args.family,
-                      revision=args.revision, seed=args.seed, max_batch=args.max_batch))
+                      revision=args.revision, seed=args.seed, max_batch=args.max_batch,
+                      metrics_port=args.metrics_port))
     return 0
 
 
@@ -60,6 +65,8 @@ def _register_vllm(ssub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--compile", action="store_true",
                    help="let vLLM torch.compile the model (faster decoding, 90-130 s start on 2 cores)")
+    p.add_argument("--metrics-port", type=int, default=None, help=METRICS_HELP + "; vLLM's own metrics are on "
+                   "its API port at /metrics")
     p.set_defaults(func=cmd_vllm)
 
 
@@ -68,6 +75,7 @@ def cmd_vllm(args: argparse.Namespace) -> int:
     import sys
 
     from policy.hf import ModelUnavailable, prepare_model
+    from producers.metrics import endpoint, vllm_samples
     from producers.vllm_server import VllmServer, VllmStartError
 
     async def main() -> int:
@@ -81,12 +89,14 @@ def cmd_vllm(args: argparse.Namespace) -> int:
             print(f"rollout serve vllm: error: {e}", file=sys.stderr)
             return 1
         print(f"vLLM ready: {server.base_url} (model {server.served_model_name})", flush=True)
+        metrics = endpoint("vllm", args.metrics_port, ("vllm", lambda: vllm_samples(server)))
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         waiter = asyncio.ensure_future(server.proc.wait())
         await asyncio.wait([waiter, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         rc = await server.stop()
+        metrics.close()
         return 0 if stop.is_set() else (rc or 1)
 
     return asyncio.run(main())

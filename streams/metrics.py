@@ -80,6 +80,14 @@ class _Reader(Collector):
             return
 
 
+_PROCESSOR_COUNTS = (
+    ("transactions", "rollout_transactions", "committed transactions"),
+    ("aborted", "rollout_aborts", "transactions aborted (the partition is taken over again)"),
+    ("fenced", "rollout_fences", "partitions lost to a newer owner (ProducerFenced)"),
+    ("rebuilt", "rollout_partition_rebuilds", "partition tasks rebuilt from the changelog"),
+    ("recommitted", "rollout_recommits", "committed transactions found hanging and committed again"))
+
+
 class ServiceMetrics:
     """The metrics of one stream service: ``observe_commit`` is its processors' ``on_commit``; ``attach`` each
     processor it runs (a supervised service rebuilds its processor: counters carry on across rebuilds)."""
@@ -87,7 +95,8 @@ class ServiceMetrics:
     def __init__(self, service: str, registry: CollectorRegistry, *, refusals: frozenset[str] = frozenset()) -> None:
         self.service = service
         self.refusals = refusals
-        self._procs: list[Any] = []
+        self._live: Any = None  # the processor running now
+        self._before: dict[str, int] = {}  # what the processors it replaced counted
         self._lock = threading.Lock()
         lb = ("service",)
         self.records_in = Counter("rollout_records_in", "input records processed in committed transactions",
@@ -121,7 +130,10 @@ class ServiceMetrics:
     def attach(self, proc: Any) -> None:
         proc.on_commit = self.observe_commit
         with self._lock:
-            self._procs.append(proc)
+            if self._live is not None:
+                for attr, *_ in _PROCESSOR_COUNTS:
+                    self._before[attr] = self._before.get(attr, 0) + getattr(self._live.stats, attr)
+            self._live = proc
 
     def observe_commit(self, partition: int, records: list[Any], outs: list[Any]) -> None:
         s = self.service
@@ -169,20 +181,14 @@ class ServiceMetrics:
         """What the processors count themselves (summed over every processor this service ran) and the
         consumer lag of the partitions the live one owns."""
         with self._lock:
-            procs = list(self._procs)
-        fields = (("transactions", "rollout_transactions", "committed transactions"),
-                  ("aborted", "rollout_aborts", "transactions aborted (the partition is taken over again)"),
-                  ("fenced", "rollout_fences", "partitions lost to a newer owner (ProducerFenced)"),
-                  ("rebuilt", "rollout_partition_rebuilds", "partition tasks rebuilt from the changelog"),
-                  ("recommitted", "rollout_recommits", "committed transactions found hanging and committed again"))
-        for attr, name, doc in fields:
+            live, before = self._live, dict(self._before)
+        for attr, name, doc in _PROCESSOR_COUNTS:
             c = CounterMetricFamily(name, doc, labels=("service",))
-            c.add_metric((self.service,), float(sum(getattr(p.stats, attr) for p in procs)))
+            c.add_metric((self.service,), float(before.get(attr, 0) + (getattr(live.stats, attr) if live else 0)))
             yield c
         lag = GaugeMetricFamily("rollout_consumer_lag", "committed records not yet consumed by this service "
                                 "(last stable offset minus committed offset), per owned input partition",
                                 labels=("service", "topic", "partition"))
-        live = procs[-1] if procs else None
         consumer = getattr(live, "consumer", None)
         if consumer is not None:
             from aiokafka import TopicPartition
@@ -195,15 +201,22 @@ class ServiceMetrics:
         yield lag
 
 
-def stats_reader(registry: CollectorRegistry, service: str, read: Callable[[], dict[str, tuple[str, str, float]]]
-                 ) -> None:
-    """Register counters/gauges read from a process's own stats at scrape time: ``read()`` returns
-    ``{metric name: ("counter"|"gauge", help, value)}``."""
+Sample = tuple[str, str, str, dict[str, str], float]
+"""(metric name, "counter" | "gauge", help, labels besides ``service``, value)"""
+
+
+def stats_reader(registry: CollectorRegistry, service: str, read: Callable[[], Iterable[Sample]]) -> None:
+    """Register metrics read from a process's own stats at scrape time (the arena, the policy server, the vLLM
+    manager count for themselves; this only shows what they count)."""
 
     def collect() -> Iterator[Any]:
-        for name, (kind, doc, value) in read().items():
-            fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=("service",))
-            fam.add_metric((service,), float(value))
-            yield fam
+        families: dict[str, Any] = {}
+        for name, kind, doc, labels, value in read():
+            fam = families.get(name)
+            if fam is None:
+                cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                fam = families[name] = cls(name, doc, labels=("service", *labels))
+            fam.add_metric((service, *labels.values()), float(value))
+        yield from families.values()
 
     registry.register(_Reader(collect))

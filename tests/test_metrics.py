@@ -122,3 +122,35 @@ async def test_service_metrics_match_the_log(kafka_settings, prefix, monkeypatch
     # everything consumed: no lag left on any owned partition
     assert all(val == 0 for n in THREE for (name, _), val in after[n].items() if name == "rollout_consumer_lag")
     assert total(v, "rollout_aborts_total") == total(v, "rollout_fences_total") == 0
+
+
+def test_arena_and_policy_server_metrics(kafka_bootstrap, prefix, tmp_path):
+    """`rollout arena` (with its local policy server) answers on its metrics port while it generates."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    base = free_base([0, 1])
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
+    log_file = (tmp_path / "arena.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "rollout.cli", "arena", "examples/plans/arithmetic.toml",
+                             "--groups", "0", "--no-progress", "--policy-port", str(base + 1),
+                             "--metrics-port", str(base)], env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        deadline, got = time.monotonic() + 120, {}
+        while time.monotonic() < deadline and total(got, "rollout_arena_rollouts_total", status="all") < 8:
+            assert proc.poll() is None, (tmp_path / "arena.log").read_text()[-3000:]
+            try:
+                got = scrape(base)
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        assert total(got, "rollout_arena_rollouts_total", status="all") >= 8
+        assert total(got, "rollout_tokens_total", stage="generated") > 0
+        assert total(got, "rollout_records_out_total", service="arena", topic=topics.ROLLOUTS.name) >= 8
+        assert total(got, "rollout_policy_requests_total", service="policy") >= 8
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
