@@ -1,145 +1,225 @@
-"""`rollout report`: one self-contained HTML page (inline SVG, no scripts, no downloads) of a replayed run.
+"""`rollout report`: a replayed run as Vega-Lite charts (altair), in one offline HTML page or one PNG.
 
-Reward curves by policy revision and role (training rollouts), the trainer's batch reward over
-batches, staleness histograms (overall and per batch), pass rates per environment, held-out
-evaluation accuracy by revision, the trainer-inference logprob mismatch per training step, token
-counts and the audit verdict.
+The same chart specs make both. The HTML page embeds them with Vega-Embed, whose JavaScript vl-convert
+inlines (the page needs no network): scroll to zoom, drag to pan, hover for values. The PNG is
+vl-convert's rendering of the same charts in a grid (no browser). Axis ticks are Vega's own, with its
+overlap removal; a series with more x values than ``MAX_POINTS`` is binned in SQL (the mean per bin, with
+a min-max band), so 10,000 batches stay readable.
+
+Charts: reward by policy revision and role (training rollouts), reward by learner revision at admission,
+the trainer's batch reward and advantage, staleness (overall and per batch), pass rate per environment
+(what the verifier calls a pass: see ``v_env_pass_rates``), held-out evaluation accuracy and the
+trainer-inference logprob mismatch by revision; tables of counts, the revision chain and the audit verdict.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import html
+import json
 import math
-import re
-from collections.abc import Sequence
+import textwrap
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import altair as alt
 import duckdb
 
-PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"]
-W, H = 640, 300
-M = {"l": 56, "r": 150, "t": 34, "b": 44}
+MAX_POINTS = 200  # x values per series before binning
+WIDTH, HEIGHT = 560, 240
+_LABELS = {"labelOverlap": True, "labelFlush": True}  # let Vega drop labels that would collide
+
+
+@dataclass
+class Figure:
+    """One chart of the report; ``chart`` is None when the run has nothing to draw (``note`` says why)."""
+
+    name: str
+    chart: alt.TopLevelMixin | None
+    note: str = ""
 
 
 def _esc(x: object) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """Round tick values from at or below ``lo`` to at or above ``hi``."""
-    if not math.isfinite(lo) or not math.isfinite(hi):
-        return [0.0, 1.0]
-    if hi == lo:
-        lo, hi = (lo - 1, hi + 1) if lo != 0 else (0.0, 1.0)
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = min((m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw), default=raw)
-    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
-    return [round(k * step, 10) for k in range(first, last + 1)]
+def _one(con: duckdb.DuckDBPyConnection, sql: str) -> tuple:
+    """The first row (DuckDB keeps a result open until it is fetched to the end, so fetch it all)."""
+    rows = con.execute(sql).fetchall()
+    return rows[0] if rows else (None,)
 
 
-def _fmt(v: float) -> str:
-    return f"{v:.4g}"
+def _title(text: str, subtitle: str | list[str] = "") -> alt.TitleParams:
+    """Left-aligned; a list subtitle is one line per item."""
+    return alt.TitleParams(text, subtitle=subtitle or alt.Undefined, anchor="start")
 
 
-def _frame(title: str, xlabel: str, ylabel: str, xt: list[tuple[float, str]], yt: list[float],
-           sx, sy) -> list[str]:
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
-             f'font-family="system-ui, sans-serif" font-size="11">',
-             f'<text x="{M["l"]}" y="18" font-size="14" font-weight="600">{_esc(title)}</text>']
-    x0, x1, y0, y1 = M["l"], W - M["r"], H - M["b"], M["t"]
-    for v in yt:
-        y = sy(v)
-        parts.append(f'<line x1="{x0}" x2="{x1}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e5e5"/>')
-        parts.append(f'<text x="{x0 - 6}" y="{y + 4:.1f}" text-anchor="end" fill="#555">{_fmt(v)}</text>')
-    for v, label in xt:
-        x = sx(v)
-        parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0}" y2="{y0 + 4}" stroke="#555"/>')
-        parts.append(f'<text x="{x:.1f}" y="{y0 + 16}" text-anchor="middle" fill="#555">{_esc(label)}</text>')
-    parts.append(f'<line x1="{x0}" x2="{x1}" y1="{y0}" y2="{y0}" stroke="#555"/>')
-    parts.append(f'<line x1="{x0}" x2="{x0}" y1="{y0}" y2="{y1}" stroke="#555"/>')
-    parts.append(f'<text x="{(x0 + x1) / 2}" y="{H - 8}" text-anchor="middle" fill="#333">{_esc(xlabel)}</text>')
-    parts.append(f'<text transform="translate(14 {(y0 + y1) / 2}) rotate(-90)" text-anchor="middle" '
-                 f'fill="#333">{_esc(ylabel)}</text>')
-    return parts
+def binned_series(con: duckdb.DuckDBPyConnection, sql: str, max_points: int = MAX_POINTS) -> tuple[list[dict], int]:
+    """Rows ``(series, x, y[, label])`` of ``sql`` (integer x) as at most ``max_points`` bins of x per series:
+    ``x`` (bin start), ``x_last``, ``y`` (mean), ``lo``/``hi`` (min/max), ``n``; returns them and the bin width."""
+    lo, hi = _one(con, f"SELECT min(x), max(x) FROM ({sql}) WHERE y IS NOT NULL AND isfinite(y)")
+    if lo is None:
+        return [], 1
+    width = max(1, math.ceil((hi - lo + 1) / max_points))
+    cur = con.execute(f"""
+        SELECT series, {lo} + (x - {lo}) // {width} * {width} AS x, max(x) AS x_last, avg(y) AS y, min(y) AS lo,
+               max(y) AS hi, count(*) AS n
+        FROM ({sql}) WHERE y IS NOT NULL AND isfinite(y) GROUP BY ALL ORDER BY ALL""")
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()], width
 
 
-def _legend(names: Sequence[str]) -> list[str]:
-    out = []
-    for i, name in enumerate(names):
-        y = M["t"] + 6 + i * 16
-        out.append(f'<rect x="{W - M["r"] + 12}" y="{y - 8}" width="10" height="10" fill="{PALETTE[i % len(PALETTE)]}"/>')
-        out.append(f'<text x="{W - M["r"] + 27}" y="{y + 1}">{_esc(name)}</text>')
-    return out
+def series_chart(rows: list[dict], width: int, *, name: str, title: str, x: str, y: str, unit: str,
+                 subtitle: str = "") -> alt.LayerChart:
+    """Lines per series over integer x (``unit``: what one x is, plural), a min-max band when binned, hover
+    points; zoom and pan on x."""
+    per = f"per bin of {width:,} {unit}" if width > 1 else ""
+    base = alt.Chart(alt.Data(values=rows)).encode(
+        x=alt.X("x:Q", title=x, axis=alt.Axis(format="~d", tickMinStep=1, **_LABELS)),
+        color=alt.Color("series:N", title=None, legend=alt.Legend(orient="bottom", columns=3, labelLimit=260)))
+    tip = [alt.Tooltip("series:N"), alt.Tooltip("x:Q", title=x, format="~d"),
+           alt.Tooltip("y:Q", title=f"{y} (mean)" if width > 1 else y, format=".4~g")]
+    if width > 1:
+        tip += [alt.Tooltip("x_last:Q", title="to", format="~d"), alt.Tooltip("lo:Q", title="min", format=".4~g"),
+                alt.Tooltip("hi:Q", title="max", format=".4~g"), alt.Tooltip("n:Q", title="values")]
+    layers = []
+    if width > 1:
+        layers.append(base.mark_area(opacity=0.18).encode(y="lo:Q", y2="hi:Q"))
+    layers.append(base.mark_line(strokeWidth=1.6).encode(y=alt.Y("y:Q", title=y, axis=alt.Axis(**_LABELS))))
+    layers.append(base.mark_circle(size=22 if len(rows) <= 2 * MAX_POINTS else 8).encode(y="y:Q", tooltip=tip))
+    sub = [s for s in (subtitle, f"mean {per}, band = min..max" if per else "") if s]
+    return alt.layer(*layers).properties(title=_title(title, sub), width=WIDTH, height=HEIGHT).interactive(
+        name=f"zoom_{name}", bind_y=False)
 
 
-def _empty(title: str, why: str) -> str:
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="80" font-family="system-ui, sans-serif">'
-            f'<text x="10" y="20" font-size="14" font-weight="600">{_esc(title)}</text>'
-            f'<text x="10" y="50" fill="#777">{_esc(why)}</text></svg>')
+def _series_figure(con, name: str, sql: str, title: str, x: str, y: str, absent: str, *, unit: str = "revisions",
+                   subtitle: str = "") -> Figure:
+    rows, width = binned_series(con, sql)
+    if not rows:
+        return Figure(name, None, absent)
+    return Figure(name, series_chart(rows, width, name=name, title=title, x=x, y=y, unit=unit, subtitle=subtitle))
 
 
-def line_chart(title: str, series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str,
-               xlabels: dict[float, str] | None = None) -> str:
-    pts = [p for s in series.values() for p in s if p[1] is not None and math.isfinite(p[1])]
-    if not pts:
-        return _empty(title, "no data")
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    xlo, xhi = min(xs), max(xs)
-    if xlo == xhi:
-        xlo, xhi = xlo - 1, xhi + 1
-    yt = _ticks(min(ys + [0.0]), max(ys))
-    ylo, yhi = min(yt), max(yt)
-    sx = lambda v: M["l"] + 10 + (v - xlo) / (xhi - xlo) * (W - M["l"] - M["r"] - 20)  # noqa: E731
-    sy = lambda v: H - M["b"] - (v - ylo) / ((yhi - ylo) or 1) * (H - M["t"] - M["b"])  # noqa: E731
-    distinct = sorted(set(xs))
-    step = max(1, len(distinct) // 12)
-    xt = [(v, (xlabels or {}).get(v, _fmt(v))) for v in distinct[::step]]
-    parts = _frame(title, xlabel, ylabel, xt, yt, sx, sy)
-    for i, (name, s) in enumerate(series.items()):
-        color = PALETTE[i % len(PALETTE)]
-        s = sorted((x, y) for x, y in s if y is not None and math.isfinite(y))
-        if len(s) > 1:
-            d = " ".join(f"{'M' if j == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for j, (x, y) in enumerate(s))
-            parts.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="2"/>')
-        for x, y in s:
-            parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}">'
-                         f'<title>{_esc(name)}: {(xlabels or {}).get(x, _fmt(x))} → {_fmt(y)}</title></circle>')
-    parts += _legend(list(series))
-    parts.append("</svg>")
-    return "\n".join(parts)
+# trainer batches numbered in log order (one partition: one batcher)
+BATCHES = ("SELECT row_number() OVER (ORDER BY _partition, _offset) - 1 AS batch, batch_id, _offset AS batch_offset, "
+           "target_revision, reward_mean, advantage_mean FROM trainer_batches")
 
 
-def bar_chart(title: str, labels: Sequence[str], stacks: dict[str, Sequence[float]], xlabel: str, ylabel: str) -> str:
-    """Bars at each label; several stacks are drawn on top of each other (a stacked histogram)."""
-    if not labels:
-        return _empty(title, "no data")
-    totals = [sum(s[i] for s in stacks.values()) for i in range(len(labels))]
-    yt = _ticks(0.0, max(totals) or 1.0)
-    yhi = max(yt) or 1.0
-    n = len(labels)
-    band = (W - M["l"] - M["r"]) / n
-    sx = lambda i: M["l"] + band * (i + 0.5)  # noqa: E731
-    sy = lambda v: H - M["b"] - v / yhi * (H - M["t"] - M["b"])  # noqa: E731
-    step = max(1, n // 16)
-    parts = _frame(title, xlabel, ylabel, [(i, labels[i]) for i in range(0, n, step)], yt, sx, sy)
-    bw = max(1.0, band * 0.8)
-    base = [0.0] * n
-    for k, (name, values) in enumerate(stacks.items()):
-        color = PALETTE[k % len(PALETTE)]
-        for i, v in enumerate(values):
-            if not v:
-                continue
-            top, bottom = sy(base[i] + v), sy(base[i])
-            parts.append(f'<rect x="{sx(i) - bw / 2:.1f}" y="{top:.1f}" width="{bw:.1f}" height="{bottom - top:.1f}" '
-                         f'fill="{color}"><title>{_esc(labels[i])} {_esc(name)}: {_fmt(v)}</title></rect>')
-            base[i] += v
-    if len(stacks) > 1:
-        parts += _legend(list(stacks))
-    parts.append("</svg>")
-    return "\n".join(parts)
+def _staleness_per_batch(con) -> Figure:
+    """Share of each batch's records by staleness, binned over batches in log order (stacked to 100%)."""
+    (n,) = _one(con, "SELECT count(*) FROM trainer_batches")
+    if not n:
+        return Figure("staleness_per_batch", None, "no trainer batches in this run")
+    width = max(1, math.ceil(n / MAX_POINTS))
+    cur = con.execute(f"""
+        WITH b AS ({BATCHES})
+        SELECT b.batch // {width} * {width} AS x, b.batch // {width} * {width} + {width} AS x2, s.staleness,
+               sum(s.records) AS records, min(b.target_revision) AS rev_lo, max(b.target_revision) AS rev_hi
+        FROM v_staleness_distribution s JOIN b ON b.batch_offset = s.batch_offset AND b.batch_id = s.batch_id
+        GROUP BY ALL ORDER BY ALL""")
+    cols = [d[0] for d in cur.description]
+    rows = [dict(zip(cols, r)) for r in cur.fetchall()]
+    per = f" (bins of {width:,} batches)" if width > 1 else ""
+    chart = alt.Chart(alt.Data(values=rows)).mark_bar().encode(
+        x=alt.X("x:Q", bin="binned", title=f"batch (in log order){per}",
+                axis=alt.Axis(format="~d", tickMinStep=1, **_LABELS)),
+        x2="x2:Q",
+        y=alt.Y("records:Q", stack="normalize", title="share of records", axis=alt.Axis(format="%", **_LABELS)),
+        color=alt.Color("staleness:O", title="staleness", scale=alt.Scale(scheme="viridis")),
+        tooltip=[alt.Tooltip("x:Q", title="from batch", format="~d"), alt.Tooltip("staleness:O"),
+                 alt.Tooltip("records:Q"), alt.Tooltip("rev_lo:Q", title="target revision from"),
+                 alt.Tooltip("rev_hi:Q", title="to")],
+    ).properties(title=_title("Staleness per batch", "target revision − revision that generated each record"),
+                 width=WIDTH, height=HEIGHT).interactive(name="zoom_staleness_per_batch", bind_y=False)
+    return Figure("staleness_per_batch", chart)
+
+
+def _staleness(con) -> Figure:
+    rows = [{"staleness": s, "records": n} for s, n in con.execute(
+        "SELECT staleness, count(*) FROM v_batch_staleness GROUP BY 1 ORDER BY 1").fetchall()]
+    if not rows:
+        return Figure("staleness", None, "no batched records in this run")
+    chart = alt.Chart(alt.Data(values=rows)).mark_bar().encode(
+        x=alt.X("staleness:O", title="staleness (revisions behind the batch's target)",
+                axis=alt.Axis(labelAngle=0, **_LABELS)),
+        y=alt.Y("records:Q", axis=alt.Axis(**_LABELS)),
+        tooltip=["staleness:O", "records:Q"],
+    ).properties(title=_title("Staleness of batched records"), width=WIDTH, height=HEIGHT)
+    return Figure("staleness", chart)
+
+
+def _pass_rates(con) -> Figure:
+    envs = con.execute("SELECT environment, pass_rate, passes, answers, rollouts, pass_rule, verifiers, mean_reward "
+                       "FROM v_env_pass_rates").fetchall()
+    cols = ["environment", "pass_rate", "passes", "answers", "rollouts", "pass_rule", "verifiers", "mean_reward"]
+    rows = [dict(zip(cols, e)) for e in envs if e[1] is not None]
+    none = [f"{e[0]} ({e[6]})" for e in envs if e[1] is None]
+    sub = ["a pass is what the verifier calls one: its exact-answer metric, or an exact_match reward, is 1",
+           "a failed episode is no pass; bar labels: passes / answers (rollout × trainable member)"]
+    if none:
+        sub.append("no pass/fail verdict from the verifier of " + ", ".join(none) + ": mean reward in the table")
+    if not rows:
+        return Figure("pass_rates", None, sub[-1] if none else "no training scores in this run")
+    base = alt.Chart(alt.Data(values=rows)).encode(
+        x=alt.X("environment:N", title=None, axis=alt.Axis(labelAngle=0, labelLimit=180, **_LABELS)))
+    bars = base.mark_bar().encode(
+        y=alt.Y("pass_rate:Q", title="pass rate", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%")),
+        tooltip=[alt.Tooltip("environment:N"), alt.Tooltip("pass_rate:Q", format=".1%"), "passes:Q", "answers:Q",
+                 "rollouts:Q", alt.Tooltip("pass_rule:N", title="counted as a pass"), "verifiers:N",
+                 alt.Tooltip("mean_reward:Q", format=".4~g")])
+    labels = base.mark_text(dy=-7).encode(y="pass_rate:Q", text=alt.Text("label:N")).transform_calculate(
+        label="datum.passes + ' / ' + datum.answers")
+    chart = (bars + labels).properties(title=_title("Pass rate per environment (training answers)", sub),
+                                       width=WIDTH, height=HEIGHT)
+    return Figure("pass_rates", chart)
+
+
+def figures(con: duckdb.DuckDBPyConnection) -> list[Figure]:
+    """The report's charts, in page order."""
+    return [
+        _series_figure(
+            con, "reward_by_revision",
+            "SELECT role || ' (' || policy_family || ')' || CASE WHEN trainable THEN '' ELSE ' fixed' END AS series, "
+            "policy_revision AS x, mean_reward AS y FROM v_reward_by_revision WHERE policy_revision IS NOT NULL",
+            "Mean reward by policy revision and role", "policy revision (of the step's tokens)", "mean reward",
+            "no training rewards in this run"),
+        _series_figure(
+            con, "reward_by_admission_revision",
+            "SELECT role || CASE WHEN trainable THEN '' ELSE ' (fixed)' END AS series, policy_revision AS x, "
+            "mean_reward AS y FROM v_reward_by_admission_revision WHERE policy_revision IS NOT NULL",
+            "Mean reward by learner revision at admission", "learner revision", "mean reward",
+            "no admitted rollouts in this run"),
+        _series_figure(
+            con, "trainer_batches",
+            f"SELECT 'reward' AS series, batch AS x, reward_mean AS y FROM ({BATCHES}) UNION ALL "
+            f"SELECT 'advantage', batch, advantage_mean FROM ({BATCHES})",
+            "Trainer batches: mean reward and advantage", "batch (in log order)", "mean",
+            "no trainer batches in this run", unit="batches", subtitle="one batch = one optimizer step"),
+        _staleness(con),
+        _staleness_per_batch(con),
+        _pass_rates(con),
+        _series_figure(
+            con, "eval_accuracy",
+            "SELECT 'accuracy (' || policy_family || ')' AS series, policy_revision AS x, accuracy AS y "
+            "FROM v_eval_accuracy_by_revision UNION ALL "
+            "SELECT 'mean reward (' || policy_family || ')', policy_revision, mean_reward FROM v_eval_accuracy_by_revision",
+            "Held-out evaluation by policy revision", "policy revision", "accuracy / mean reward",
+            "no evaluation rollouts in this run", subtitle="accuracy: the verifier's exact-answer verdict, else reward ≥ 1"),
+        _series_figure(
+            con, "logprob_mismatch",
+            "SELECT 'mean |Δ| (' || family || ')' AS series, revision AS x, mismatch_mean AS y FROM v_logprob_mismatch "
+            "UNION ALL SELECT 'max |Δ| (' || family || ')', revision, mismatch_max FROM v_logprob_mismatch",
+            "Trainer–inference logprob mismatch", "revision trained (on its parent's tokens)", "|Δ logprob|",
+            "no logprob mismatch reported by the trainer in this run"),
+    ]
+
+
+def grid(figs: list[Figure], title: str, subtitle: str = "", columns: int = 2) -> alt.VConcatChart:
+    """The drawable figures in rows of ``columns``: the PNG's single chart."""
+    charts = [f.chart for f in figs if f.chart is not None]
+    rows = [alt.hconcat(*charts[i:i + columns], spacing=40).resolve_scale(color="independent")
+            for i in range(0, len(charts), columns)]
+    return alt.vconcat(*rows, spacing=36).resolve_scale(color="independent").properties(
+        title=_title(title, textwrap.wrap(subtitle, 180) if subtitle else "")).configure_title(fontSize=15)
 
 
 def _table(con: duckdb.DuckDBPyConnection, sql: str, limit: int = 50) -> str:
@@ -151,21 +231,6 @@ def _table(con: duckdb.DuckDBPyConnection, sql: str, limit: int = 50) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _revision_section(con: duckdb.DuckDBPyConnection, view: str, keys: tuple[str, str], columns: dict[str, str],
-                      title: str, xlabel: str, ylabel: str, absent: str) -> str:
-    """A per-revision view as a line chart (one series per column and family) and a table; ``absent`` when empty."""
-    fam, rev = keys
-    rows = con.execute(f"SELECT {fam}, {rev}, {', '.join(columns)} FROM {view} ORDER BY ALL").fetchall()
-    if not rows:
-        return f'<p class="dim">{_esc(absent)}</p>'
-    series: dict[str, list[tuple[float, float]]] = {}
-    for family, revision, *values in rows:
-        for label, v in zip(columns.values(), values):
-            series.setdefault(f"{label} ({family})", []).append((revision, v))
-    return (f'<div class="card">{line_chart(title, series, xlabel, ylabel)}</div>'
-            + _table(con, f"SELECT * FROM {view}", 500))
-
-
 CSS = """body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1320px;color:#222}
 h1{font-size:22px}h2{font-size:16px;margin-top:28px}.grid{display:flex;flex-wrap:wrap;gap:16px}
 .card{border:1px solid #ddd;border-radius:6px;padding:8px;background:#fff}
@@ -173,89 +238,55 @@ table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;paddin
 th{background:#f4f4f4}.ok{color:#1a7f37;font-weight:600}.bad{color:#cf222e;font-weight:600}.dim{color:#777}"""
 
 
-def build_report(con: duckdb.DuckDBPyConnection, *, audit_summary: str | None = None, audit_ok: bool | None = None) -> str:
-    run = con.execute("SELECT value FROM _replay_meta WHERE key='run_id'").fetchone()
-    run_id = run[0] if run else "?"
-    charts: list[str] = []
+def _card(fig: Figure) -> str:
+    if fig.chart is None:
+        return f'<div class="card dim" id="{fig.name}">{_esc(fig.note)}</div>'
+    return f'<div class="card"><div id="{fig.name}"></div></div>'
 
-    # reward by revision and role (steps attributed to the revision that produced them)
-    series: dict[str, list[tuple[float, float]]] = {}
-    for fam, rev, role, trainable, mean in con.execute(
-            "SELECT policy_family, policy_revision, role, trainable, mean_reward FROM v_reward_by_revision "
-            "WHERE policy_revision IS NOT NULL ORDER BY ALL").fetchall():
-        series.setdefault(f"{role} ({fam})" + ("" if trainable else " fixed"), []).append((rev, mean))
-    charts.append(line_chart("Mean reward by policy revision and role", series, "policy revision (of the step's tokens)",
-                             "mean reward"))
-    series = {}
-    for fam, rev, role, trainable, mean in con.execute(
-            "SELECT policy_family, policy_revision, role, trainable, mean_reward FROM v_reward_by_admission_revision "
-            "WHERE policy_revision IS NOT NULL ORDER BY ALL").fetchall():
-        series.setdefault(f"{role}" + ("" if trainable else " (fixed)"), []).append((rev, mean))
-    charts.append(line_chart("Mean reward by learner revision at admission", series, "learner revision", "mean reward"))
 
-    # the trainer's view: reward per batch, in log order
-    rows = con.execute("SELECT row_number() OVER (ORDER BY _partition, _offset) - 1, target_revision, reward_mean, "
-                       "advantage_mean FROM trainer_batches ORDER BY _partition, _offset").fetchall()
-    labels = {float(i): f"#{i} r{t}" for i, t, _, _ in rows}
-    charts.append(line_chart("Trainer batches: mean reward and advantage", {
-        "reward": [(float(i), m) for i, _, m, _ in rows], "advantage": [(float(i), a) for i, _, _, a in rows]},
-        "batch (in log order, target revision)", "mean", xlabels=labels))
+def build_report(con: duckdb.DuckDBPyConnection, *, audit_summary: str | None = None, audit_ok: bool | None = None,
+                 figs: list[Figure] | None = None) -> str:
+    """The HTML page: charts embedded with the Vega JavaScript inlined (works offline), then the tables."""
+    import vl_convert
 
-    # staleness: overall histogram and per batch
-    hist = con.execute("SELECT staleness, count(*) FROM v_batch_staleness GROUP BY 1 ORDER BY 1").fetchall()
-    charts.append(bar_chart("Staleness of batched records (target − source revision)", [str(s) for s, _ in hist],
-                            {"records": [n for _, n in hist]}, "staleness (revisions behind)", "records"))
-    per = con.execute("SELECT batch_offset, target_revision, staleness, records FROM v_staleness_distribution").fetchall()
-    batches = sorted({(b, t) for b, t, _, _ in per})
-    lags = sorted({s for _, _, s, _ in per})
-    idx = {b: i for i, (b, _) in enumerate(batches)}
-    stacks = {f"lag {lag}": [0.0] * len(batches) for lag in lags}
-    for b, _, s, n in per:
-        stacks[f"lag {s}"][idx[b]] = n
-    charts.append(bar_chart("Staleness per batch", [f"r{t}" for _, t in batches], stacks,
-                            "batch (target revision)", "records"))
-
-    envs = con.execute("SELECT environment, pass_rate, rollouts FROM v_env_pass_rates").fetchall()
-    charts.append(bar_chart("Pass rate per environment", [e for e, _, _ in envs], {"pass rate": [p or 0 for _, p, _ in envs]},
-                            "environment", "pass rate"))
-
-    evaluation = _revision_section(
-        con, "v_eval_accuracy_by_revision", ("policy_family", "policy_revision"),
-        {"accuracy": "accuracy", "mean_reward": "mean reward"}, "Held-out evaluation by policy revision",
-        "policy revision", "accuracy / mean reward", "no evaluation rollouts in this run")
-    mismatch = _revision_section(
-        con, "v_logprob_mismatch", ("family", "revision"), {"mismatch_mean": "mean |Δ|", "mismatch_max": "max |Δ|"},
-        "Trainer–inference logprob mismatch", "revision trained (on its parent’s tokens)", "|Δ logprob|",
-        "no logprob mismatch reported by the trainer in this run")
-
+    (run_id,) = _one(con, "SELECT value FROM _replay_meta WHERE key='run_id'")
+    figs = figures(con) if figs is None else figs
+    specs = {f.name: f.chart.to_dict() for f in figs if f.chart is not None}
+    embed = ("const specs = " + json.dumps(specs, ensure_ascii=False).replace("</", "<\\/") + ";\n"
+             "for (const [id, spec] of Object.entries(specs)) "
+             "vegaEmbed('#' + id, spec, {actions: {export: true, source: false, compiled: false, editor: false}});")
     verdict = ""
     if audit_summary is not None:
-        cls = "ok" if audit_ok else "bad"
-        verdict = f'<h2>Audit</h2><p class="{cls}">{_esc(audit_summary)}</p>'
+        verdict = f'<h2>Audit</h2><p class="{"ok" if audit_ok else "bad"}">{_esc(audit_summary)}</p>'
     now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>rollout-log run {_esc(run_id)}</title>
-<style>{CSS}</style></head><body>
-<h1>Run {_esc(run_id)}</h1><p class="dim">replayed from the log; report generated {now}</p>
+<style>{CSS}</style><script>{vl_convert.javascript_bundle()}</script></head><body>
+<h1>Run {_esc(run_id)}</h1><p class="dim">replayed from the log; report generated {now}. Charts: scroll to zoom,
+drag to pan, double-click to reset, hover for values.</p>
 {verdict}
-<h2>Rewards and staleness</h2><div class="grid">{"".join(f'<div class="card">{c}</div>' for c in charts)}</div>
-<h2>Held-out evaluation accuracy by revision</h2>{evaluation}
-<h2>Trainer–inference logprob mismatch</h2>{mismatch}
+<h2>Charts</h2><div class="grid">{"".join(_card(f) for f in figs)}</div>
+<script>{embed}</script>
 <h2>Revision chain</h2><p>Each revision, the parent it was trained from, the batch (one optimizer step) it names,
 and where that batch's tokens came from (the audit walks this chain from the latest revision back to r0).</p>
 {_table(con, "SELECT family, revision, parent_revision, batch_id, batch_digest = logged_batch_digest AS digest_ok, "
              "batch_target_revision, records, rollouts, steps, generated_by FROM v_revision_chain "
              "ORDER BY family, revision DESC", 10_000)}
 <h2>Counts</h2>{_table(con, "SELECT * FROM v_counts")}
-<h2>Reward by revision and role (training rollouts)</h2>{_table(con, "SELECT * FROM v_reward_by_revision")}
+<h2>Pass rates per environment</h2>{_table(con, "SELECT * FROM v_env_pass_rates")}
+<h2>Held-out evaluation accuracy by revision</h2>{_table(con, "SELECT * FROM v_eval_accuracy_by_revision", 500)}
+<h2>Trainer–inference logprob mismatch</h2>{_table(con, "SELECT * FROM v_logprob_mismatch", 500)}
+<h2>Reward by revision and role (training rollouts)</h2>{_table(con, "SELECT * FROM v_reward_by_revision", 500)}
 <h2>Staleness per batch</h2>{_table(con, "SELECT batch_id, target_revision, max_off_policy_steps, records, min_staleness, "
                                       "mean_staleness, max_staleness, out_of_bound FROM v_staleness_summary", 200)}
-<h2>Pass rates per environment</h2>{_table(con, "SELECT * FROM v_env_pass_rates")}
 <h2>Token counts</h2>{_table(con, "SELECT * FROM v_token_counts", 100)}
 </body></html>"""
 
 
 def write_report(db: str, out: str, *, with_audit: bool = True) -> str:
-    from replay.tables import open_read_only
+    """``out`` ending in .png: the charts as one image; else the HTML page. Both from the same ``figures``."""
+    import vl_convert
+
+    from replay.tables import UnusableDatabase, open_read_only
 
     con = open_read_only(db)
     try:
@@ -265,80 +296,20 @@ def write_report(db: str, out: str, *, with_audit: bool = True) -> str:
 
             rep = audit(con)
             summary, ok = rep.summary(), rep.ok
-        page = build_report(con, audit_summary=summary, audit_ok=ok)
-        charts = re.findall(r"<svg.*?</svg>", page, re.S)
+        try:
+            figs = figures(con)
+            if out.endswith(".png"):
+                (run_id,) = _one(con, "SELECT value FROM _replay_meta WHERE key='run_id'")
+                data = vl_convert.vegalite_to_png(grid(figs, f"Run {run_id}", summary or "").to_dict())
+                with open(out, "wb") as f:
+                    f.write(data)
+                return out
+            page = build_report(con, audit_summary=summary, audit_ok=ok, figs=figs)
+        except duckdb.BinderException as e:  # a view of an older version (same name, other columns)
+            raise UnusableDatabase(f"{db} was replayed by an older version ({e}): run `rollout replay --db {db}` "
+                                   "once more to upgrade it") from None
     finally:
         con.close()
-    if out.endswith(".png"):
-        _png(page, out, charts)
-    else:
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(page)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(page)
     return out
-
-
-def _png(page: str, out: str, charts: list[str]) -> None:
-    """The whole page through a headless Chromium when one is on PATH; otherwise the charts alone,
-    drawn by librsvg + cairo (system libraries, through ctypes) in a two-column grid."""
-    import os
-    import shutil
-    import subprocess
-    import tempfile
-
-    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome", "chrome") if shutil.which(b)), None)
-    if browser is not None:
-        with tempfile.NamedTemporaryFile("w", suffix=".html", delete=False, encoding="utf-8") as f:
-            f.write(page)
-        try:
-            subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                            f"--screenshot={os.path.abspath(out)}", "--window-size=1360,2400", f"file://{f.name}"],
-                           check=True, capture_output=True, timeout=120)
-        finally:
-            os.unlink(f.name)
-        return
-    svg_png(charts, out)
-
-
-def svg_png(charts: list[str], out: str, columns: int = 2) -> None:
-    def lib(*names: str) -> ctypes.CDLL:
-        for name in names:
-            try:
-                return ctypes.CDLL(name)
-            except OSError:
-                continue
-        raise RuntimeError("PNG output needs a headless Chromium or librsvg + cairo; write --out report.html instead")
-
-    rsvg = lib("librsvg-2.so.2", ctypes.util.find_library("rsvg-2") or "librsvg-2.so")
-    cairo = lib("libcairo.so.2", ctypes.util.find_library("cairo") or "libcairo.so")
-    vp, dbl = ctypes.c_void_p, ctypes.c_double
-    rsvg.rsvg_handle_new_from_data.restype = vp
-    rsvg.rsvg_handle_new_from_data.argtypes = [ctypes.c_char_p, ctypes.c_size_t, vp]
-    rsvg.rsvg_handle_render_cairo.argtypes = [vp, vp]
-    cairo.cairo_image_surface_create.restype = vp
-    cairo.cairo_image_surface_create.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    cairo.cairo_create.restype = vp
-    cairo.cairo_create.argtypes = [vp]
-    for fn, args in (("cairo_set_source_rgb", [vp, dbl, dbl, dbl]), ("cairo_paint", [vp]),
-                     ("cairo_translate", [vp, dbl, dbl]), ("cairo_destroy", [vp]), ("cairo_surface_destroy", [vp])):
-        getattr(cairo, fn).argtypes = args
-    cairo.cairo_surface_write_to_png.argtypes = [vp, ctypes.c_char_p]
-    cell_w, cell_h = W + 10, H + 20
-    rows = max(1, math.ceil(len(charts) / columns))
-    surface = cairo.cairo_image_surface_create(0, cell_w * columns, cell_h * rows)  # CAIRO_FORMAT_ARGB32
-    cr = cairo.cairo_create(surface)
-    cairo.cairo_set_source_rgb(cr, 1.0, 1.0, 1.0)
-    cairo.cairo_paint(cr)
-    for i, svg in enumerate(charts):
-        data = svg.encode()
-        handle = rsvg.rsvg_handle_new_from_data(data, len(data), None)
-        if not handle:
-            raise RuntimeError(f"librsvg could not read chart {i}")
-        x, y = (i % columns) * cell_w, (i // columns) * cell_h
-        cairo.cairo_translate(cr, x, y)
-        rsvg.rsvg_handle_render_cairo(handle, cr)
-        cairo.cairo_translate(cr, -x, -y)
-    status = cairo.cairo_surface_write_to_png(surface, out.encode())
-    cairo.cairo_destroy(cr)
-    cairo.cairo_surface_destroy(surface)
-    if status != 0:
-        raise RuntimeError(f"writing {out} failed (cairo status {status})")

@@ -77,9 +77,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="map and count, produce nothing")
     p.set_defaults(func=cmd_import_traces)
 
-    p = sub.add_parser("report", help="an HTML report of a replayed run (reward curves, staleness histograms)")
+    p = sub.add_parser("report", help="charts of a replayed run (reward, staleness, pass rates, eval accuracy) as HTML or PNG")
     p.add_argument("--db", required=True)
-    p.add_argument("--out", default="report.html", help="report.html (self-contained), or report.png (Chromium if installed, else the charts via librsvg)")
+    p.add_argument("--out", default="report.html", help="report.html (interactive charts: zoom, pan, tooltips; works "
+                   "offline), or report.png (the same charts as one image)")
     p.add_argument("--no-audit", action="store_true", help="leave the audit verdict out")
     p.set_defaults(func=cmd_report)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections import defaultdict
 from datetime import UTC, datetime
 
@@ -20,7 +21,7 @@ from replay import columns as C
 from replay.audit import audit
 from replay.ingest import ReplayError, Until, discover_prefixes, load_events, split_topic, topics_for
 from replay.query import export, interactive, run_query
-from replay.report import build_report
+from replay.report import build_report, figures
 from replay.synthetic import generate_run
 from schemas import codec
 from schemas.batch import assemble_batch
@@ -277,8 +278,8 @@ def test_sql_formats_prompt_export_and_report(run, tmp_path):
     assert duckdb.sql(f"SELECT count(*) FROM '{tmp_path / 'export' / 'training_records.parquet'}'").fetchall()[0][0] == \
         run.counts()["training-records"]
     page = build_report(con, audit_summary="audit OK", audit_ok=True)
-    assert page.count("<svg") >= 5 and "<script" not in page and "http://" not in page.replace(
-        'xmlns="http://www.w3.org/2000/svg"', "")
+    assert page.count("vegaEmbed('#'") == 1 and sum(f'id="{f.name}"' in page for f in figures(con)) >= 7
+    assert not re.search(r"""(src|href)=["']?https?:""", page)  # offline: the Vega JavaScript is inlined
 
 
 def test_cli_audit_exit_codes_and_sql(run, tmp_path, capsys):
@@ -300,7 +301,7 @@ def test_cli_audit_exit_codes_and_sql(run, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == ["n", str(run.counts()["steps"])]
     assert main(["sql", "--db", clean, "SELECT nope FROM steps"]) == 1
     assert main(["report", "--db", clean, "--out", str(tmp_path / "r.html")]) == 0
-    assert (tmp_path / "r.html").read_text().count("<svg") >= 5
+    assert '"$schema": "https://vega.github.io/schema/vega-lite/' in (tmp_path / "r.html").read_text()
     assert main(["export", "--db", clean, "--out", str(tmp_path / "pq")]) == 0
     assert (tmp_path / "pq" / "trainer_batches.parquet").exists()
 
@@ -313,21 +314,16 @@ def test_trainer_batch_is_assembled_like_the_pipeline(run):
         assert verify_batch(b) == []
 
 
-def test_report_png_is_a_png_or_a_clear_refusal(run, tmp_path):
-    from replay.report import svg_png
+def test_report_png_holds_the_html_pages_charts(run, tmp_path):
+    from rollout.cli import main
 
-    con = load(flat(run))
-    page = build_report(con)
-    import re
-
-    charts = re.findall(r"<svg.*?</svg>", page, re.S)
-    out = tmp_path / "r.png"
-    try:
-        svg_png(charts, str(out))
-    except RuntimeError as e:  # a machine without librsvg/cairo says what to do instead
-        assert "report.html" in str(e)
-    else:
-        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    db = str(tmp_path / "run.duckdb")
+    load_events(con := duckdb.connect(db), run.run_id, placed(flat(run)))
+    con.close()
+    assert main(["report", "--db", db, "--out", str(tmp_path / "r.png")]) == 0
+    png = (tmp_path / "r.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR" and png.count(b"IDAT") >= 1
+    assert int.from_bytes(png[16:20]) > 1000 and int.from_bytes(png[20:24]) > 1000  # two columns, four rows
 
 
 # -- topic prefixes ------------------------------------------------------------------------------------
@@ -442,7 +438,8 @@ def test_audit_warns_about_inexact_steps_and_catches_trained_evaluation(eval_run
 
 def test_report_shows_evaluation_and_mismatch_or_says_there_is_none(run, eval_run):
     page = build_report(load(flat(eval_run), eval_run.run_id))
-    assert "Held-out evaluation by policy revision" in page and "Trainer–inference logprob mismatch</text>" in page
+    assert '"text": "Held-out evaluation by policy revision"' in page
+    assert '"text": "Trainer–inference logprob mismatch"' in page
     assert "no evaluation rollouts in this run" not in page
     bare = [(k, e.model_copy(update={"metrics": {}}) if k == "policy-revisions" else e) for k, e in flat(run)]
     page = build_report(load(bare))

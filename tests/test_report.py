@@ -1,0 +1,160 @@
+"""`rollout report` on a 10,000-batch run: readable axes, bounded size; and a pass rate that counts the
+environment's passes, not rewards above zero.
+
+Axis labels are read from Vega's scenegraph of each chart (what vl-convert renders into the PNG): the
+labels Vega keeps visible after its overlap removal, with their positions. Their widths are not in the
+scenegraph, so each label's box is estimated from its font size (0.65 em per character: DejaVu Sans,
+the widest common sans-serif, has 0.636 em digits); the tests check those boxes do not overlap.
+"""
+
+from __future__ import annotations
+
+import re
+
+import duckdb
+import pytest
+import vl_convert
+
+from replay.ingest import load_events
+from replay.report import MAX_POINTS, build_report, figures, write_report
+from replay.synthetic import generate_run
+from test_replay_unit import flat, load, placed
+
+BATCHES = 10_000
+EM = 0.65  # estimated label width per character, in font sizes
+
+
+@pytest.fixture(scope="module")
+def big_db(tmp_path_factory):
+    """A synthetic run of 10,000 rounds: 10,000 trainer batches and 10,001 revisions (one arithmetic group each)."""
+    run = generate_run("big-run-00001", rounds=BATCHES, groups=1, group_size=2, prompt_tokens=4, completion_tokens=4,
+                       eval_questions=2, environments=("arithmetic",))
+    db = str(tmp_path_factory.mktemp("big") / "run.duckdb")
+    con = duckdb.connect(db)
+    load_events(con, run.run_id, placed(flat(run)))
+    assert con.execute("SELECT count(*) FROM trainer_batches").fetchall() == [(BATCHES,)]
+    con.close()
+    return db
+
+
+def axis_labels(spec: dict) -> list[tuple[str, list[dict]]]:
+    """(orient, visible label items) for every axis in Vega's scenegraph of ``spec``."""
+    found: list[tuple[str, list[dict]]] = []
+
+    def walk(node, orient=None):
+        if isinstance(node, list):
+            for n in node:
+                walk(n, orient)
+        elif isinstance(node, dict):
+            if node.get("role") == "axis":
+                for item in node["items"]:
+                    walk(item, item.get("orient"))
+                return
+            if node.get("role") == "axis-label":
+                found.append((orient, [i for i in node["items"] if i.get("opacity", 1) > 0]))
+            for v in node.values():
+                walk(v, orient)
+
+    walk(vl_convert.vegalite_to_scenegraph(spec)["scenegraph"])
+    return found
+
+
+def box(label: dict) -> tuple[float, float, float, float]:
+    """(x0, y0, x1, y1) of an unrotated label, its width estimated from the font size."""
+    w, h = EM * label["fontSize"] * len(label["text"]), label["fontSize"]
+    x0 = label["x"] - {"left": 0, "center": w / 2, "right": w}[label.get("align", "center")]
+    y0 = label["y"] - {"top": 0, "middle": h / 2, "bottom": h, "alphabetic": h}[label.get("baseline", "alphabetic")]
+    return x0, y0, x0 + w, y0 + h
+
+
+def overlaps(a, b) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def test_10000_batches_render_with_readable_axes(big_db, tmp_path):
+    con = duckdb.connect(big_db, read_only=True)
+    figs = figures(con)
+    assert all(f.chart is not None for f in figs), [(f.name, f.note) for f in figs if f.chart is None]
+    for f in figs:
+        spec = f.chart.to_dict()
+        for d in [spec.get("data")] + [layer.get("data") for layer in spec.get("layer", [])]:
+            if d:  # binned: at most MAX_POINTS x values per series, whatever the run's length
+                per_series: dict = {}
+                for row in d["values"]:
+                    key = (row.get("series"), row.get("staleness"))
+                    per_series[key] = per_series.get(key, 0) + 1
+                assert max(per_series.values()) <= MAX_POINTS, f.name
+        axes = axis_labels(spec)
+        assert {o for o, _ in axes} == {"bottom", "left"}, f.name
+        for orient, labels in axes:
+            assert 1 <= len(labels) <= 15, (f.name, orient, [x["text"] for x in labels])
+            assert all(x.get("angle", 0) == 0 for x in labels)
+            boxes = [box(x) for x in labels]
+            clash = [(labels[i]["text"], labels[j]["text"]) for i in range(len(boxes)) for j in range(i + 1, len(boxes))
+                     if overlaps(boxes[i], boxes[j])]
+            assert not clash, (f.name, orient, clash)
+        if f.name in ("trainer_batches", "staleness_per_batch", "reward_by_revision"):
+            bottom = next(labels for o, labels in axes if o == "bottom")
+            values = [int(x["text"].replace(",", "")) for x in bottom]
+            assert values == sorted(values) and values[0] <= 0 and values[-1] >= 9_000, (f.name, values)
+    con.close()
+
+    png = tmp_path / "report.png"
+    write_report(big_db, str(png), with_audit=False)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20]), int.from_bytes(data[20:24])
+    assert 1000 < width < 2000 and 1000 < height < 2500, (width, height)  # the size of a small run's report
+
+    html = tmp_path / "report.html"
+    write_report(big_db, str(html), with_audit=False)
+    page = html.read_text()
+    assert len(page) < 8_000_000 and not re.search(r"""(src|href)=["']?https?:""", page)
+
+
+def _shaped(score, exact: bool):
+    """A rubric's verdict like arithmetic's shaped reward: 1 (exact) + 0.5 (numeric) + 0.5 * closeness, so
+    every answer's reward is above zero and only the exact_answer function says whether it passed."""
+    reward = (1.0 if exact else 0.0) + 0.5 + (0.5 if exact else 0.1)
+    return score.model_copy(update={"verifier": "rubric", "rewards": {"solver": reward},
+                                    "metrics": {"solver/reward/exact_answer": float(exact)}})
+
+
+def test_pass_rate_counts_environment_passes_not_rewards_above_zero():
+    run = generate_run("pass-run-0001", rounds=10, groups=3, group_size=5)
+    items, n_arith, n_exact = [], 0, 0
+    for key, e in flat(run):
+        if key == "scores" and e.environment == "arithmetic@1":
+            exact = n_arith % 10 == 0  # one answer in ten is right
+            n_arith, n_exact = n_arith + 1, n_exact + exact
+            e = _shaped(e, exact)
+        items.append((key, e))
+    con = load(items, run.run_id)
+    rows = {r[0]: r[1:] for r in con.execute(
+        "SELECT environment, pass_rate, passes, answers, pass_rule, mean_reward FROM v_env_pass_rates").fetchall()}
+    rate, passes, answers, rule, mean = rows["arithmetic@1"]
+    assert (passes, answers) == (n_exact, n_arith) and rate == pytest.approx(n_exact / n_arith) == 0.1
+    assert rule == "exact-answer metric = 1" and mean > 0.5  # every reward is above zero: the old rate read 1.0
+    # proposer_solver: the solvers' exact_match rewards, not the proposer's Monte Carlo reward
+    solver = [e for k, e in flat(run) if k == "scores" and e.environment == "proposer_solver@1" and "solver" in e.rewards]
+    assert rows["proposer_solver@1"][1:4] == (sum(e.rewards["solver"] == 1 for e in solver), len(solver),
+                                               "exact_match reward = 1")
+    # a zero-sum judge gives no pass/fail: no rate, and the chart says so instead of drawing one
+    assert rows["debate@1"][0] is None and rows["debate@1"][2] == 0
+    page = build_report(con)
+    assert "no pass/fail verdict from the verifier of debate@1 (zero_sum_judge)" in page
+    assert "a failed episode is no pass" in page
+
+
+def test_a_failed_episode_is_no_pass():
+    run = generate_run("fail-run-0001", rounds=2, groups=1, group_size=4, environments=("arithmetic",))
+    items = []
+    for key, e in flat(run):
+        if key == "scores":  # every answer right, but the first episode failed (the verifier's "failed" verdict)
+            failed = not any(k == "scores" for k, _ in items)
+            e = e.model_copy(update={"rewards": {"solver": 0.0 if failed else 1.0},
+                                     "verifier": "failed" if failed else "exact_match",
+                                     "status": "failed" if failed else e.status})
+        items.append((key, e))
+    con = load(items, run.run_id)
+    assert con.execute("SELECT passes, answers, failed_rate FROM v_env_pass_rates").fetchall() == [(7, 8, 1 / 8)]
