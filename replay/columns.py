@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any, NamedTuple
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 from pydantic import TypeAdapter
@@ -37,7 +38,11 @@ def list_array(arrays: Sequence[np.ndarray], dtype: np.dtype) -> pa.ListArray:
     lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
     offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
+    dtype = np.dtype(dtype)
+    if all(a.dtype == dtype for a in arrays):  # the frames' own views: one copy of their bytes, no per-array work
+        values = np.frombuffer(b"".join(arrays), dtype=dtype)
+    else:
+        values = np.concatenate(arrays).astype(dtype, copy=False)
     if offsets[-1] < 2**31:
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
     return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values)).cast(pa.list_(pa.from_numpy_dtype(dtype)))
@@ -49,6 +54,15 @@ def _str_lists(values: Sequence[Sequence[str]]) -> pa.Array:
 
 def _json(values: Sequence[Any]) -> list[str]:
     return [json.dumps(v, sort_keys=True, separators=(",", ":")) for v in values]
+
+
+def _models_json(adapter: TypeAdapter, items: Sequence[Any]) -> str:
+    """JSON of a list of models, or of their ``replay.frames`` structs (same field order, same bytes)."""
+    if not items:
+        return "[]"
+    if isinstance(items[0], msgspec.Struct):
+        return msgspec.json.encode(items).decode()
+    return adapter.dump_json(items).decode()
 
 
 def _same(items: Sequence[Any], names: str) -> dict[str, list]:
@@ -101,9 +115,9 @@ def steps(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
                                              "finish_reason latency_s") | {
         "step_index": [e.index for e in events],
         **_policy([e.policy for e in events]),
-        "prompt": [_MESSAGES.dump_json(e.prompt).decode() for e in events],
-        "completion": [_MESSAGES.dump_json(e.completion).decode() for e in events],
-        "tool_calls": [_TOOL_CALLS.dump_json(e.tool_calls).decode() if e.tool_calls else "[]" for e in events],
+        "prompt": [_models_json(_MESSAGES, e.prompt) for e in events],
+        "completion": [_models_json(_MESSAGES, e.completion) for e in events],
+        "tool_calls": [_models_json(_TOOL_CALLS, e.tool_calls) for e in events],
         "prompt_token_ids": list_array(prompt_ids, np.int32),
         "completion_token_ids": list_array(completion_ids, np.int32),
         "completion_logprobs": list_array([e.completion_logprobs for e in events], np.float32),
