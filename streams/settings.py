@@ -78,6 +78,19 @@ def overridden(**values: object) -> Iterator[None]:
         _OVERRIDES.reset(token)
 
 
+def topic_prefix() -> str:
+    """``current().topic_prefix`` for the price of one variable: topic names are looked up for every record, and
+    reading every ROLLOUT_ variable on each lookup was ~5% of a service's CPU (benchmarks/RESULTS.md)."""
+    overrides = _OVERRIDES.get()
+    if "topic_prefix" in overrides:
+        return overrides["topic_prefix"]  # type: ignore[return-value]
+    value = os.environ.get("ROLLOUT_TOPIC_PREFIX")
+    return _DEFAULT_PREFIX if value is None else value
+
+
+_DEFAULT_PREFIX: str = ProcessingSettings.model_fields["topic_prefix"].default
+
+
 @functools.lru_cache(maxsize=16)
 def _parsed(values: tuple[str | None, ...]) -> ProcessingSettings:
     """``values`` is only the cache key: the settings are read from the environment that holds them."""

@@ -31,7 +31,7 @@ TOPIC_AUTHORIZATION_FAILED = 29
 
 
 def topic_prefix() -> str:
-    return settings.current().topic_prefix
+    return settings.topic_prefix()
 
 
 def replication_factor() -> int:

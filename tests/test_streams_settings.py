@@ -50,3 +50,15 @@ def test_processor_reads_settings_at_construction(monkeypatch):
     given = TransactionalProcessor("credit", ["p.scores"], 12, lambda p: None, {},
                                    settings=settings.ProcessingSettings(txn_timeout_s=5, session_timeout_ms=6000))
     assert given.txn_timeout_s == 5 and given.session_timeout_ms == 6000
+
+
+def test_the_cheap_topic_prefix_agrees_with_the_settings(monkeypatch):
+    """settings.topic_prefix() (looked up for every record) reads one variable; it must say what current() says."""
+    for value in (None, "", "run-1.", "rollout."):
+        if value is None:
+            monkeypatch.delenv("ROLLOUT_TOPIC_PREFIX", raising=False)
+        else:
+            monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", value)
+        assert settings.topic_prefix() == settings.current().topic_prefix
+        with settings.overridden(topic_prefix="demo-1."):
+            assert settings.topic_prefix() == settings.current().topic_prefix == "demo-1."
