@@ -352,8 +352,16 @@ class TransactionalProcessor:
             await asyncio.wait_for(self._send_and_commit(p, prod, outs, snap, next_off), self.txn_timeout_s)
         except ProducerFenced:
             self.stats.fenced += 1
-            log.warning("%s partition %d: fenced by a newer owner; dropping it", self.service, p)
+            log.warning("%s partition %d: fenced by a newer owner; dropping it and asking the group who owns it",
+                        self.service, p)
             await self._drop(p)
+            # Usually the owner is another member and a rebalance is already on its way. But when sessions
+            # expire (a broker failure), rebalances follow each other: another member took p over in one
+            # generation, and the next gave p back to us while we still held its task, so the group says p is
+            # ours and nobody would ever process it (a three-broker fault run stalled so, for good). A rejoin
+            # makes the group decide again: whoever gets p without a task takes it over (``_on_assigned``).
+            if self.consumer is not None:
+                self.consumer._coordinator.request_rejoin()
             return
         except Exception as e:  # noqa: BLE001 - abort, rebuild the partition from the log, keep serving
             # Covers a failed or stuck transaction too (e.g. a broker restart can leave a produce retrying
