@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from policy.tokenizer import END, TOKENIZER
-from producers.http_server import JsonHttpServer, Request, Response, error
+from producers.asgi_server import JSON, AppServer, Request, body_json, error, json_app
 from schemas.policy import PolicyRef
 
 
@@ -57,9 +57,8 @@ class ScriptedServer:
         self.respond = respond
         self.policy = policy
         self.requests: list[dict[str, Any]] = []
-        self.http = JsonHttpServer(host, port)
-        self.http.route("POST", "/v1/chat/completions", self._chat)
-        self.http.route("GET", "/v1/models", self._models)
+        self.http = AppServer(json_app({("POST", "/v1/chat/completions"): self._chat,
+                                        ("GET", "/v1/models"): self._models}), host, port)
 
     @property
     def base_url(self) -> str:
@@ -78,17 +77,17 @@ class ScriptedServer:
     async def __aexit__(self, *exc: Any) -> None:
         await self.stop()
 
-    async def _models(self, req: Request) -> Response:
-        return Response(200, {"object": "list", "data": [{"id": "scripted", "object": "model"}]})
+    async def _models(self, req: Request) -> JSON:
+        return JSON({"object": "list", "data": [{"id": "scripted", "object": "model"}]})
 
-    async def _chat(self, req: Request) -> Response:
-        body = req.json()
+    async def _chat(self, req: Request) -> JSON:
+        body = await body_json(req)
         if not isinstance(body, dict) or not body.get("messages"):
             return error(400, "'messages' must be a non-empty list")
         self.requests.append(body)
         message = self.respond(body)
-        return Response(200, _response(body, message, self.policy,
-                                       body.get("max_tokens") if not message.get("tool_calls") else None))
+        return JSON(_response(body, message, self.policy,
+                              body.get("max_tokens") if not message.get("tool_calls") else None))
 
 
 def echo_reply(body: dict[str, Any]) -> dict[str, Any]:
@@ -100,11 +99,11 @@ class EchoServer(ScriptedServer):
     def __init__(self, **kw: Any) -> None:
         super().__init__(echo_reply, **kw)
 
-    async def _chat(self, req: Request) -> Response:  # no request log: benchmarks run millions
-        body = req.json()
+    async def _chat(self, req: Request) -> JSON:  # no request log: benchmarks run millions
+        body = await body_json(req)
         if not isinstance(body, dict) or not body.get("messages"):
             return error(400, "'messages' must be a non-empty list")
-        return Response(200, _response(body, echo_reply(body), self.policy, body.get("max_tokens")))
+        return JSON(_response(body, echo_reply(body), self.policy, body.get("max_tokens")))
 
 
 class FlakyServer(ScriptedServer):
@@ -115,13 +114,11 @@ class FlakyServer(ScriptedServer):
         self.fail_first, self.status, self.retry_after = fail_first, status, retry_after
         self.calls = 0
 
-    async def _chat(self, req: Request) -> Response:
+    async def _chat(self, req: Request) -> JSON:
         self.calls += 1
         if self.calls <= self.fail_first:
-            r = error(self.status, f"scripted failure {self.calls}/{self.fail_first}", "server_error")
-            if self.retry_after is not None:
-                r.headers["Retry-After"] = self.retry_after
-            return r
+            return error(self.status, f"scripted failure {self.calls}/{self.fail_first}", "server_error",
+                         None if self.retry_after is None else {"Retry-After": self.retry_after})
         return await super()._chat(req)
 
 

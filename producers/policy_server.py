@@ -43,7 +43,7 @@ from typing import Any
 from policy.checkpoint import load_checkpoint_info
 from policy.model import PolicyModel, generate_batch
 from policy.tokenizer import END, EOS, TOKENIZER
-from producers.http_server import JsonHttpServer, Request, Response, error
+from producers.asgi_server import JSON, AppServer, Request, body_json, error, json_app
 from schemas.policy import TINY_FAMILY, CheckpointRef, PolicyRef
 
 DEFAULT_MAX_TOKENS = 64
@@ -68,12 +68,10 @@ class PolicyServer:
         self.model_name = model_name or family
         self.max_batch = max_batch
         self.torch_threads = torch_threads
-        self.http = JsonHttpServer(host, port)
-        self.http.route("GET", "/v1/models", self._models)
-        self.http.route("POST", "/v1/chat/completions", self._chat)
-        self.http.route("POST", "/v1/load_weights", self._load_weights)
-        self.http.route("GET", "/v1/policy", self._policy)
-        self.http.route("GET", "/health", self._health)
+        self.http = AppServer(json_app({
+            ("GET", "/v1/models"): self._models, ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/load_weights"): self._load_weights, ("GET", "/v1/policy"): self._policy,
+            ("GET", "/health"): self._health}), host, port)
         self._queue: asyncio.Queue[_Job] | None = None
         self._worker: asyncio.Task | None = None
         # One long-lived generation thread: a fresh thread's first torch call costs ~1 s, and batches
@@ -165,30 +163,30 @@ class PolicyServer:
 
     # -- handlers ------------------------------------------------------------------------------
 
-    async def _health(self, req: Request) -> Response:
-        return Response(200, {"status": "ok"})
+    async def _health(self, req: Request) -> JSON:
+        return JSON({"status": "ok"})
 
-    async def _models(self, req: Request) -> Response:
-        return Response(200, {"object": "list", "data": [
+    async def _models(self, req: Request) -> JSON:
+        return JSON({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "owned_by": "rollout-log", "root": self.policy.family,
              "policy_revision": self.policy.model_dump(mode="json")}]})
 
-    async def _policy(self, req: Request) -> Response:
-        return Response(200, self.policy.model_dump(mode="json"))
+    async def _policy(self, req: Request) -> JSON:
+        return JSON(self.policy.model_dump(mode="json"))
 
-    async def _load_weights(self, req: Request) -> Response:
-        body = req.json() or {}
+    async def _load_weights(self, req: Request) -> JSON:
+        body = await body_json(req) or {}
         try:
             ckpt = CheckpointRef.model_validate(body["checkpoint"]) if body.get("checkpoint") else None
             ref = await asyncio.to_thread(self.load_revision, str(body.get("family", self.policy.family)),
                                           int(body["revision"]), ckpt, body.get("seed"))
         except (KeyError, ValueError, OSError) as e:
             return error(400, f"cannot load weights: {type(e).__name__}: {e}")
-        return Response(200, ref.model_dump(mode="json"))
+        return JSON(ref.model_dump(mode="json"))
 
-    async def _chat(self, req: Request) -> Response:
+    async def _chat(self, req: Request) -> JSON:
         t0 = time.perf_counter()
-        body = req.json()
+        body = await body_json(req)
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
             return error(400, "'messages' must be a non-empty list")
         try:
@@ -239,8 +237,8 @@ class PolicyServer:
         }
         if body.get("return_token_ids"):
             resp["prompt_token_ids"] = prompt_ids
-        return Response(200, resp, {"x-policy-revision": str(policy),
-                                    "x-generation-ms": f"{(time.perf_counter() - t0) * 1000:.1f}"})
+        return JSON(resp, headers={"x-policy-revision": str(policy),
+                                   "x-generation-ms": f"{(time.perf_counter() - t0) * 1000:.1f}"})
 
 
 def _parse_tool_calls(text: str) -> list[dict[str, Any]]:

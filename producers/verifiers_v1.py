@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 
 from producers.environment import Environment, Example
 from producers.episodes import Episode, EpisodeState
-from producers.http_server import JsonHttpServer, Request, Response, error
+from producers.asgi_server import JSON, AppServer, Request, body_json, error, json_app
 from producers.inference import SAMPLING_KEYS, InferenceError, from_openai_message, to_openai_message
 from schemas.events import ChatMessage
 from schemas.scoring import ScoringSpec, WeightedFunc
@@ -65,8 +65,7 @@ class CaptureProxy:
     request's verifiers session (trace id)."""
 
     def __init__(self) -> None:
-        self.http = JsonHttpServer()
-        self.http.route("POST", "/v1/chat/completions", self._chat)
+        self.http = AppServer(json_app({("POST", "/v1/chat/completions"): self._chat}))
         self.sessions: dict[str, tuple[Any, str, list[BaseException]]] = {}
         self._started = False
         self._lock = asyncio.Lock()
@@ -87,13 +86,13 @@ class CaptureProxy:
             await self.http.stop()
             self._started = False
 
-    async def _chat(self, req: Request) -> Response:
-        sid = {k.lower(): v for k, v in req.headers.items()}.get(SESSION_HEADER)
+    async def _chat(self, req: Request) -> JSON:
+        sid = req.headers.get(SESSION_HEADER)
         session = self.sessions.get(sid or "")
         if session is None:
             return error(400, f"unknown verifiers session {sid!r}: the capture proxy serves registered rollouts only")
         ctx, member, errors = session
-        body = req.json()
+        body = await body_json(req)
         try:
             messages = [from_openai_message(m) for m in body.get("messages") or []]
             sampling = {k: v for k, v in body.items() if k in SAMPLING_KEYS and k != "n" and v is not None}
@@ -113,11 +112,10 @@ class CaptureProxy:
                                            for t, lp in zip(comp.completion_token_ids, comp.logprobs)]},
                   "token_ids": list(comp.completion_token_ids)}
         n_prompt, n_out = len(comp.prompt_token_ids), len(comp.completion_token_ids)
-        return Response(200, {"id": f"chatcmpl-{sid}-{n_prompt}", "object": "chat.completion", "created": 0,
-                              "model": body.get("model", "policy"), "choices": [choice],
-                              "prompt_token_ids": list(comp.prompt_token_ids),
-                              "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                                        "total_tokens": n_prompt + n_out}})
+        return JSON({"id": f"chatcmpl-{sid}-{n_prompt}", "object": "chat.completion", "created": 0,
+                     "model": body.get("model", "policy"), "choices": [choice],
+                     "prompt_token_ids": list(comp.prompt_token_ids),
+                     "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}})
 
 
 # -- the in-process chat harness -----------------------------------------------------------------------

@@ -18,13 +18,13 @@ from producers.emitter import MemoryEmitter
 from producers.environment import ArtifactStore, Environment, Example, load_environment
 from producers.episodes import (MultiTurnEpisode, StatefulToolEpisode, ToolEpisode, stop,
                                 user)
-from producers.http_server import free_port
 from producers.inference import InferenceClient, InferenceRequestError, InferenceUnavailable
 from producers.policy_server import PolicyServer
 from producers.tools import ToolRegistry, tool_schema
 from schemas.plan import GenerationPlan
 from schemas.plan_compiler import compile_plan
 from schemas.scoring import ScoringSpec
+from streams.local_broker import free_port
 
 
 # -- tools ---------------------------------------------------------------------------------------------
@@ -421,19 +421,53 @@ async def test_admission_pacer_abort_wakes_waiters():
         await asyncio.wait_for(waiter, 1)
 
 
+async def test_json_endpoints_answer_errors_in_the_openai_shape_and_keep_serving():
+    import httpx
+
+    from producers.asgi_server import JSON, MAX_BODY, AppServer, body_json, json_app
+
+    async def echo(req):
+        return JSON({"got": await body_json(req), "x": float("-inf")})
+
+    async def bug(req):
+        raise KeyError("boom")
+
+    async with AppServer(json_app({("POST", "/v1/echo"): echo, ("GET", "/v1/bug"): bug})) as server:
+        async with httpx.AsyncClient(base_url=server.base_url) as http:
+            r = await http.post("/echo", json={"a": [1, 2]})
+            assert r.status_code == 200 and r.json()["got"] == {"a": [1, 2]} and r.json()["x"] == float("-inf")
+            for (method, path, body), (status, kind, says) in {
+                    ("POST", "/nope", None): (404, "not_found", "no route POST /v1/nope"),
+                    ("GET", "/echo", None): (405, "not_found", "no route GET /v1/echo"),
+                    ("POST", "/echo", b"{not json"): (400, "invalid_request_error", "invalid JSON body"),
+                    ("GET", "/bug", None): (500, "server_error", "KeyError: 'boom'")}.items():
+                r = await http.request(method, path, content=body)
+                assert r.status_code == status and r.json()["error"]["type"] == kind, r.text
+                assert says in r.json()["error"]["message"] and r.json()["error"]["code"] == status
+        # a body announced over the limit is refused before it is read
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(f"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n".encode())
+        assert (await reader.readline()).startswith(b"HTTP/1.1 413")
+        writer.close()
+    async with FlakyServer(fail_first=1, status=429, retry_after="7") as flaky:
+        async with httpx.AsyncClient() as http:
+            r = await http.post(flaky.base_url + "/chat/completions", json={"messages": MSG})
+            assert (r.status_code, r.headers["retry-after"], r.json()["error"]["type"]) == (429, "7", "server_error")
+            r = await http.post(flaky.base_url + "/chat/completions", json={"messages": MSG})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+
+
 async def test_client_times_out_and_retries_a_slow_endpoint():
-    from producers.http_server import JsonHttpServer, Response
+    from producers.asgi_server import JSON, AppServer, json_app
 
     calls = []
 
     async def slow(req):
         calls.append(1)
         await asyncio.sleep(2.0)
-        return Response(200, {})
+        return JSON({})
 
-    server = JsonHttpServer()
-    server.route("POST", "/v1/chat/completions", slow)
-    async with server:
+    async with AppServer(json_app({("POST", "/v1/chat/completions"): slow})) as server:
         async with InferenceClient(server.base_url, "m", timeout_s=0.2, max_attempts=2, backoff_s=0.01) as client:
             with pytest.raises(InferenceUnavailable, match="ReadTimeout"):
                 await client.chat(MSG)

@@ -215,7 +215,7 @@ async def test_two_seat_game_each_seat_its_own_member(kafka_settings, pipeline_t
 
 async def test_endpoint_down_fails_the_rollout_with_the_reason():
     from producers.emitter import MemoryEmitter
-    from producers.http_server import free_port
+    from streams.local_broker import free_port
 
     env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset={"id": "rl_test_questions"}, agent=chat_agent()))
     environment = verifiers_v1_environment(env, name="vf-down", version="0.1")
