@@ -25,7 +25,7 @@ import altair as alt
 import duckdb
 
 MAX_POINTS = 200  # x values per series before binning
-WIDTH, HEIGHT = 560, 240
+WIDTH, HEIGHT = 500, 240
 _LABELS = {"labelOverlap": True, "labelFlush": True}  # let Vega drop labels that would collide
 
 
@@ -231,7 +231,7 @@ def _table(con: duckdb.DuckDBPyConnection, sql: str, limit: int = 50) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-CSS = """body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1320px;color:#222}
+CSS = """body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1400px;color:#222}
 h1{font-size:22px}h2{font-size:16px;margin-top:28px}.grid{display:flex;flex-wrap:wrap;gap:16px}
 .card{border:1px solid #ddd;border-radius:6px;padding:8px;background:#fff}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}
@@ -253,8 +253,10 @@ def build_report(con: duckdb.DuckDBPyConnection, *, audit_summary: str | None = 
     figs = figures(con) if figs is None else figs
     specs = {f.name: f.chart.to_dict() for f in figs if f.chart is not None}
     embed = ("const specs = " + json.dumps(specs, ensure_ascii=False).replace("</", "<\\/") + ";\n"
+             "window.views = {};  // chart name -> Vega view (the browser test reads them)\n"
              "for (const [id, spec] of Object.entries(specs)) "
-             "vegaEmbed('#' + id, spec, {actions: {export: true, source: false, compiled: false, editor: false}});")
+             "vegaEmbed('#' + id, spec, {actions: {export: true, source: false, compiled: false, editor: false}})"
+             ".then(r => { window.views[id] = r.view; });")
     verdict = ""
     if audit_summary is not None:
         verdict = f'<h2>Audit</h2><p class="{"ok" if audit_ok else "bad"}">{_esc(audit_summary)}</p>'

@@ -158,3 +158,53 @@ def test_a_failed_episode_is_no_pass():
         items.append((key, e))
     con = load(items, run.run_id)
     assert con.execute("SELECT passes, answers, failed_rate FROM v_env_pass_rates").fetchall() == [(7, 8, 1 / 8)]
+
+
+def test_report_html_in_chromium_draws_every_chart_zooms_and_shows_tooltips(big_db, tmp_path):
+    """The 10,000-batch report in Debian's headless Chromium (installed by .ci/setup), offline (file://): every
+    chart is drawn, hovering a point shows its values, the mouse wheel zooms the batch axis. Screenshot kept at
+    tests/artifacts/report-chromium.png."""
+    import time
+    from pathlib import Path
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.actions.wheel_input import ScrollOrigin
+    from selenium.webdriver.common.by import By
+
+    page = tmp_path / "report.html"
+    write_report(big_db, str(page), with_audit=False)
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = "/usr/bin/chromium"
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,2200"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+    try:
+        driver.get(page.as_uri())
+        deadline = time.monotonic() + 60
+        while len(driver.execute_script("return Object.keys(window.views || {})")) < 8:
+            assert time.monotonic() < deadline, "the charts were not drawn within 60 s"
+            time.sleep(0.2)
+        for name in ("reward_by_revision", "trainer_batches", "staleness_per_batch", "pass_rates", "eval_accuracy"):
+            assert driver.find_elements(By.CSS_SELECTOR, f"#{name} svg.marks g.mark-group"), name
+        chart = driver.find_element(By.CSS_SELECTOR, "#trainer_batches svg.marks")
+        driver.execute_script("arguments[0].scrollIntoView()", chart)
+        points = driver.find_elements(By.CSS_SELECTOR, "#trainer_batches g.mark-symbol.role-mark path")
+        assert 2 <= len(points) <= 2 * MAX_POINTS  # two series, binned
+        ActionChains(driver).move_to_element(points[len(points) // 4]).perform()
+        time.sleep(0.3)
+        tip = driver.execute_script("const t = document.getElementById('vg-tooltip-element');"
+                                    "return t && t.classList.contains('visible') ? t.innerText : ''")
+        assert "batch (in log order)" in tip and "min" in tip and "max" in tip, tip
+        before = driver.execute_script("return views.trainer_batches.scale('x').domain()")
+        ActionChains(driver).scroll_from_origin(ScrollOrigin.from_element(chart, 0, 0), 0, -400).perform()
+        time.sleep(0.5)
+        after = driver.execute_script("return views.trainer_batches.scale('x').domain()")
+        assert before[0] <= 0 and before[1] >= BATCHES - 1 and after[1] - after[0] < 0.8 * (before[1] - before[0])
+        artifacts = Path(__file__).resolve().parent / "artifacts"
+        artifacts.mkdir(exist_ok=True)
+        driver.execute_script("window.scrollTo(0, 0)")
+        driver.save_screenshot(str(artifacts / "report-chromium.png"))
+    finally:
+        driver.quit()
