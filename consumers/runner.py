@@ -32,8 +32,10 @@ log = logging.getLogger("rollout.services")
 
 
 async def ensure_topics(service: Service, admin_kwargs: dict[str, Any]) -> None:
-    """The pipeline's topics and the service's changelog (idempotent)."""
-    await topics.create_topics(admin_kwargs, [*topics.TOPICS.values(), changelog_topic(service.name, service.partitions)])
+    """The service's changelog, inputs and outputs (a refusal to create one is its error), and the rest of the
+    pipeline's topics where its principal may create them (``streams.topics.ensure``). Idempotent."""
+    await topics.ensure(admin_kwargs, [changelog_topic(service.name, service.partitions), *service.inputs,
+                                       *service.side_inputs, *service.outputs])
 
 
 def processor(service: Service, factory: Any, settings: ServiceSettings, client_kwargs: dict[str, Any]

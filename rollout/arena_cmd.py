@@ -83,7 +83,7 @@ async def _main(args: argparse.Namespace) -> int:
     settings = KafkaSettings.from_env()
     if args.start_local and not settings.external:
         settings = settings.with_bootstrap(ensure_broker(settings))
-    await topics.create_topics(settings.admin_kwargs())
+    await topics.ensure(settings.admin_kwargs(), topics.ARENA_READS + topics.ARENA_WRITES)
     run_id = args.run_id or new_id()
     server = vllm = metrics = None
     url = args.policy_url

@@ -4,7 +4,8 @@
     rollout kafka acls --apply    create them on ROLLOUT_BOOTSTRAP_SERVERS, as the admin principal in the env
 
 Each service in ``consumers.registry`` (principal ``User:<service name>``) reads its inputs, side inputs
-and its changelog, writes its outputs and its changelog, uses its consumer group ``group_id(name)`` and
+and its changelog, writes its outputs and its changelog, creates its changelog (the admin creates the
+pipeline's topics: ``rollout topics create``), uses its consumer group ``group_id(name)`` and
 the transactional ids ``group_id(name)-<partition>`` (a PREFIXED pattern). The arena (``User:arena``)
 writes steps, rollouts and admissions, reads admissions and policy-revisions, and uses the transactional
 ids ``arena-*``. ``check_access`` says at a service's start-up which of its topics its principal cannot
@@ -56,17 +57,17 @@ def service_acls(service: Any) -> set[Acl]:
 
     p = f"User:{service.name}"
     changelog = changelog_topic(service.name, service.partitions)
-    # CREATE: a service's start-up (consumers.runner.ensure_topics) creates, idempotently, every pipeline topic
-    # and its changelog; the broker answers "not authorized" rather than "exists" without it.
+    # CREATE on its changelog only: the admin creates the pipeline's topics (`rollout topics create`); a service
+    # creates its changelog at its first start (consumers.runner.ensure_topics, streams.topics.ensure).
     return (_topic_acls(p, [*service.inputs, *service.side_inputs, changelog], [*service.outputs, changelog])
-            | {Acl(p, "CREATE", "TOPIC", t.name) for t in [*topics.TOPICS.values(), changelog]}
+            | {Acl(p, "CREATE", "TOPIC", changelog.name)}
             | {Acl(p, "READ", "GROUP", service.group_id),
                Acl(p, "WRITE", "TRANSACTIONAL_ID", f"{service.group_id}-", "PREFIXED")})
 
 
 def arena_acls() -> set[Acl]:
     p = f"User:{ARENA}"
-    return (_topic_acls(p, [topics.ADMISSIONS, topics.POLICY_REVISIONS], [topics.STEPS, topics.ROLLOUTS, topics.ADMISSIONS])
+    return (_topic_acls(p, topics.ARENA_READS, topics.ARENA_WRITES)
             | {Acl(p, "WRITE", "TRANSACTIONAL_ID", f"{ARENA}-", "PREFIXED")})
 
 

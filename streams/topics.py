@@ -87,6 +87,10 @@ ADMISSIONS = Topic("admissions", 1, {"message.timestamp.type": "LogAppendTime"},
                    doc="the arenas' admissions ledger (schemas.admission's three events); 1 partition: one order "
                        "every arena folds alike; broker timestamps time the leases")
 
+ARENA_READS = (ADMISSIONS, POLICY_REVISIONS)
+ARENA_WRITES = (STEPS, ROLLOUTS, ADMISSIONS)
+"""What an arena reads and writes (its ACLs in streams.security, the topics it makes sure of at start-up)."""
+
 TOPICS: dict[str, Topic] = {
     t.key: t for t in (POLICY_REVISIONS, STEPS, ROLLOUTS, SCORES, TRAINING_RECORDS, TRAINER_BATCHES, DEAD_LETTERS,
                         ADMISSIONS)
@@ -110,7 +114,15 @@ async def create_topics(
     await _start(admin, admin_kwargs)
     import asyncio
 
-    result: dict[str, str] = {}
+    # Topics the principal sees exist: no CreateTopics for them, which a principal without CREATE on a topic
+    # would be refused even for a topic that exists (a secured cluster, whose admin created them).
+    try:
+        visible = set(await admin.list_topics())
+    except BaseException:
+        await admin.close()
+        raise
+    result: dict[str, str] = {t.name: "exists" for t in wanted if t.name in visible}
+    wanted = [t for t in wanted if t.name not in visible]
     failures: list[str] = []
     denied = False  # a failure was the principal's missing permission (no retry fixes it)
     loop = asyncio.get_running_loop()
@@ -152,6 +164,19 @@ async def create_topics(
     if failures:
         raise KafkaError("creating topics failed: " + "; ".join(failures))
     return result
+
+
+async def ensure(admin_kwargs: Mapping[str, Any], own: Iterable[Topic]) -> None:
+    """Make sure of a client's ``own`` topics (created when missing; a refusal is its error), then create the
+    rest of the pipeline's where the principal may: with no authorizer any start order works, and on a secured
+    cluster, whose admin creates the topics (``rollout topics create``), a principal needs no CREATE beyond
+    what it alone creates (a service's changelog)."""
+    own = list({t.name: t for t in own}.values())
+    await create_topics(admin_kwargs, own)
+    try:
+        await create_topics(admin_kwargs, [t for t in TOPICS.values() if t.name not in {o.name for o in own}])
+    except KafkaAccessError:
+        pass  # not this principal's to create
 
 
 async def _wait_visible(admin: Any, names: list[str], timeout_s: float) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections import Counter
 import subprocess
 import sys
 import time
@@ -246,3 +247,84 @@ def test_a_service_started_with_wrong_credentials_or_permissions_stops_with_one_
         assert len(lines) == 1 and lines[0].startswith(expected), out.stderr[-2000:]
         assert "rollout kafka acls --apply" in lines[0] or "ROLLOUT_KAFKA_SASL_PASSWORD" in lines[0]
         assert "Traceback" not in out.stderr
+
+
+def _sasl_env(bootstrap, certs, user) -> dict[str, str]:
+    return {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": bootstrap, "ROLLOUT_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+            "ROLLOUT_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "ROLLOUT_KAFKA_SASL_USERNAME": user,
+            "ROLLOUT_KAFKA_SASL_PASSWORD": USERS[user], "ROLLOUT_KAFKA_SSL_CAFILE": str(certs / "test-ca.pem")}
+
+
+async def test_whole_pipeline_arena_to_trainer_each_under_its_own_principal(secured, secure_broker, tmp_path):
+    """A real arena (`rollout arena`, its local policy server, transactional id arena-<id>) as User:arena, the four
+    services in-process each as its own principal, the trainer publishing every revision as User:trainer; the
+    ACLs are exactly `rollout kafka acls` (no CREATE but on each service's changelog). Every record is trained
+    once or refused as stale with its reason, and the replayed run's audit is clean."""
+    from consumers import settings as service_settings
+    from consumers.trainer import initial_revision
+    from replay.audit import run_audit
+    from replay.ingest import Replayer
+    from schemas import codec
+    from schemas.events import DeadLetter, TrainerBatch, TrainingRecord
+    from schemas.plan_compiler import compile_plan
+    from schemas.policy import PolicyRevision
+    from streams.revisions import publish
+    from tests.test_arena_fleet import PLAN, RUN
+
+    bootstrap, certs = secure_broker
+    (tmp_path / "plan.toml").write_text(PLAN)
+    plan = compile_plan(str(tmp_path / "plan.toml"))
+    rev0 = initial_revision(plan.family, tmp_path / "ckpt", seed=0, run_id=RUN)
+    await publish(secured("trainer"), rev0)  # revision 0 as the trainer: it writes every revision
+    cfg = service_settings.build(plan=plan, credit=True, checkpoint_dir=str(tmp_path / "ckpt"), lr=1e-3,
+                                 flush_after_s=3.0, group_timeout_s=5.0)
+    systems = [System([name], cfg, secured(name)) for name in SERVICES]
+    for s in systems:
+        await s.__aenter__()
+    admin = secured("admin")
+
+    async def topic(t: topics.Topic, cls) -> list:
+        return [codec.decode(r.value, cls) for r in await read_all(admin, t.name, idle_s=0.5, timeout_s=10)]
+
+    try:
+        arena = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rollout.cli", "arena", str(tmp_path / "plan.toml"), "--groups", "8",
+            "--follow-revisions", "--no-progress", "--policy", "local", "--policy-port", str(free_port()),
+            "--checkpoint", rev0.checkpoint.uri.removeprefix("file://"), "--concurrency", "4", "--run-id", RUN,
+            "--arena-id", "secured", env=_sasl_env(bootstrap, certs, "arena"), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(arena.communicate(), 180)
+        assert arena.returncode == 0, out.decode()[-3000:]
+        for _ in range(60):  # until every record is in a batch or refused, and every batch trained
+            records = await topic(topics.TRAINING_RECORDS, TrainingRecord)
+            batches = await topic(topics.TRAINER_BATCHES, TrainerBatch)
+            letters = await topic(topics.DEAD_LETTERS, DeadLetter)
+            revs = await topic(topics.POLICY_REVISIONS, PolicyRevision)
+            stale = [d for d in letters if d.error_type == "StaleRecordError"]
+            if (records and sum(len(b.records) for b in batches) + len(stale) >= len(records)
+                    and len(revs) - 1 >= len(batches)):
+                break
+            await asyncio.sleep(1)
+    finally:
+        for s in systems:
+            await s.__aexit__(None, None, None)
+    assert len(records) == 8 * 4, len(records)  # 8 groups of 4 rollouts, one step each
+    assert [d for d in letters if d.error_type != "StaleRecordError"] == []
+    batched = Counter(x.record_id for b in batches for x in b.records)
+    refused = {who: Counter(codec.decode(d.raw, TrainingRecord).record_id for d in stale if d.service == who)
+               for who in ("batcher", "trainer")}
+    # each record: in one batch, or refused by the batcher; of those batched, the trainer refuses what its
+    # revision finds too stale and trains the rest
+    assert max((batched + refused["batcher"]).values()) == 1
+    assert set(batched + refused["batcher"]) == {r.record_id for r in records}
+    assert set(refused["trainer"]) <= set(batched) and max(refused["trainer"].values(), default=1) == 1
+    assert all(d.error_message for d in stale)
+    print(f"records={len(records)} batches={len(batches)} revisions={len(revs) - 1} "
+          f"refused_by_batcher={len(refused['batcher'])} refused_by_trainer={len(refused['trainer'])}")
+    # revisions 1.. are the trainer's, each naming one batch: written as User:trainer through its ACLs
+    assert [r.revision for r in revs] == list(range(len(revs))) and len(revs) - 1 == len(batches) >= 2
+    assert {r.batch_id for r in revs[1:]} == {b.batch_id for b in batches}
+    db = str(tmp_path / "run.duckdb")
+    await Replayer(db, settings(bootstrap, certs, "admin")).run()
+    report = run_audit(db)
+    assert report.ok, [f.message for f in report.violations][:5]
