@@ -214,12 +214,13 @@ def figures(con: duckdb.DuckDBPyConnection) -> list[Figure]:
 
 
 def grid(figs: list[Figure], title: str, subtitle: str = "", columns: int = 2) -> alt.VConcatChart:
-    """The drawable figures in rows of ``columns``: the PNG's single chart."""
+    """The drawable figures in rows of ``columns``: the PNG's single chart (the others' notes in its subtitle)."""
     charts = [f.chart for f in figs if f.chart is not None]
+    lines = textwrap.wrap(subtitle, 180) + [f"not drawn: {f.note}" for f in figs if f.chart is None]
     rows = [alt.hconcat(*charts[i:i + columns], spacing=40).resolve_scale(color="independent")
             for i in range(0, len(charts), columns)]
     return alt.vconcat(*rows, spacing=36).resolve_scale(color="independent").properties(
-        title=_title(title, textwrap.wrap(subtitle, 180) if subtitle else "")).configure_title(fontSize=15)
+        title=_title(title, lines)).configure_title(fontSize=15)
 
 
 def _table(con: duckdb.DuckDBPyConnection, sql: str, limit: int = 50) -> str:

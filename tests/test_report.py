@@ -208,3 +208,19 @@ def test_report_html_in_chromium_draws_every_chart_zooms_and_shows_tooltips(big_
         driver.save_screenshot(str(artifacts / "report-chromium.png"))
     finally:
         driver.quit()
+
+
+def test_an_empty_run_says_what_is_not_drawn(tmp_path):
+    from replay.report import grid
+    from replay.tables import ensure_schema
+
+    db = str(tmp_path / "empty.duckdb")
+    con = duckdb.connect(db)
+    ensure_schema(con)
+    figs = figures(con)
+    assert all(f.chart is None and f.note for f in figs)
+    assert "not drawn: no trainer batches in this run" in grid(figs, "Run").to_dict()["title"]["subtitle"]
+    assert "no evaluation rollouts in this run" in build_report(con)
+    con.close()
+    write_report(db, str(tmp_path / "r.png"), with_audit=False)
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
