@@ -178,7 +178,8 @@ async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int, ra
             lat = {"rate_rollouts_per_s": round(rate, 1), "p50_ms": _pct(lats, 0.5), "p99_ms": _pct(lats, 0.99),
                    "samples": len(lats)}
         ref = await _refusals(kw)
-    return {"throughput": thr, "latency": lat, "dead_letters": ref}
+        txns = {name: proc.stats.transactions for name, proc in system.processors.items()}
+    return {"throughput": thr, "latency": lat, "dead_letters": ref, "transactions": txns}
 
 
 async def bench_raw(kw, n: int, tokens: int, m: int, rate: float) -> dict[str, Any]:
@@ -267,7 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-rollouts", type=int, default=None)
     ap.add_argument("--batch-records", type=int, default=64)
     ap.add_argument("--latency-rate", type=float, default=300.0, help="rollouts/s offered in the latency phase")
+    ap.add_argument("--commit-interval-ms", type=int, default=None,
+                    help="the services' ROLLOUT_COMMIT_INTERVAL_MS (default: the environment's, else 0: commit "
+                         "after every fetch); more: fewer, larger transactions, later outputs")
     args = ap.parse_args(argv)
+    if args.commit_interval_ms is not None:
+        os.environ["ROLLOUT_COMMIT_INTERVAL_MS"] = str(args.commit_interval_ms)
     n = args.rollouts or (800 if args.quick else 4000)
     m = args.latency_rollouts if args.latency_rollouts is not None else (200 if args.quick else 800)
     n, m = n - n % 4, m - m % 4
@@ -302,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         "raw_over_services": round(ratio, 2), "raw_over_services_steady": round(steady_ratio, 2),
         "services_steady_completion_tokens_per_s": svc["throughput"]["steady_completion_tokens_per_s"], "target_ratio_max": 2.0, "target_tokens_per_s": 500000,
         "latency_rate_rollouts_per_s": args.latency_rate, "refused_records": refused, "dead_letters": svc["dead_letters"],
+        "commit_interval_ms": int(os.environ.get("ROLLOUT_COMMIT_INTERVAL_MS") or 0),
+        "services_transactions": svc["transactions"], "load_avg_1m": round(os.getloadavg()[0], 1),
         "machine": f"{os.cpu_count()} cpu, {platform.python_version()}",
         "detail": {"services": svc, "raw": raw},
     }

@@ -32,6 +32,8 @@ class ProcessingSettings(BaseSettings):
     txn_timeout_s: float = Field(30.0, description="give up on a takeover or a transaction after this long")
     confirm_s: float = Field(10.0, description="re-commit a committed transaction not visible after this long")
     fetch_max_wait_ms: int = Field(100, description="how long a fetch waits for input to arrive")
+    commit_interval_ms: int = Field(0, ge=0, description="a service commits a partition's work at most this often "
+                                    "(0: after every fetch); more: fewer, larger transactions, later outputs")
     stall_s: float = Field(30.0, description="rebuild the clients when input waits this long with no commit")
     topic_prefix: str = Field("rollout.", description="prefix of every topic, consumer group and transactional id")
     topic_replication_factor: int = Field(1, description="replication factor of created topics")

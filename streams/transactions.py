@@ -126,6 +126,14 @@ class TransactionalProcessor:
         self._closing: set[asyncio.Task] = set()
         self.txn_timeout_s = self.settings.txn_timeout_s
         self.commits = CommitWatch(self.settings.confirm_s)
+        # Fetched input not processed yet: with ROLLOUT_COMMIT_INTERVAL_MS, a partition's input waits here until
+        # its last commit is that old, then is processed and committed in one transaction (fewer, larger
+        # transactions; each record waits up to the interval longer). Never ahead of the task's state: it is
+        # dropped, and re-read from the committed offsets, whenever the partitions are re-seeked.
+        self.commit_interval_s = self.settings.commit_interval_ms / 1000
+        self.inbox: dict[int, list] = defaultdict(list)
+        self.inbox_pos: dict[int, dict[str, int]] = defaultdict(dict)
+        self.last_commit: dict[int, float] = {}
         self.stalls = StallWatch()
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -174,6 +182,7 @@ class TransactionalProcessor:
     async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
         async with self.lock:  # waits for the in-flight transaction to commit or abort
             self.epoch += 1
+            self._clear_inbox()
             ps = {tp.partition for tp in revoked}
             log.info("%s%s revoked %s", self.service, self.instance, sorted(ps))
             # Keep producers and state: if the partition comes back to us, they are still valid (fencing
@@ -185,6 +194,7 @@ class TransactionalProcessor:
         async with self.lock:
             assert self.consumer is not None
             self.epoch += 1
+            self._clear_inbox()  # kept partitions are sought back to their committed offsets below
             ps = sorted({tp.partition for tp in assigned})
             for p in list(self.tasks):
                 if p not in ps:
@@ -223,7 +233,13 @@ class TransactionalProcessor:
         self.consumer.resume(*[TopicPartition(t, p) for p in ps for t in self.inputs])
         log.info("%s%s took over %s in %.2fs", self.service, self.instance, ps, time.monotonic() - t0)
 
+    def _clear_inbox(self) -> None:
+        self.inbox.clear()
+        self.inbox_pos.clear()
+
     async def _drop(self, p: int, *, broken: bool = False) -> None:
+        self.inbox.pop(p, None)
+        self.inbox_pos.pop(p, None)
         self.tasks.pop(p, None)
         self.committed.pop(p, None)
         self.commits.forget(p)
@@ -307,29 +323,30 @@ class TransactionalProcessor:
                 # process them twice (the SIGKILL test caught exactly this). Dropping them must not skip them
                 # either (getmany advanced the positions), so every owned partition goes back to its last
                 # committed offsets, which is exactly where its task's state stands.
+                self._clear_inbox()
                 for p, offs in self.committed.items():
                     if p in self.tasks:
                         for t, off in offs.items():
                             self.consumer.seek(TopicPartition(t, p), off)
                 return
-            by_p: dict[int, list] = defaultdict(list)
-            pos: dict[int, dict[str, int]] = defaultdict(dict)
             for tp, recs in batch.items():
                 if tp.partition in self.tasks and recs:
-                    by_p[tp.partition].extend(recs)
+                    self.inbox[tp.partition].extend(recs)
                     # the consumer's position: past the last record and any transaction markers right after it,
                     # so a fully processed partition commits at its end offset (lag 0 in `rollout status`)
                     try:
-                        pos[tp.partition][tp.topic] = await self.consumer.position(tp)
+                        self.inbox_pos[tp.partition][tp.topic] = await self.consumer.position(tp)
                     except Exception:  # noqa: BLE001 - fall back to last offset + 1
                         pass
             now = time.monotonic()
             tick = now - self._last_tick >= self.tick_s
             if tick:
                 self._last_tick = now
-            ps = set(by_p) | (set(self.tasks) if tick else set())
+            due = {p for p in self.inbox if now - self.last_commit.get(p, 0.0) >= self.commit_interval_s}
+            ps = due | (set(self.tasks) if tick else set())
             if ps:
-                await asyncio.gather(*(self._transact(p, by_p.get(p, []), tick, pos.get(p, {})) for p in ps))
+                await asyncio.gather(*(self._transact(p, self.inbox.pop(p, []), tick, self.inbox_pos.pop(p, {}))
+                                       for p in ps))
 
     async def _transact(self, p: int, recs: list, tick: bool, pos: dict[str, int] | None = None) -> None:
         task, prod = self.tasks.get(p), self.producers.get(p)
@@ -378,6 +395,7 @@ class TransactionalProcessor:
             return
         self.snap_written[p] = snap
         self.committed[p].update(next_off)
+        self.last_commit[p] = time.monotonic()
         self.stats.transactions += 1
         self.stats.records_in += len(recs)
         self.stats.records_out += len(outs)
