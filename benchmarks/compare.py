@@ -1,6 +1,6 @@
 """Before/after: run a benchmark alternately on an older revision and on this checkout, in the same minutes.
 
-    python -m benchmarks compare REV BENCHMARK [--runs N] [-- benchmark args...]
+    python -m benchmarks compare REV BENCHMARK [--runs N] [--keys K,...] [-- benchmark args...]
 
 On a shared machine a figure from yesterday says little about today's change: this exports REV with
 ``git archive`` into a temporary directory, then runs ``python -m benchmarks BENCHMARK`` there and here in
@@ -62,9 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("benchmark", help="a benchmark name (python -m benchmarks --help)")
     ap.add_argument("--runs", type=int, default=2, help="runs of each side, alternated (default 2)")
     ap.add_argument("--keys", help="comma-separated figures to summarise (dotted for nested), e.g. replay_vs_raw")
-    ap.add_argument("args", nargs=argparse.REMAINDER, help="after --: arguments for the benchmark")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    argv, bench_args = argv[:cut], argv[cut + 1:]  # after --: arguments for the benchmark
     a = ap.parse_args(argv)
-    bench_args = a.args[1:] if a.args[:1] == ["--"] else a.args
     keys = a.keys.split(",") if a.keys else DEFAULT_KEYS.get(a.benchmark, [])
     env = dict(os.environ)
     if not env.get("ROLLOUT_BOOTSTRAP_SERVERS"):  # one broker for both sides, started from this checkout
