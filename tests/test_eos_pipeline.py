@@ -18,7 +18,7 @@ from consumers.runner import System
 from consumers.settings import ServiceSettings
 from schemas import codec
 from schemas.batch import verify_batch
-from schemas.events import DeadLetter, Rollout, TrainerBatch
+from schemas.events import DeadLetter, TrainerBatch
 from streams import serde, topics
 from streams.settings import MAX_MESSAGE_BYTES
 
@@ -72,23 +72,6 @@ async def seed_groups(kw, groups: int, size: int = 4, *, start: int = 0, extra: 
     return expected
 
 
-async def reseed_missing(kw, transactional_id: str, groups: int, *, start: int = 0) -> set[str]:
-    """After `seed_groups(..., transactional_id=...)` raised (its broker went away mid-transaction): settle that
-    transactional id (a new producer with it aborts the open transaction, or lets a commit in flight finish),
-    then write again only the 50-group chunks that are not on the log. Re-seeding everything would put the
-    chunks that did commit on the log twice. Returns the record ids of all `groups`."""
-    from aiokafka import AIOKafkaProducer
-
-    settle = AIOKafkaProducer(**kw, transactional_id=transactional_id, enable_idempotence=True)
-    await settle.start()  # init_transactions: the previous incarnation's transaction is resolved
-    await settle.stop()
-    present = {codec.decode(r.value, Rollout).group_id for r in await read_all(kw, topics.ROLLOUTS.name, idle_s=2)}
-    for chunk in range(start, start + groups, 50):
-        if f"g{chunk:06d}" not in present:  # a chunk is one transaction: all of it or none
-            await seed_groups(kw, min(50, start + groups - chunk), start=chunk)
-    return group_record_ids(groups, start=start)
-
-
 async def publish_revision(kw, rev: int = 0) -> None:
     from streams.revisions import publish
 
@@ -119,6 +102,43 @@ async def read_all(kw, topic: str, *, until=None, timeout_s: float = 60.0, idle_
     finally:
         await cons.stop()
     return out
+
+
+async def read_to_end(kw, topic: str, timeout_s: float = 180.0) -> list:
+    """Every committed record of ``topic``, read up to its end once no transaction is open on it.
+
+    Unlike ``read_all``'s quiet spell, this cannot stop short on a slow fetch or on commit markers still on
+    their way.
+    """
+    from aiokafka import AIOKafkaConsumer
+
+    committed = AIOKafkaConsumer(topic, **kw, group_id=None, isolation_level="read_committed",
+                                 enable_auto_commit=False, auto_offset_reset="earliest",
+                                 max_partition_fetch_bytes=16 * 1024 * 1024)
+    raw = AIOKafkaConsumer(**kw, group_id=None, isolation_level="read_uncommitted", enable_auto_commit=False)
+    await committed.start()
+    await raw.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not committed.assignment():  # all partitions, assigned once the topic's metadata is in
+            assert time.monotonic() < deadline, f"no metadata for {topic}"
+            await asyncio.sleep(0.1)
+        tps = sorted(committed.assignment())
+        while True:  # the last stable offset reaches the high watermark: nothing is pending on the topic
+            lso, hw = await committed.end_offsets(tps), await raw.end_offsets(tps)
+            if lso == hw:
+                break
+            assert time.monotonic() < deadline, f"a transaction stays open on {topic}: {lso} < {hw}"
+            await asyncio.sleep(0.1)
+        out = []
+        while [tp for tp in tps if await committed.position(tp) < lso[tp]]:
+            assert time.monotonic() < deadline, f"could not read {topic} to its end offsets {lso}"
+            for recs in (await committed.getmany(timeout_ms=500)).values():
+                out.extend(recs)
+        return out
+    finally:
+        await committed.stop()
+        await raw.stop()
 
 
 _decoded: dict[tuple[str, int, int], list[str]] = {}
