@@ -159,13 +159,15 @@ async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int, ra
     async with System(("verifier", "credit", "batcher"), settings, kw) as system:
         for proc in system.processors.values():
             proc.tick_s = 0.2
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         t1, _, batches, toks, nrec = await _batches_until(kw, n, 600)
+        cpu = time.process_time() - c0  # this process: the three services and the batch reader
         tf = _batches_until.first  # type: ignore[attr-defined]
         thr = {"rollouts": nrec, "seconds": round(t1 - t0, 3), "rollouts_per_s": round(nrec / (t1 - t0), 1),
                "completion_tokens_per_s": round(toks / (t1 - t0)), "batches": batches,
                "steady_seconds": round(t1 - tf, 3), "steady_rollouts_per_s": round(nrec / (t1 - tf), 1),
-               "steady_completion_tokens_per_s": round(toks / (t1 - tf))}
+               "steady_completion_tokens_per_s": round(toks / (t1 - tf)),
+               "process_cpu_s": round(cpu, 3), "process_cpu_ms_per_rollout": round(cpu / max(nrec, 1) * 1000, 3)}
         lat: dict[str, Any] = {}
         if m:
             more = _messages(m, tokens, start=n)
@@ -309,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         "services_steady_completion_tokens_per_s": svc["throughput"]["steady_completion_tokens_per_s"], "target_ratio_max": 2.0, "target_tokens_per_s": 500000,
         "latency_rate_rollouts_per_s": args.latency_rate, "refused_records": refused, "dead_letters": svc["dead_letters"],
         "commit_interval_ms": int(os.environ.get("ROLLOUT_COMMIT_INTERVAL_MS") or 0),
-        "services_transactions": svc["transactions"], "load_avg_1m": round(os.getloadavg()[0], 1),
+        "services_transactions": svc["transactions"],
+        "services_cpu_ms_per_rollout": svc["throughput"]["process_cpu_ms_per_rollout"], "load_avg_1m": round(os.getloadavg()[0], 1),
         "machine": f"{os.cpu_count()} cpu, {platform.python_version()}",
         "detail": {"services": svc, "raw": raw},
     }
