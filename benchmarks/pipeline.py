@@ -12,7 +12,8 @@ same CPU; the broker gets the rest of the machine.
   three consume->produce hops (plain aiokafka, no transactions, no decoding).
 * latency: M more rollouts are written at the same steady rate (--latency-rate, below capacity) to both; latency
   is batch write time - rollout write time (broker CreateTime of each message), p50/p99; for the raw pipe,
-  hop-3 write time - source write time.
+  hop-3 write time - source write time. For the services, each hop's p50 too (rollout -> score -> training
+  record -> batch, from the write times of each rollout's outputs).
 * refusals: stale/cross-family refusals are counted from the dead-letter topic (reported, expected 0 here:
   the arena paces admission; refusal is the last line of defence).
 """
@@ -117,6 +118,35 @@ async def _batches_until(kw, n_records: int, timeout_s: float, written: dict[str
     return time.monotonic(), lat, batches, toks, len(seen)
 
 
+async def _hops(kw, written: dict[str, int]) -> dict[str, float]:
+    """Where the latency goes: p50 of each hop (write time of a rollout's output in the next topic minus write time
+    of its input) over the rollouts of the latency phase."""
+    from aiokafka import AIOKafkaConsumer
+
+    from schemas import codec
+    from streams import topics
+
+    at: dict[str, dict[str, int]] = {rid: {"rollouts": ts} for rid, ts in written.items()}
+    for topic in (topics.SCORES, topics.TRAINING_RECORDS, topics.TRAINER_BATCHES):
+        c = AIOKafkaConsumer(topic.name, **kw, group_id=None, isolation_level="read_committed",
+                             auto_offset_reset="earliest", max_partition_fetch_bytes=64 * 1024 * 1024)
+        await c.start()
+        try:
+            while got := await c.getmany(timeout_ms=1000):
+                for recs in got.values():
+                    for r in recs:
+                        e = codec.decode(r.value)
+                        for rid in ([x.rollout_id for x in e.records] if topic is topics.TRAINER_BATCHES
+                                    else [getattr(e, "rollout_id", None)]):
+                            if rid in at:
+                                at[rid].setdefault(topic.key, r.timestamp)
+        finally:
+            await c.stop()
+    chain = ["rollouts", topics.SCORES.key, topics.TRAINING_RECORDS.key, topics.TRAINER_BATCHES.key]
+    return {f"{a}->{b}": _pct([t[b] - t[a] for t in at.values() if a in t and b in t], 0.5)
+            for a, b in zip(chain, chain[1:])}
+
+
 async def _refusals(kw) -> dict[str, int]:
     from aiokafka import AIOKafkaConsumer
 
@@ -178,7 +208,7 @@ async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int, ra
             # latencies from the batches (read again, now that the write times are known)
             _, lats, _, _, _ = await _batches_until(kw, n + m, 60, written)
             lat = {"rate_rollouts_per_s": round(rate, 1), "p50_ms": _pct(lats, 0.5), "p99_ms": _pct(lats, 0.99),
-                   "samples": len(lats)}
+                   "samples": len(lats), "hops_p50_ms": await _hops(kw, written)}
         ref = await _refusals(kw)
         txns = {name: proc.stats.transactions for name, proc in system.processors.items()}
     return {"throughput": thr, "latency": lat, "dead_letters": ref, "transactions": txns}
@@ -304,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         "services_rollouts_per_s": svc["throughput"]["rollouts_per_s"],
         "services_completion_tokens_per_s": svc["throughput"]["completion_tokens_per_s"],
         "services_p50_ms": svc["latency"].get("p50_ms"), "services_p99_ms": svc["latency"].get("p99_ms"),
+        "services_hops_p50_ms": svc["latency"].get("hops_p50_ms"),
         "raw_rollouts_per_s": raw["throughput"]["rollouts_per_s"],
         "raw_completion_tokens_per_s": raw["throughput"]["completion_tokens_per_s"],
         "raw_p50_ms": raw["latency"].get("p50_ms"), "raw_p99_ms": raw["latency"].get("p99_ms"),
