@@ -17,7 +17,7 @@ from contextlib import AsyncExitStack
 from typing import Any, Iterable
 
 from consumers.registry import SERVICES
-from consumers.service import REFUSALS, Service
+from consumers.service import Service
 from consumers.settings import ServiceSettings
 from streams import topics
 from streams.changelog import changelog_topic
@@ -48,7 +48,7 @@ def metrics_endpoint(service: Service, port: int | None = None) -> tuple[Endpoin
     """The service's Prometheus endpoint (``streams.metrics``): ``port``, else ROLLOUT_METRICS_PORT + 10 + its
     place in the registry; started (a port of 0 serves nothing)."""
     ep = Endpoint(service.name, port_for(SERVICE_OFFSET + list(SERVICES).index(service.name), port))
-    return ep.start(), ServiceMetrics(service.name, ep.registry, refusals=REFUSALS)
+    return ep.start(), ServiceMetrics(service.name, ep.registry)
 
 
 class System:

@@ -69,11 +69,6 @@ class TaskDefaults:
         pass
 
 
-REFUSALS = frozenset({"StaleRecordError", "CrossFamilyMixError", "DuplicateRecord", "GroupTimeout"})
-"""Dead-letter reasons that are a pipeline rule refusing valid input (counted as refusals in the metrics);
-the others are input that could not be processed (undecodable, unscorable)."""
-
-
 def dead_letter(rec: Any, service: str, error_type: str, message: str, run_id: str | None = None, *,
                 raw: bytes | None = None) -> Out:
     """The dead letter for input record ``rec``: its bytes (or ``raw``, the part of it refused: one record of a

@@ -30,6 +30,22 @@ log = logging.getLogger("rollout.metrics")
 OFFSETS = {"arena": 0, "policy": 1, "vllm": 2}
 SERVICE_OFFSET = 10  # + the service's position in consumers.registry
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+REFUSALS = frozenset({"StaleRecordError", "CrossFamilyMixError", "DuplicateRecord", "GroupTimeout"})
+"""Dead-letter reasons that are a pipeline rule refusing valid input (counted as refusals); the others are input
+that could not be processed (undecodable, unscorable)."""
+
+
+def learner_outcome(ev: RolloutScored) -> tuple[int, float, bool] | None:
+    """(revision, reward, correct) of the learner in a scored rollout (None without trainable steps): the latest
+    revision among its steps, and correct = the verifier's exact_match when it reports one, else reward >= 1 (the
+    rule of replay's ``v_eval_answers``)."""
+    if not ev.trainable_steps:
+        return None
+    member = ev.trainable_steps[0].member_id
+    reward = ev.rewards.get(member, 0.0)
+    exact = ev.metrics.get(f"{member}/metric/exact_match", ev.metrics.get(f"{member}/reward/exact_match"))
+    return (max(st.policy.revision for st in ev.trainable_steps), reward,
+            (exact if exact is not None else (1.0 if reward >= 1 else 0.0)) >= 1)
 
 
 def port_for(offset: int, explicit: int | None = None) -> int:
@@ -92,7 +108,7 @@ class ServiceMetrics:
     """The metrics of one stream service: ``observe_commit`` is its processors' ``on_commit``; ``attach`` each
     processor it runs (a supervised service rebuilds its processor: counters carry on across rebuilds)."""
 
-    def __init__(self, service: str, registry: CollectorRegistry, *, refusals: frozenset[str] = frozenset()) -> None:
+    def __init__(self, service: str, registry: CollectorRegistry, *, refusals: frozenset[str] = REFUSALS) -> None:
         self.service = service
         self.refusals = refusals
         self._live: Any = None  # the processor running now
@@ -151,22 +167,22 @@ class ServiceMetrics:
                 for src in ev.source_revisions:
                     for _ in range(src.records):
                         self.staleness.labels(s).observe(ev.target.revision - src.policy.revision)
-            elif isinstance(ev, RolloutScored) and ev.trainable_steps:
+            elif isinstance(ev, RolloutScored):
                 self._scored(ev)
             elif isinstance(ev, PolicyRevision):
                 self._revision(ev)
 
     def _scored(self, ev: RolloutScored) -> None:
-        member = ev.trainable_steps[0].member_id
-        rev = str(max(st.policy.revision for st in ev.trainable_steps))
-        reward = ev.rewards.get(member, 0.0)
-        if not ev.evaluation:
-            self.reward.labels(self.service, rev).observe(reward)
+        outcome = learner_outcome(ev)
+        if outcome is None:
             return
-        self.eval_answers.labels(self.service, rev).inc()
-        exact = ev.metrics.get(f"{member}/metric/exact_match", ev.metrics.get(f"{member}/reward/exact_match"))
-        if (exact if exact is not None else (1.0 if reward >= 1 else 0.0)) >= 1:
-            self.eval_correct.labels(self.service, rev).inc()
+        rev, reward, correct = outcome
+        if not ev.evaluation:
+            self.reward.labels(self.service, str(rev)).observe(reward)
+            return
+        self.eval_answers.labels(self.service, str(rev)).inc()
+        if correct:
+            self.eval_correct.labels(self.service, str(rev)).inc()
 
     def _revision(self, ev: PolicyRevision) -> None:
         self.revision.labels(self.service).set(ev.revision)
