@@ -135,3 +135,26 @@ def test_compose_vllm_profile_commands_are_valid():
     assert services["arena-vllm"]["depends_on"]["vllm"]["condition"] == "service_healthy"
     # the default stack stays the tiny loop: both only start with --profile vllm
     assert services["vllm"]["profiles"] == services["arena-vllm"]["profiles"] == ["vllm"]
+
+
+def test_compose_monitoring_profile_scrapes_every_process():
+    """The `monitoring` profile (Prometheus, Grafana, `rollout dashboard`) renders, and Prometheus scrapes each
+    process on the port streams.metrics gives it from the environment compose sets."""
+    from rollout.cli import build_parser
+    from streams import metrics
+
+    proc = subprocess.run([*_compose_cmd(), "-f", str(ROOT / "compose.yaml"), "--profile", "monitoring", "config"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    assert {"prometheus", "grafana", "dashboard"} <= set(services)
+    base = int(services["verifier"]["environment"]["ROLLOUT_METRICS_PORT"])
+    expected = {f"{name}:{base + metrics.SERVICE_OFFSET + i}" for i, name in enumerate(SERVICES)}
+    expected |= {f"arena:{base + metrics.OFFSETS['arena']}", f"arena-vllm:{base + metrics.OFFSETS['arena']}",
+                 f"vllm:{base + metrics.OFFSETS['vllm']}", "vllm:8000"}
+    scrape = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
+    targets = {t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert targets == expected
+    dash = build_parser().parse_args(services["dashboard"]["command"][1:])
+    assert (dash.host, dash.port) == ("0.0.0.0", 8050)
+    assert all(services[s]["profiles"] == ["monitoring"] for s in ("prometheus", "grafana", "dashboard"))
