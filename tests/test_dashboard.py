@@ -26,7 +26,11 @@ from replay.live import LiveRun
 from schemas.batch import assemble_batch
 from schemas.events import DeadLetter
 from streams import topics
-from tests.test_eos_pipeline import prefix  # noqa: F401 - fixture
+from schemas import codec
+from schemas.policy import PolicyRevision
+from streams import metrics
+from tests.test_eos_pipeline import prefix, read_all  # noqa: F401 - fixture
+from tests.test_metrics import free_base, scrape, total
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "tests" / "artifacts"
@@ -52,6 +56,12 @@ async def test_live_fold_reward_staleness_dead_letters_lineage():
     run.apply(batch)
     run.apply(rev1.model_copy(update={"parent_revision": 0, "batch_id": batch.batch_id, "metrics": {
         "loss": 0.5, "step_s": 0.2, "mismatch_mean": 0.01, "mismatch_max": 0.1}}))
+    right = 0  # held-out answers from r1: accuracy is the share whose answer is the sum
+    for steps, ro in testing.arithmetic_group("eval", 4, revision_=1):
+        ro = ro.model_copy(update={"evaluation": True})
+        run.apply(ro)
+        run.apply(scoring.to_scored(ro, steps, await scoring.score(ro, steps), producer="verifier"))
+        right += steps[0].completion[0].content == f"The answer is {ro.seed['a'] + ro.seed['b']}"
     run.apply(DeadLetter(run_id="run", producer="batcher", origin_topic="t", origin_partition=0, origin_offset=3,
                          raw=b"x", error_type="StaleRecordError", error_message="3 behind", service="batcher"))
     snap = run.snapshot()
@@ -62,10 +72,11 @@ async def test_live_fold_reward_staleness_dead_letters_lineage():
     assert 0 < sum(rewards) < 8  # about half the test rollouts answer right: the mean is not a constant
     r1 = next(r for r in snap["revisions"] if r["revision"] == 1)
     assert (r1["loss"], r1["mismatch_max"], r1["batch_id"]) == (0.5, 0.1, batch.batch_id)
+    assert (r1["eval_answers"], r1["eval_accuracy"], r1["rollouts"]) == (4, right / 4, 0)
     assert snap["staleness"] == [{"staleness": 0, "records": 8}]
     assert snap["dead_letters"] == [{"service": "batcher", "reason": "StaleRecordError", "count": 1, "refusal": True}]
-    assert len(snap["rollouts"]) == 5 and snap["rollouts"][0]["reward"] is not None
-    assert snap["rollouts"][0]["text"].startswith("The answer is")
+    assert len(snap["rollouts"]) == 5 and snap["rollouts"][-1]["reward"] is not None
+    assert snap["rollouts"][-1]["text"].startswith("The answer is")
     lin = run.lineage(testing.FAMILY, 1)
     assert lin["chain"] == [1, 0] and lin["batch"]["batch_id"] == batch.batch_id
     assert {r["rollout_id"] for r in lin["rollouts"]} == {r.rollout_id for r in records}
@@ -104,9 +115,11 @@ def wait_for(driver, js: str, timeout_s: float = 90.0):
 
 
 @pytest.mark.integration
-async def test_dashboard_in_chromium_follows_a_running_pipeline(kafka_settings, kafka_bootstrap, prefix, tmp_path):  # noqa: F811
-    """The arena (tiny local policy server, following revisions, evaluating each) and every service run; the
-    dashboard runs as `rollout dashboard`, in its own process; Chromium loads its page."""
+async def test_dashboard_in_chromium_follows_a_running_pipeline(kafka_settings, kafka_bootstrap, prefix, tmp_path,  # noqa: F811
+                                                               monkeypatch):
+    """The arena (tiny local policy server, following revisions) and every service run; the dashboard runs as
+    `rollout dashboard`, in its own process; Chromium loads its page. Then the arena stops, and the trainer's
+    metrics endpoint agrees with the revisions on the log."""
     from aiokafka import AIOKafkaProducer
 
     from consumers import settings as service_settings
@@ -121,6 +134,9 @@ async def test_dashboard_in_chromium_follows_a_running_pipeline(kafka_settings, 
     assert (plan.batch_size, plan.group_size) == (16, 4)
     cfg = service_settings.build({"checkpoint_dir": str(tmp_path / "ck"), "flush_after_s": 5.0}, plan, credit=True)
     await topics.create_topics(kw)
+    offsets = [metrics.OFFSETS["arena"], metrics.SERVICE_OFFSET + list(SERVICES).index("trainer")]
+    base = free_base(offsets)
+    monkeypatch.setenv("ROLLOUT_METRICS_PORT", str(base))
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
     port = free_port()
     procs: dict[str, subprocess.Popen] = {}
@@ -208,6 +224,25 @@ async def test_dashboard_in_chromium_follows_a_running_pipeline(kafka_settings, 
             await asyncio.to_thread(driver.save_screenshot, str(shots[1]))
             assert all(p.stat().st_size > 10_000 for p in shots)
             print(f"dashboard screenshots: {shots[0]} {shots[1]}")
+
+            # the arena stops; once the trainer has trained what is left, its counters match the log
+            arena_metrics = scrape(base + offsets[0])
+            assert total(arena_metrics, "rollout_arena_rollouts_total", status="all") > 0
+            procs["arena"].send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(procs["arena"].wait, 60) == 0
+            trained: list = []
+            for _ in range(60):
+                await asyncio.sleep(2.0)
+                revs = [codec.decode(r.value, PolicyRevision) for r in
+                        await read_all(kw, topics.POLICY_REVISIONS.name, idle_s=0.5, timeout_s=10)]
+                if trained and len(revs) == len(trained) + 1:
+                    break
+                trained = [r for r in revs if r.batch_id is not None]
+            trainer = scrape(base + offsets[1])
+            assert total(trainer, "rollout_trainer_step_seconds_count") == len(trained) >= later
+            assert total(trainer, "rollout_trainer_revision") == max(r.revision for r in trained)
+            assert total(trainer, "rollout_records_out_total", topic=topics.POLICY_REVISIONS.name) == len(trained)
+            assert ("rollout_trainer_logprob_mismatch", (("service", "trainer"), ("stat", "max"))) in trainer
     finally:
         if driver is not None:
             await asyncio.to_thread(driver.quit)
