@@ -224,11 +224,12 @@ async def _run(settings, args, run: str, prefix: str) -> int:
     progress = Progress()
     stop_view = asyncio.Event()
     view = asyncio.create_task(_show(progress, stop_view, not args.no_progress))
-    vllm = None
+    vllm = metrics = None
     arena_args: list[str] = []
     try:
         if args.policy == "vllm":
             from policy.hf import prepare_model
+            from producers.metrics import endpoint, vllm_samples
             from producers.vllm_server import VllmServer
 
             progress.phase = "preparing the model"
@@ -242,6 +243,7 @@ async def _run(settings, args, run: str, prefix: str) -> int:
                 progress.phase = f"vLLM starting on port {port} (log {rundir / 'vllm.log'})"
                 t_start = time.monotonic()
                 await vllm.start()
+                metrics = endpoint("vllm", None, ("vllm", lambda: vllm_samples(vllm)))  # ROLLOUT_METRICS_PORT + 2
                 url = vllm.base_url
                 print(f"vLLM ready at {url} in {time.monotonic() - t_start:.0f}s", flush=True)
             arena_args = ["--policy", "vllm", "--policy-url", url]
@@ -254,6 +256,8 @@ async def _run(settings, args, run: str, prefix: str) -> int:
     finally:
         stop_view.set()
         await asyncio.gather(view, return_exceptions=True)
+        if metrics is not None:
+            metrics.close()
         if vllm is not None:
             await vllm.stop()
     summary["seconds"] = round(time.monotonic() - t0, 1)
@@ -399,6 +403,7 @@ def _print_summary(s: dict) -> None:
     print(f"wall time {s['seconds']:.0f}s\n")
     print("next: look at this run from the log")
     print("  .venv/bin/rollout runs                                # this run is listed first")
+    print(f"  .venv/bin/rollout dashboard --prefix {s['topic_prefix']}    # its live page at http://127.0.0.1:8050")
     print("  .venv/bin/rollout replay --db run.duckdb              # the most recent run into DuckDB")
     print("  .venv/bin/rollout sql --db run.duckdb \"SELECT * FROM v_eval_accuracy_by_revision\"")
     print("  .venv/bin/rollout audit --db run.duckdb && .venv/bin/rollout report --db run.duckdb --out report.html")
