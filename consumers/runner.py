@@ -44,11 +44,11 @@ def processor(service: Service, factory: Any, settings: ServiceSettings, client_
                                   client_kwargs, instance=settings.instance)
 
 
-def metrics_endpoint(service: Service, port: int | None = None) -> tuple[Endpoint, ServiceMetrics]:
+def metrics_endpoint(service: Service, port: int | None = None) -> tuple[Endpoint, ServiceMetrics | None]:
     """The service's Prometheus endpoint (``streams.metrics``): ``port``, else ROLLOUT_METRICS_PORT + 10 + its
-    place in the registry; started (a port of 0 serves nothing)."""
+    place in the registry, started, and what counts for it; with no port, nothing counts (no cost when off)."""
     ep = Endpoint(service.name, port_for(SERVICE_OFFSET + list(SERVICES).index(service.name), port))
-    return ep.start(), ServiceMetrics(service.name, ep.registry)
+    return ep.start(), ServiceMetrics(service.name, ep.registry) if ep.port else None
 
 
 class System:
@@ -73,7 +73,8 @@ class System:
             self.processors[svc.name] = processor(svc, factory, self.settings, self.kw)
             self.metrics[svc.name], observer = metrics_endpoint(svc)
             self._stack.callback(self.metrics[svc.name].close)
-            observer.attach(self.processors[svc.name])
+            if observer is not None:
+                observer.attach(self.processors[svc.name])
         self._tasks = [asyncio.create_task(p.run(), name=n) for n, p in self.processors.items()]
         return self
 
@@ -108,7 +109,8 @@ async def serve(service: Service, settings: ServiceSettings, client_kwargs: dict
 
 
 async def _serve(service: Service, settings: ServiceSettings, client_kwargs: dict[str, Any], stop: asyncio.Event,
-                 fields: dict[str, Any], stall_s: float, stats_every_s: float, observer: ServiceMetrics) -> None:
+                 fields: dict[str, Any], stall_s: float, stats_every_s: float, observer: ServiceMetrics | None
+                 ) -> None:
     checked = False
     while not stop.is_set():
         if not await _retry(lambda: ensure_topics(service, client_kwargs), stop, client_kwargs):
@@ -120,7 +122,8 @@ async def _serve(service: Service, settings: ServiceSettings, client_kwargs: dic
             async with service.open(settings, client_kwargs) as factory:
                 proc = processor(service, factory, settings, client_kwargs)
                 proc.stopping = stop
-                observer.attach(proc)
+                if observer is not None:
+                    observer.attach(proc)
                 try:
                     await _supervise(proc, fields, stop, stall_s, stats_every_s)
                 finally:

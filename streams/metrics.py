@@ -12,6 +12,7 @@ carry a ``service`` label (several services may share one process: ``consumers.r
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -153,11 +154,12 @@ class ServiceMetrics:
 
     def observe_commit(self, partition: int, records: list[Any], outs: list[Any]) -> None:
         s = self.service
-        for r in records:
-            self.records_in.labels(s, r.topic).inc()
+        for topic, n in collections.Counter(r.topic for r in records).items():
+            self.records_in.labels(s, topic).inc(n)
+        for (topic, kind), n in collections.Counter((o.topic, o.event.EVENT_TYPE) for o in outs).items():
+            self.records_out.labels(s, topic, kind).inc(n)
         for o in outs:
             ev = o.event
-            self.records_out.labels(s, o.topic, ev.EVENT_TYPE).inc()
             if isinstance(ev, DeadLetter):
                 self.dead_letters.labels(s, ev.error_type).inc()
                 if ev.error_type in self.refusals:
