@@ -8,8 +8,8 @@ trainer-batches and dead-letters topics from the beginning, ``read_committed`` a
 (so it never disturbs the services, and sees only committed records), into ``replay.live.LiveRun``; another
 reads the services' consumer lag from the broker every few seconds (``consumers.status``). The page polls
 ``/api/state`` and swaps the values into Vega-Lite charts drawn once (``/api/charts``: specs built with Altair,
-rendered by vega-embed served from vl-convert's bundle: no CDN, it works offline). ``/api/lineage/FAMILY/REVISION``: revision -> batch -> records
--> rollouts.
+rendered by vega-embed served from vl-convert's bundle: no CDN, it works offline).
+``/api/lineage/FAMILY/REVISION``: revision -> batch -> records -> rollouts.
 """
 
 from __future__ import annotations

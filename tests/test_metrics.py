@@ -64,6 +64,20 @@ def test_port_scheme(monkeypatch):
     assert metrics.port_for(5) == 0
 
 
+def test_a_taken_port_is_a_warning_not_the_end(caplog):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        ep = metrics.Endpoint("verifier", taken.getsockname()[1]).start()
+        assert ep._server is None and "give this process its own --metrics-port" in caplog.text
+        ep.close()
+    ep = metrics.Endpoint("verifier", free_base([0])).start()
+    try:
+        assert httpx.get(f"http://127.0.0.1:{ep.port}/metrics", timeout=5).status_code == 200
+    finally:
+        ep.close()
+
+
 async def test_service_metrics_match_the_log(kafka_settings, prefix, monkeypatch):
     offsets = [metrics.SERVICE_OFFSET + list(SERVICES).index(n) for n in THREE]
     base = free_base(offsets)
