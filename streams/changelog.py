@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from streams import group_offsets
 from streams.settings import MAX_MESSAGE_BYTES
 from streams.topics import Topic
 
@@ -105,11 +106,9 @@ class Restorer:
                        make_task: Callable[[int], PartitionTask]) -> dict[int, Restored]:
         assert self.consumer is not None
         tps = [TopicPartition(t, p) for p in ps for t in self.inputs]
-        committed: dict[TopicPartition, int] = {}
         beginnings = await self.consumer.beginning_offsets(tps)
-        for tp in tps:
-            c = await group.committed(tp)
-            committed[tp] = beginnings[tp] if c is None else c
+        fetched = await group_offsets.committed(group, tps)
+        committed = {tp: beginnings[tp] if fetched.get(tp) is None else fetched[tp] for tp in tps}
         snaps = await self._read_snapshots(ps)
         tasks = {p: make_task(p) for p in ps}
         want: dict[TopicPartition, set[int]] = {}

@@ -25,6 +25,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from streams import group_offsets
+
 log = logging.getLogger("rollout.eos")
 
 
@@ -114,8 +116,7 @@ class CommitWatch:
         owned = [TopicPartition(t, p) for p, offs in committed.items() for t in offs]
         try:
             lso = await asyncio.wait_for(consumer.end_offsets(list(outs)), 10) if outs else {}
-            got = await asyncio.wait_for(asyncio.gather(*(consumer.committed(tp) for tp in owned)), 10)
-            done = dict(zip(owned, got))
+            done = await group_offsets.committed(consumer, owned, timeout_s=10) if owned else {}
         except Exception as e:  # noqa: BLE001 - broker away: the next round asks again
             log.debug("confirming commits: %s", e)
             return {}
