@@ -23,7 +23,8 @@ def endpoint(process: str, explicit_port: int | None, *readers: tuple[str, Any])
 def arena_samples(arena: Any, emitter: Any) -> Iterator[Sample]:
     s, e, pacer = arena.stats, emitter.stats, arena.pacer
     yield "rollout_arena_groups", "counter", "groups admitted and finished", {}, s.groups
-    yield "rollout_arena_rollouts", "counter", "training rollouts written, by status", {"status": "all"}, s.rollouts
+    yield ("rollout_arena_rollouts", "counter", "training rollouts finished, by status (rollout_records_out_total: "
+           "what is committed)", {"status": "all"}, s.rollouts)
     yield "rollout_arena_rollouts", "counter", "", {"status": "failed"}, s.failed
     yield "rollout_arena_rollouts", "counter", "", {"status": "truncated"}, s.truncated
     yield "rollout_arena_evaluations", "counter", "held-out evaluation rollouts written", {}, s.evaluations
