@@ -153,21 +153,15 @@ def _type(t: Any) -> Any:
     raise Unsupported(f"type {t!r}")
 
 
+# annotated-types bounds and their msgspec.Meta names (each holds its value under that same attribute)
+_BOUNDS = {at.Ge: "ge", at.Gt: "gt", at.Le: "le", at.Lt: "lt", at.MinLen: "min_length", at.MaxLen: "max_length"}
+
+
 def _constrain(typ: Any, metadata: list[Any], where: str) -> Any:
     kw: dict[str, Any] = {}
     for m in metadata:
-        if isinstance(m, at.Ge):
-            kw["ge"] = m.ge
-        elif isinstance(m, at.Gt):
-            kw["gt"] = m.gt
-        elif isinstance(m, at.Le):
-            kw["le"] = m.le
-        elif isinstance(m, at.Lt):
-            kw["lt"] = m.lt
-        elif isinstance(m, at.MinLen):
-            kw["min_length"] = m.min_length
-        elif isinstance(m, at.MaxLen):
-            kw["max_length"] = m.max_length
+        if type(m) in _BOUNDS:
+            kw[_BOUNDS[type(m)]] = getattr(m, _BOUNDS[type(m)])
         elif getattr(m, "pattern", None) is not None and set(vars(m)) == {"pattern"}:
             kw["pattern"] = _anchored(m.pattern)
         else:
