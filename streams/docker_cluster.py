@@ -136,7 +136,7 @@ class DockerCluster:
                 self.start(n)
         else:
             if not self.ports:
-                self.ports = [free_port() for _ in self.nodes]
+                self.ports = [free_port(restartable=True) for _ in self.nodes]
             if not docker("network", "ls", "-q", "--filter", f"name=^{self.name}$"):
                 docker("network", "create", "--label", f"{LABEL}={self.name}", self.name)
             for n in self.nodes:

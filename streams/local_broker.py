@@ -14,6 +14,7 @@ import asyncio
 import base64
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -90,10 +91,25 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(*, restartable: bool = False) -> int:
+    """A port nothing listens on. ``restartable``: one for a server that stops and starts again on it (a broker
+    restarted by a fault test), taken below the kernel's ephemeral range. While such a server is down, its
+    clients keep connecting to an ephemeral port nobody listens on, and Linux sometimes connects one of them
+    to itself on that very port (a TCP self-connect); the restart then finds its port in use."""
+    if not restartable:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port_is_free(port):
+            return port
+    raise BrokerError(f"no free port below the ephemeral range (< {low})")
 
 
 def port_accepts(host: str, port: int, timeout: float = 0.5) -> bool:

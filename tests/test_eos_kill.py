@@ -151,7 +151,8 @@ async def test_broker_restart_mid_run_exactly_once(monkeypatch, tmp_path):
     from streams.local_broker import LocalBroker, free_port
 
     monkeypatch.delenv("ROLLOUT_BOOTSTRAP_SERVERS", raising=False)
-    broker = LocalBroker(state_dir=tmp_path / "kafka", port=free_port(), controller_port=free_port())
+    broker = LocalBroker(state_dir=tmp_path / "kafka", port=free_port(restartable=True),
+                         controller_port=free_port(restartable=True))
     await asyncio.to_thread(broker.up, 180)
     prefix = f"r{uuid.uuid4().hex[:8]}."
     monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
