@@ -169,11 +169,14 @@ async def test_broker_restart_mid_run_exactly_once(monkeypatch, tmp_path):
         # mid-run: the services are up and batches are flowing, and a fresh 400 records are on their way
         await read_all(kw, topics.TRAINER_BATCHES.name, until=lambda rs: len(rs) >= 2, timeout_s=60)
         expected |= await seed_groups(kw, 100, start=100)
+        for t in (topics.STEPS.name, topics.ROLLOUTS.name):  # the seeder's commit markers are written
+            await read_to_end(kw, t)
         await asyncio.to_thread(broker.down)
         await asyncio.sleep(2.0)
         await asyncio.to_thread(broker.up, 180)  # a loaded 2-core machine can take a while
-        # The input is written before and after the restart, never across it: a test producer whose
-        # transaction dies with the broker has to guess what committed, and a wrong guess doubles the input.
+        # The input is written before and after the restart, never across it, and is visible before it: a test
+        # producer caught by the restart has to guess what committed (a wrong guess doubles the input), and
+        # has no CommitWatch to re-commit a transaction the restart left hanging (streams/commits.py).
         expected |= await seed_groups(kw, 100, start=200)
         recs = await read_all(kw, topics.TRAINER_BATCHES.name,
                               until=lambda rs: sum(batch_record_ids(rs).values()) >= len(expected), timeout_s=180)
