@@ -48,17 +48,21 @@ def explain_now(e: BaseException, client_kwargs: Mapping[str, Any]) -> KafkaErro
     if isinstance(e, ak.UnsupportedSaslMechanismError):
         return KafkaAccessError(f"the Kafka broker at {servers} does not accept SASL mechanism "
                           f"{client_kwargs.get('sasl_mechanism')}: set ROLLOUT_KAFKA_SASL_MECHANISM to one it enables")
-    if isinstance(e, ak.TopicAuthorizationFailedError):
-        return KafkaAccessError(f"{who} is not allowed this on topic(s) {_args(e)}: grant it with `rollout kafka acls "
-                          "--apply` (as an admin) or fix the principal's ACLs")
-    if isinstance(e, ak.GroupAuthorizationFailedError):
-        return KafkaAccessError(f"{who} may not use consumer group {_args(e)}: grant it with `rollout kafka acls --apply`")
-    if isinstance(e, ak.TransactionalIdAuthorizationFailed):
-        return KafkaAccessError(f"{who} may not use transactional id {_args(e)}: grant it with `rollout kafka acls --apply`")
+    for denied, (what, more) in _DENIED.items():
+        if isinstance(e, denied):
+            return KafkaAccessError(f"{who} {what} {_args(e)}: grant it with `rollout kafka acls --apply`{more}")
     if isinstance(e, ak.ClusterAuthorizationFailedError):
         return KafkaAccessError(f"{who} lacks a cluster permission for this request ({_first_line(e)}): use an admin "
                           "principal (a super user) for it")
     return None
+
+
+# an ACL refusal -> what the principal may not do (the resource follows), and any further advice
+_DENIED = {
+    ak.TopicAuthorizationFailedError: ("is not allowed this on topic(s)", " (as an admin) or fix the principal's ACLs"),
+    ak.GroupAuthorizationFailedError: ("may not use consumer group", ""),
+    ak.TransactionalIdAuthorizationFailed: ("may not use transactional id", ""),
+}
 
 
 def _args(e: BaseException) -> str:
