@@ -6,6 +6,10 @@ after a restart answers with that error and no partitions, and ``committed()`` r
 for every partition. A new owner that trusts it starts from the beginning and does again what the previous
 owner committed: seen as 120 doubled scores when a broker restarted right as a verifier took partitions over
 (tests/test_eos_kill.py). Here the whole answer is checked and a retriable error is asked again.
+
+The fetch is OffsetFetch v7 with ``require_stable`` (KIP-447): while another member's transaction that commits
+offsets of these partitions is still open, the coordinator answers UNSTABLE_OFFSET_COMMIT and the fetch asks
+again, so a new owner starts where the previous owner's last transaction, committed or aborted, left off.
 """
 
 from __future__ import annotations
@@ -16,7 +20,57 @@ from collections import defaultdict
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka import errors as Errors
-from aiokafka.protocol.commit import OffsetFetchRequest
+from aiokafka.protocol.api import Request, RequestStruct, Response
+from aiokafka.protocol.types import Boolean, CompactArray, CompactString, Int16, Int32, Int64, Schema, TaggedFields
+
+UNSTABLE_OFFSET_COMMIT = 88  # aiokafka 0.14 does not know it
+
+
+class Unstable(Errors.KafkaError):
+    """Offsets of these partitions are pending in an open transaction: ask again once it ends."""
+
+    retriable = True
+
+
+class OffsetFetchResponse_v7(Response):
+    API_KEY = 9
+    API_VERSION = 7
+    SCHEMA = Schema(
+        ("throttle_time_ms", Int32),
+        ("topics", CompactArray(
+            ("name", CompactString("utf-8")),
+            ("partitions", CompactArray(("partition_index", Int32), ("committed_offset", Int64),
+                                        ("committed_leader_epoch", Int32), ("metadata", CompactString("utf-8")),
+                                        ("error_code", Int16), ("tags", TaggedFields))),
+            ("tags", TaggedFields))),
+        ("error_code", Int16),
+        ("tags", TaggedFields),
+    )
+
+
+class OffsetFetchRequest_v7(RequestStruct):
+    FLEXIBLE_VERSION = True
+    API_KEY = 9
+    API_VERSION = 7
+    RESPONSE_TYPE = OffsetFetchResponse_v7
+    SCHEMA = Schema(
+        ("group_id", CompactString("utf-8")),
+        ("topics", CompactArray(("name", CompactString("utf-8")), ("partition_indexes", CompactArray(Int32)),
+                                ("tags", TaggedFields))),
+        ("require_stable", Boolean),
+        ("tags", TaggedFields),
+    )
+
+
+class OffsetFetchRequest(Request[OffsetFetchRequest_v7]):
+    API_KEY = 9
+
+    def __init__(self, group_id: str, topics: list[tuple[str, list[int]]]) -> None:
+        self.args = (group_id, [(t, ps, {}) for t, ps in topics], True, {})
+
+    def build(self, request_struct_class: type[OffsetFetchRequest_v7]) -> OffsetFetchRequest_v7:
+        return request_struct_class(*self.args)
+
 
 # the coordinator is elsewhere, or not ready: find it again and ask again
 _MOVED = (Errors.NotCoordinatorForGroupError, Errors.GroupCoordinatorNotAvailableError)
@@ -43,14 +97,17 @@ async def committed(consumer: AIOKafkaConsumer, tps: list[TopicPartition], *, ti
             await asyncio.sleep(0.2)
 
 
-def _parse(response) -> dict[TopicPartition, int | None]:
-    top = getattr(response, "error_code", 0)  # v2+: a group-level error comes with no partitions
-    if top:
-        raise Errors.for_code(top)()
+def _error(code: int) -> Errors.KafkaError:
+    return Unstable() if code == UNSTABLE_OFFSET_COMMIT else Errors.for_code(code)()
+
+
+def _parse(response: OffsetFetchResponse_v7) -> dict[TopicPartition, int | None]:
+    if response.error_code:  # a group-level error comes with no partitions
+        raise _error(response.error_code)
     out: dict[TopicPartition, int | None] = {}
-    for topic, partitions in response.topics:
-        for partition, offset, _metadata, error_code in partitions:
+    for topic, partitions, _ in response.topics:
+        for partition, offset, _epoch, _metadata, error_code, _ in partitions:
             if error_code:
-                raise Errors.for_code(error_code)()
+                raise _error(error_code)
             out[TopicPartition(topic, partition)] = None if offset < 0 else offset
     return out
