@@ -8,8 +8,11 @@ same CPU; the broker gets the rest of the machine.
 
 * throughput: N single-turn arithmetic rollouts (groups of 4, T completion tokens each, steps + rollouts)
   are written first, then the services start; the clock runs from start until every expected record is
-  in a TrainerBatch read back read_committed. The raw pipe moves the same step and rollout bytes through
-  three consume->produce hops (plain aiokafka, no transactions, no decoding).
+  in a TrainerBatch read back read_committed. N defaults to 4,096 (768 with --quick): whole batches of 64,
+  so the clock does not end on the partial-batch flush timer (``--flush-after-s``, 0.5 s here), which
+  measures a configured wait, not speed (runs before 2026-11-24 used 4,000 and 800 and included it). The
+  raw pipe moves the same step and rollout bytes through three consume->produce hops (plain aiokafka, no
+  transactions, no decoding).
 * latency: M more rollouts are written at the same steady rate (--latency-rate, below capacity) to both; latency
   is batch write time - rollout write time (broker CreateTime of each message), p50/p99; for the raw pipe,
   hop-3 write time - source write time. For the services, each hop's p50 too (rollout -> score -> training
@@ -306,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.commit_interval_ms is not None:
         os.environ["ROLLOUT_COMMIT_INTERVAL_MS"] = str(args.commit_interval_ms)
-    n = args.rollouts or (800 if args.quick else 4000)
+    n = args.rollouts or (768 if args.quick else 4096)
     m = args.latency_rollouts if args.latency_rollouts is not None else (200 if args.quick else 800)
     n, m = n - n % 4, m - m % 4
 

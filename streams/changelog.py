@@ -6,12 +6,17 @@ to a compacted changelog topic (key = partition number): which input offsets are
 JSON state (EMA baselines, Monte Carlo child outcomes). A new owner restores the last committed snapshot
 and re-reads exactly the buffered offsets (``Restorer``). Input offsets always commit at the consumer
 position, so nothing is re-processed and nothing buffered is lost.
+
+A new owner reads the committed offsets only once no transaction holds them (``require_stable``), and the
+snapshots only once no transaction is open on their changelog partitions: the previous owner's last
+transaction may have committed offsets whose snapshot's commit marker is still on its way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -77,23 +82,34 @@ class Restorer:
     """Rebuilds partition tasks from the changelog and the committed input offsets, with a consumer of its own
     (no group, read_committed: only what committed transactions wrote)."""
 
-    def __init__(self, client_kwargs: dict[str, Any], changelog: str, inputs: list[str]) -> None:
+    def __init__(self, client_kwargs: dict[str, Any], changelog: str, inputs: list[str], *,
+                 settle_s: float = 30.0) -> None:
         self.kw = client_kwargs
         self.changelog = changelog
         self.inputs = inputs
+        self.settle_s = settle_s
         self.consumer: AIOKafkaConsumer | None = None
+        self.uncommitted: AIOKafkaConsumer | None = None  # only asks for high watermarks
         self.lock = asyncio.Lock()  # one restore at a time: they share the consumer's assignment
 
     async def start(self) -> None:
+        # a take-over waits on these clients: a short retry backoff, and the topics' metadata known up front
+        # (a first offset lookup of an unknown topic otherwise costs a metadata round and a 100 ms backoff)
         self.consumer = AIOKafkaConsumer(**self.kw, group_id=None, enable_auto_commit=False,
                                          isolation_level="read_committed", auto_offset_reset="earliest",
-                                         max_partition_fetch_bytes=MAX_MESSAGE_BYTES, fetch_max_wait_ms=20)
-        await self.consumer.start()
+                                         max_partition_fetch_bytes=MAX_MESSAGE_BYTES, fetch_max_wait_ms=20,
+                                         retry_backoff_ms=20)
+        self.uncommitted = AIOKafkaConsumer(**self.kw, group_id=None, enable_auto_commit=False,
+                                            isolation_level="read_uncommitted", retry_backoff_ms=20)
+        for c in (self.consumer, self.uncommitted):
+            await c.start()
+            await c._client.set_topics([self.changelog, *self.inputs])
 
     async def stop(self) -> None:
-        if self.consumer is not None:
-            await self.consumer.stop()
-            self.consumer = None
+        for c in (self.consumer, self.uncommitted):
+            if c is not None:
+                await c.stop()
+        self.consumer = self.uncommitted = None
 
     async def restore(self, ps: list[int], group: AIOKafkaConsumer,
                       make_task: Callable[[int], PartitionTask]) -> dict[int, Restored]:
@@ -127,9 +143,24 @@ class Restorer:
         return {p: Restored(tasks[p], {t: committed[TopicPartition(t, p)] for t in self.inputs}, snaps.get(p) or b"")
                 for p in ps}
 
+    async def _settled_ends(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        """The changelog partitions' ends once no transaction is open there (last stable offset = high
+        watermark); a transaction that stays open longer than ``settle_s`` is an error (the take-over is tried
+        again), never a reason to restore from an older snapshot."""
+        deadline = time.monotonic() + self.settle_s
+        while True:
+            stable = await self.consumer.end_offsets(tps)
+            high = await self.uncommitted.end_offsets(tps)
+            if stable == high:
+                return stable
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a transaction stays open on {self.changelog} partitions "
+                                   f"{sorted(tp.partition for tp in tps if stable[tp] != high[tp])}")
+            await asyncio.sleep(0.05)
+
     async def _read_snapshots(self, ps: list[int]) -> dict[int, bytes]:
         tps = [TopicPartition(self.changelog, p) for p in ps]
-        ends = await self.consumer.end_offsets(tps)
+        ends = await self._settled_ends(tps)
         starts = await self.consumer.beginning_offsets(tps)
         last: dict[int, bytes] = {}
         ranges = {tp: (starts[tp], ends[tp]) for tp in tps if ends[tp] > starts[tp]}

@@ -74,7 +74,7 @@ class Lasting:
 
 
 class CommitWatch:
-    """What committed transactions wrote, per owned partition, until readers can see it.
+    """What committed transactions wrote, per output partition, until readers can see it.
 
     Visible means: every output partition's last stable offset is past the last offset a commit wrote there,
     and the group's committed offsets reach what was committed. Another producer's open transaction on a
@@ -84,8 +84,7 @@ class CommitWatch:
 
     def __init__(self, confirm_s: float) -> None:
         self.confirm_s = confirm_s
-        # partition -> output tp -> (last offset written, since when it is awaited)
-        self.unconfirmed: dict[int, dict[TopicPartition, tuple[int, float]]] = defaultdict(dict)
+        self.unconfirmed: dict[TopicPartition, tuple[int, float]] = {}  # output tp -> (last offset, awaited since)
         self._offsets_behind = Lasting()
         self._last_check = time.monotonic()
 
@@ -96,50 +95,49 @@ class CommitWatch:
         self._last_check = time.monotonic()
         return True
 
-    def wrote(self, p: int, written: list[Any]) -> None:
-        """Record metadata of what partition ``p``'s transaction just committed, in send order (the last one per
-        output partition is its highest offset)."""
+    def wrote(self, written: list[Any]) -> None:
+        """Record metadata of what a transaction just committed, in send order (the last one per output
+        partition is its highest offset)."""
         now = time.monotonic()
         for md in written:
-            self.unconfirmed[p][TopicPartition(md.topic, md.partition)] = (md.offset, now)
+            self.unconfirmed[TopicPartition(md.topic, md.partition)] = (md.offset, now)
 
-    def forget(self, p: int) -> None:
-        self.unconfirmed.pop(p, None)
+    def forget(self) -> None:
+        self.unconfirmed.clear()
+        self._offsets_behind.since.clear()
 
     async def overdue(self, consumer: AIOKafkaConsumer, committed: dict[int, dict[str, int]]
-                      ) -> dict[int, list[TopicPartition]]:
-        """Partitions whose commits are still not visible after ``confirm_s``, with the output partitions
-        still waiting for markers (none when only the group's offsets lag). ``committed``: partition -> input
+                      ) -> list[TopicPartition] | None:
+        """None when everything committed is visible or not yet ``confirm_s`` old; else the output partitions
+        still waiting for markers (empty when only the group's offsets lag). ``committed``: partition -> input
         topic -> offset the processor committed."""
         now = time.monotonic()
-        outs = {tp for entries in self.unconfirmed.values() for tp in entries}
         owned = [TopicPartition(t, p) for p, offs in committed.items() for t in offs]
         try:
-            lso = await asyncio.wait_for(consumer.end_offsets(list(outs)), 10) if outs else {}
-            done = await group_offsets.committed(consumer, owned, timeout_s=10) if owned else {}
+            lso = (await asyncio.wait_for(consumer.end_offsets(list(self.unconfirmed)), 10)
+                   if self.unconfirmed else {})
+            done = await group_offsets.committed(consumer, owned, timeout_s=10, stable=False) if owned else {}
         except Exception as e:  # noqa: BLE001 - broker away: the next round asks again
             log.debug("confirming commits: %s", e)
-            return {}
-        due: dict[int, list[TopicPartition]] = {}
-        for p, entries in list(self.unconfirmed.items()):
-            for tp, (off, since) in list(entries.items()):
-                if lso.get(tp, 0) > off:
-                    del entries[tp]
-                elif now - since >= self.confirm_s:
-                    due.setdefault(p, []).append(tp)
-        for p, offs in committed.items():
-            behind = any((done.get(TopicPartition(t, p)) or 0) < o for t, o in offs.items())
-            if self._offsets_behind(p, tuple(sorted(offs.items())), behind, now, self.confirm_s):
-                due.setdefault(p, [])
-        return due
+            return None
+        due: list[TopicPartition] = []
+        for tp, (off, since) in list(self.unconfirmed.items()):
+            if lso.get(tp, 0) > off:
+                del self.unconfirmed[tp]
+            elif now - since >= self.confirm_s:
+                due.append(tp)
+        mine = {TopicPartition(t, p): o for p, offs in committed.items() for t, o in offs.items()}
+        behind = any((done.get(tp) or 0) < o for tp, o in mine.items())
+        offsets_lag = self._offsets_behind(0, tuple(sorted(mine.items())), behind, now, self.confirm_s)
+        return due if due or offsets_lag else None
 
-    def recommitted(self, p: int, tps: list[TopicPartition]) -> None:
-        """Partition ``p`` was committed again: look again after another ``confirm_s``."""
+    def recommitted(self, tps: list[TopicPartition]) -> None:
+        """Committed again: look again after another ``confirm_s``."""
         now = time.monotonic()
         for tp in tps:
-            off, _ = self.unconfirmed[p].get(tp, (-1, now))
-            self.unconfirmed[p][tp] = (off, now)
-        self._offsets_behind.since.pop(p, None)
+            off, _ = self.unconfirmed.get(tp, (-1, now))
+            self.unconfirmed[tp] = (off, now)
+        self._offsets_behind.since.clear()
 
 
 async def commit_again(prod: AIOKafkaProducer, group_id: str, tps: list[TopicPartition],

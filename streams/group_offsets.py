@@ -65,8 +65,8 @@ class OffsetFetchRequest_v7(RequestStruct):
 class OffsetFetchRequest(Request[OffsetFetchRequest_v7]):
     API_KEY = 9
 
-    def __init__(self, group_id: str, topics: list[tuple[str, list[int]]]) -> None:
-        self.args = (group_id, [(t, ps, {}) for t, ps in topics], True, {})
+    def __init__(self, group_id: str, topics: list[tuple[str, list[int]]], require_stable: bool) -> None:
+        self.args = (group_id, [(t, ps, {}) for t, ps in topics], require_stable, {})
 
     def build(self, request_struct_class: type[OffsetFetchRequest_v7]) -> OffsetFetchRequest_v7:
         return request_struct_class(*self.args)
@@ -76,9 +76,12 @@ class OffsetFetchRequest(Request[OffsetFetchRequest_v7]):
 _MOVED = (Errors.NotCoordinatorForGroupError, Errors.GroupCoordinatorNotAvailableError)
 
 
-async def committed(consumer: AIOKafkaConsumer, tps: list[TopicPartition], *, timeout_s: float = 120.0
-                    ) -> dict[TopicPartition, int | None]:
-    """Partition -> the group's committed offset (None: nothing committed), from an answer without errors."""
+async def committed(consumer: AIOKafkaConsumer, tps: list[TopicPartition], *, timeout_s: float = 120.0,
+                    stable: bool = True) -> dict[TopicPartition, int | None]:
+    """Partition -> the group's committed offset (None: nothing committed), from an answer without errors.
+
+    ``stable``: wait while a transaction holds offsets of these partitions (a new owner must); without it, the
+    offsets of committed transactions only (a check that must not wait on a transaction it is looking for)."""
     coordinator = consumer._coordinator  # aiokafka's group coordinator client: the group's connection
     by_topic: dict[str, list[int]] = defaultdict(list)
     for tp in tps:
@@ -87,7 +90,8 @@ async def committed(consumer: AIOKafkaConsumer, tps: list[TopicPartition], *, ti
     while True:
         try:
             await coordinator.ensure_coordinator_known()
-            response = await coordinator._send_req(OffsetFetchRequest(consumer._group_id, list(by_topic.items())))
+            response = await coordinator._send_req(OffsetFetchRequest(consumer._group_id, list(by_topic.items()),
+                                                                      stable))
             return _parse(response)
         except Errors.KafkaError as e:
             if not e.retriable or time.monotonic() > deadline:

@@ -99,8 +99,9 @@ class _Reader(Collector):
 
 _PROCESSOR_COUNTS = (
     ("transactions", "rollout_transactions", "committed transactions"),
-    ("aborted", "rollout_aborts", "transactions aborted (the partition is taken over again)"),
-    ("fenced", "rollout_fences", "partitions lost to a newer owner (ProducerFenced)"),
+    ("aborted", "rollout_aborts", "transactions aborted (the partitions are taken over again)"),
+    ("fenced", "rollout_fences", "transactions fenced: the group moved on (its partitions were reassigned), or "
+               "another producer took the transactional id"),
     ("rebuilt", "rollout_partition_rebuilds", "partition tasks rebuilt from the changelog"),
     ("recommitted", "rollout_recommits", "committed transactions found hanging and committed again"))
 

@@ -30,6 +30,8 @@ class ProcessingSettings(BaseSettings):
 
     session_timeout_ms: int = Field(10000, description="consumer group session timeout")
     txn_timeout_s: float = Field(30.0, description="give up on a takeover or a transaction after this long")
+    transaction_timeout_ms: int = Field(10000, description="the broker aborts a transaction left open this long (a "
+                                        "crashed instance's): its partitions' new owner waits for that")
     confirm_s: float = Field(10.0, description="re-commit a committed transaction not visible after this long")
     fetch_max_wait_ms: int = Field(100, description="how long a fetch waits for input to arrive")
     commit_interval_ms: int = Field(0, ge=0, description="a service commits a partition's work at most this often "

@@ -1,19 +1,24 @@
-"""The transactional read-process-write loop every service runs (exactly-once, Kafka Streams EOS-alpha style).
+"""The transactional read-process-write loop every service runs (exactly-once, Kafka Streams EOS-v2 style).
 
 Why this shape (see README "Services and exactly-once"):
 
-* aiokafka does not implement KIP-447 group-metadata fencing (``send_offsets_to_transaction`` takes a
-  group id only), so a zombie that lost its partitions could still commit. Zombies are fenced the way
-  Kafka Streams' first exactly-once mode did it: **one transactional producer per input partition
-  number**, with the stable ``transactional.id = f"{prefix}{service}-{partition}"``. A new owner's
-  ``init_transactions`` aborts the old owner's open transaction and fences its producer (its next
-  commit raises ``ProducerFenced``), and only then does the new owner read the committed offsets.
+* **One transactional producer per service instance**, and one transaction per step for the work of all the
+  partitions it owns: outputs, changelog snapshots and the input offsets of every owned partition. Zombies
+  are fenced by the consumer group (KIP-447, ``streams.group_fencing``): the offsets carry the generation
+  and member id the partitions were assigned in, and the group coordinator refuses them once the group has
+  moved on, so a member that lost its partitions cannot commit (its transaction is aborted). Every
+  transaction commits offsets, even one with outputs only (a timer's flush), so none escapes the fence.
+* A new owner reads the committed offsets with ``require_stable`` (``streams.group_offsets``): while the
+  previous owner's transaction is open, it waits; then it restores the last committed snapshot from the
+  changelog (``streams.changelog``), once no transaction is open there either.
+* The transactional id is ``{group}-{instance}`` (``--instance``, else a per-process random id): a
+  restarted instance with the same name aborts its crashed predecessor's open transaction at once; without a
+  name, the broker aborts it after ``ROLLOUT_TRANSACTION_TIMEOUT_MS``.
 * Co-partitioned inputs (steps + rollouts) are owned together: a consumer group with the range
   assignor hands out the same partition number of every input topic to one member.
-* State is never ahead of the log: each transaction also writes a snapshot of the task's buffered input
-  and small state to the service's changelog, and a new owner restores from it (``streams.changelog``).
-* A failed transaction (anything but a fence) is aborted and that partition's task is rebuilt from
-  the changelog and the committed offsets; a fenced one is dropped (someone else owns it now).
+* A failed transaction is aborted and every owned partition's task is rebuilt from the changelog and the
+  committed offsets (their tasks ran ahead of what committed); a fenced one drops the partitions and asks
+  the group again who owns what.
 * A commit is checked, not trusted: one that does not become visible to ``read_committed`` readers (a
   transaction left hanging by a broker restart) is committed again (``streams.commits``).
 
@@ -26,6 +31,7 @@ import asyncio
 import logging
 import signal
 import time
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
@@ -38,9 +44,12 @@ from schemas.envelope import Event
 from streams import serde, topics
 from streams.changelog import Restorer, changelog_topic, encode_snapshot
 from streams.commits import CommitWatch, StallWatch, commit_again
+from streams.group_fencing import GroupFenced, GroupMember, fence_by_group
 from streams.settings import MAX_MESSAGE_BYTES, ProcessingSettings
 
 log = logging.getLogger("rollout.eos")
+
+_PROCESS_ID = uuid.uuid4().hex[:8]  # the transactional id of an instance without a name: unique to this process
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,7 @@ class TransactionalProcessor:
         self.make_task = make_task
         self.kw = dict(client_kwargs)
         self.group_id = group_id or topics.group_id(service)
+        self.txn_id = f"{topics.group_id(service)}-{instance or _PROCESS_ID}"
         self.changelog = changelog_topic(service, partitions).name
         self.tick_s = tick_s
         self.max_records = max_records
@@ -110,7 +120,7 @@ class TransactionalProcessor:
         self.on_start = on_start
         self.session_timeout_ms = session_timeout_ms or self.settings.session_timeout_ms
         self.tasks: dict[int, PartitionTask] = {}
-        self.producers: dict[int, AIOKafkaProducer] = {}
+        self.producer: AIOKafkaProducer | None = None
         self.committed: dict[int, dict[str, int]] = {}
         self.snap_written: dict[int, bytes] = {}
         self.stats = Stats()
@@ -123,12 +133,15 @@ class TransactionalProcessor:
         self._last_tick = 0.0
         self.pending: set[int] = set()
         self.epoch = 0  # bumped by every rebalance callback
+        # the group generation the tasks belong to; None between a revocation and the next assignment, when
+        # nothing may commit (the partitions may be someone else's by now)
+        self.member: GroupMember | None = None
+        self._tasks_member: GroupMember | None = None
         self._closing: set[asyncio.Task] = set()
         self.txn_timeout_s = self.settings.txn_timeout_s
         self.commits = CommitWatch(self.settings.confirm_s)
         # Fetched input not processed yet: with ROLLOUT_COMMIT_INTERVAL_MS, a partition's input waits here until
-        # its last commit is that old, then is processed and committed in one transaction (fewer, larger
-        # transactions; each record waits up to the interval longer). Never ahead of the task's state: it is
+        # its last commit is that old, then is processed and committed. Never ahead of the task's state: it is
         # dropped, and re-read from the committed offsets, whenever the partitions are re-seeked.
         self.commit_interval_s = self.settings.commit_interval_ms / 1000
         self.inbox: dict[int, list] = defaultdict(list)
@@ -137,9 +150,6 @@ class TransactionalProcessor:
         self.stalls = StallWatch()
 
     # -- lifecycle -------------------------------------------------------------------------------------
-    def txn_id(self, p: int) -> str:
-        return f"{topics.group_id(self.service)}-{p}"
-
     async def start(self) -> None:
         await self.restorer.start()
         self.consumer = AIOKafkaConsumer(
@@ -154,15 +164,15 @@ class TransactionalProcessor:
             await self.on_start()
 
     async def stop(self) -> None:
-        """Graceful: finish the open transaction (lock), then leave the group and close producers."""
+        """Graceful: finish the open transaction (lock), then leave the group and close the producer."""
         async with self.lock:
             if self.consumer is not None:
                 try:
                     await self.consumer.stop()  # leaves the group
                 except Exception as e:  # noqa: BLE001
                     log.warning("consumer stop: %s", e)
-            for p in list(self.producers):
-                await self._drop(p)
+            self._drop_all()
+            await self._close_producer()
             await self.restorer.stop()
 
     async def run(self, *, until: Callable[[], bool] | None = None) -> None:
@@ -178,56 +188,91 @@ class TransactionalProcessor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
 
+    async def _open_producer(self) -> AIOKafkaProducer:
+        """The instance's producer; ``init_transactions`` (InitProducerId) aborts whatever a predecessor with
+        the same transactional id left open and fences it."""
+        prod = AIOKafkaProducer(**self.kw, transactional_id=self.txn_id, enable_idempotence=True, acks="all",
+                                linger_ms=self.linger_ms, max_request_size=MAX_MESSAGE_BYTES,
+                                max_batch_size=1024 * 1024,
+                                transaction_timeout_ms=self.settings.transaction_timeout_ms)
+        try:
+            await prod.start()
+            await asyncio.shield(prod._txn_manager.wait_for_pid())
+        except BaseException:
+            await self._close_quietly(prod)
+            raise
+        fence_by_group(prod, self._member)
+        return prod
+
+    def _member(self) -> GroupMember:
+        assert self.member is not None, "no transaction may commit between a revocation and an assignment"
+        return self.member
+
+    async def _close_producer(self, *, broken: bool = False) -> None:
+        prod, self.producer = self.producer, None
+        if prod is None:
+            return
+        if broken:  # may be stuck retrying: close it in the background; its successor fences it anyway
+            t = asyncio.create_task(self._close_quietly(prod))
+            self._closing.add(t)
+            t.add_done_callback(self._closing.discard)
+        else:
+            await self._close_quietly(prod)
+
+    @staticmethod
+    async def _close_quietly(prod: AIOKafkaProducer) -> None:
+        try:
+            await asyncio.wait_for(prod.stop(), 10)
+        except BaseException as e:  # noqa: BLE001 - a fenced or stuck producer may complain on close
+            log.debug("producer stop: %s", e)
+
     # -- rebalance -------------------------------------------------------------------------------------
     async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
         async with self.lock:  # waits for the in-flight transaction to commit or abort
             self.epoch += 1
+            self.member = None
             self._clear_inbox()
-            ps = {tp.partition for tp in revoked}
-            log.info("%s%s revoked %s", self.service, self.instance, sorted(ps))
-            # Keep producers and state: if the partition comes back to us, they are still valid (fencing
-            # would tell us otherwise); if it goes elsewhere, the new owner fences this producer.
+            log.info("%s%s revoked %s", self.service, self.instance, sorted({tp.partition for tp in revoked}))
+            # Keep the tasks: if the next generation gives a partition back to us, nobody else can have owned it
+            # in between, and its task is still exact (``_on_assigned``).
 
     async def _on_assigned(self, assigned: list[TopicPartition]) -> None:
-        """Keep this fast: heartbeats stop while a rebalance callback runs. Partitions we still hold state
-        and a producer for resume at once; new ones are paused and taken over by the main loop (``_take``)."""
+        """Keep this fast: heartbeats stop while a rebalance callback runs. Partitions whose tasks are still
+        exact resume at once; the others are paused and taken over by the main loop (``_take``)."""
         async with self.lock:
             assert self.consumer is not None
             self.epoch += 1
             self._clear_inbox()  # kept partitions are sought back to their committed offsets below
+            coordinator = self.consumer._coordinator
+            now = GroupMember(coordinator.generation, coordinator.member_id)
+            before = self._tasks_member
+            # Tasks are exact only if no generation came between theirs and this one (then nobody else owned
+            # their partitions); a member that missed one (frozen past its session) rebuilds everything.
+            if before is None or before.member_id != now.member_id or now.generation_id != before.generation_id + 1:
+                self._drop_all()
             ps = sorted({tp.partition for tp in assigned})
             for p in list(self.tasks):
                 if p not in ps:
-                    await self._drop(p)
-            self.pending = {p for p in ps if p not in self.tasks or p not in self.producers}
+                    self._drop(p)
+            self.member = self._tasks_member = now
+            self.pending = {p for p in ps if p not in self.tasks}
             for p in ps:
                 if p in self.pending:
                     self.consumer.pause(*[TopicPartition(t, p) for t in self.inputs])
                 else:
                     for topic, off in self.committed[p].items():
                         self.consumer.seek(TopicPartition(topic, p), off)
-            log.info("%s%s assigned %s (to take over: %s)", self.service, self.instance, ps, sorted(self.pending))
+            log.info("%s%s assigned %s in generation %d (to take over: %s)", self.service, self.instance, ps,
+                     now.generation_id, sorted(self.pending))
 
     async def _take(self) -> None:
-        """Take over the pending partitions: producer + init_transactions (fences the previous owner), then
-        committed offsets, then the last committed snapshot, then re-read exactly the buffered input."""
+        """Take over the pending partitions: the producer if there is none, then (``Restorer``) the committed
+        offsets once no transaction holds them, the last committed snapshot, exactly the buffered input."""
         assert self.consumer is not None
         ps = sorted(self.pending)
         t0 = time.monotonic()
-        for p in ps:
-            await self._drop(p)
-
-        async def init(p: int) -> None:
-            prod = AIOKafkaProducer(**self.kw, transactional_id=self.txn_id(p), enable_idempotence=True, acks="all",
-                                    linger_ms=self.linger_ms, max_request_size=MAX_MESSAGE_BYTES,
-                                    max_batch_size=1024 * 1024)
-            await prod.start()
-            # init_transactions (InitProducerId) completes/aborts the previous owner's open transaction and
-            # fences its producer. Only after this are the committed offsets and the changelog stable.
-            await asyncio.shield(prod._txn_manager.wait_for_pid())
-            self.producers[p] = prod
-
-        await asyncio.gather(*(init(p) for p in ps))
+        if self.producer is None:
+            self.producer = await self._open_producer()
         await self._rebuild(ps)
         self.pending.difference_update(ps)
         self.consumer.resume(*[TopicPartition(t, p) for p in ps for t in self.inputs])
@@ -237,28 +282,28 @@ class TransactionalProcessor:
         self.inbox.clear()
         self.inbox_pos.clear()
 
-    async def _drop(self, p: int, *, broken: bool = False) -> None:
+    def _drop(self, p: int) -> None:
         self.inbox.pop(p, None)
         self.inbox_pos.pop(p, None)
         self.tasks.pop(p, None)
         self.committed.pop(p, None)
-        self.commits.forget(p)
         self.snap_written.pop(p, None)
-        prod = self.producers.pop(p, None)
-        if prod is not None:
-            if broken:  # may be stuck retrying: close it in the background; its successor fences it anyway
-                t = asyncio.create_task(self._close_quietly(prod, p))
-                self._closing.add(t)
-                t.add_done_callback(self._closing.discard)
-            else:
-                await self._close_quietly(prod, p)
 
-    @staticmethod
-    async def _close_quietly(prod: AIOKafkaProducer, p: int) -> None:
-        try:
-            await asyncio.wait_for(prod.stop(), 10)
-        except BaseException as e:  # noqa: BLE001 - a fenced or stuck producer may complain on close
-            log.debug("producer %s stop: %s", p, e)
+    def _drop_all(self) -> None:
+        for p in list(self.tasks):
+            self._drop(p)
+        self.commits.forget()
+
+    async def _retake_all(self, *, broken_producer: bool) -> None:
+        """After a failed transaction: every owned partition's task ran ahead of what committed; rebuild them
+        all from the log (with a fresh producer when this one may be stuck)."""
+        owned = set(self.tasks) | self.pending
+        self._drop_all()
+        if broken_producer:
+            await self._close_producer(broken=True)
+        self.pending = owned
+        if self.consumer is not None and owned:
+            self.consumer.pause(*[TopicPartition(t, p) for p in owned for t in self.inputs])
 
     async def _rebuild(self, ps: list[int]) -> None:
         """Fresh tasks for ``ps`` from the last committed snapshots and the committed input offsets."""
@@ -281,10 +326,10 @@ class TransactionalProcessor:
         return await self.stalls.stalled(self.consumer, self.committed, after_s)
 
     def lost_cluster(self) -> bool:
-        """True when the consumer's client knows no broker at all (aiokafka does not re-bootstrap then)."""
+        """True when a client knows no broker at all (aiokafka does not re-bootstrap then)."""
         try:
             clients = [self.consumer._client] if self.consumer is not None else []
-            clients += [prod.client for prod in self.producers.values()]
+            clients += [self.producer.client] if self.producer is not None else []
             return any(not c.cluster.brokers() for c in clients)
         except Exception:  # noqa: BLE001
             return False
@@ -302,20 +347,21 @@ class TransactionalProcessor:
         assert self.consumer is not None
         if self.pending:
             async with self.lock:
-                if self.pending:
+                if self.pending and self.member is not None:
                     try:
                         await asyncio.wait_for(self._take(), self.txn_timeout_s)
                     except Exception as e:  # noqa: BLE001 - broker away, coordinator moving: retry next step
+                        # (the partitions already owned are untouched: no transaction was open)
                         log.warning("%s%s: taking over %s failed (%s: %s); retrying", self.service, self.instance,
                                     sorted(self.pending), type(e).__name__, e)
-                        for p in list(self.pending):
-                            await self._drop(p, broken=True)
                         await asyncio.sleep(1.0)
                         return
         if self.commits.time_to_check():
             await self.confirm_commits()
         epoch = self.epoch
-        batch = await self.consumer.getmany(timeout_ms=int(self.tick_s * 1000), max_records=self.max_records)
+        # waiting for an assignment, or with partitions to take over: look again soon, not after a whole tick
+        wait_s = 0.02 if self.pending or self.member is None else self.tick_s
+        batch = await self.consumer.getmany(timeout_ms=int(wait_s * 1000), max_records=self.max_records)
         async with self.lock:
             if self.epoch != epoch:
                 # A rebalance ran while getmany waited and re-seeked our partitions to their committed offsets:
@@ -344,110 +390,133 @@ class TransactionalProcessor:
                 self._last_tick = now
             due = {p for p in self.inbox if now - self.last_commit.get(p, 0.0) >= self.commit_interval_s}
             ps = due | (set(self.tasks) if tick else set())
-            if ps:
-                await asyncio.gather(*(self._transact(p, self.inbox.pop(p, []), tick, self.inbox_pos.pop(p, {}))
-                                       for p in ps))
+            if ps and self.member is not None and self.producer is not None:
+                await self._transact(sorted(ps), tick)
 
-    async def _transact(self, p: int, recs: list, tick: bool, pos: dict[str, int] | None = None) -> None:
-        task, prod = self.tasks.get(p), self.producers.get(p)
-        if task is None or prod is None:
-            return
-        outs: list[Out] = []
-        next_off: dict[str, int] = {}
+    async def _transact(self, ps: list[int], tick: bool) -> None:
+        """Process the inbox of ``ps`` (and their timers on a tick) and commit it all in one transaction."""
+        prod = self.producer
+        assert prod is not None
+        recs = {p: self.inbox.pop(p, []) for p in ps if p in self.tasks}
+        pos = {p: self.inbox_pos.pop(p, {}) for p in recs}
+        outs: dict[int, list[Out]] = {}
+        offsets = {p: dict(self.committed[p]) for p in self.tasks}
+        snaps: dict[int, bytes] = {}
+        now = time.monotonic()
         try:
-            for rec in recs:
-                outs.extend(await task.process(rec))
-                next_off[rec.topic] = rec.offset + 1
-            for t, o in (pos or {}).items():
-                if t in next_off and o > next_off[t]:
-                    next_off[t] = o
-            if tick:
-                outs.extend(task.tick(time.monotonic()))
-            snap = encode_snapshot(task.buffered(), task.state())
-            if not outs and not next_off and snap == self.snap_written.get(p):
+            for p, rs in recs.items():
+                task, out, nxt = self.tasks[p], [], offsets[p]
+                for rec in rs:
+                    out.extend(await task.process(rec))
+                    nxt[rec.topic] = rec.offset + 1
+                for t, o in pos[p].items():  # past any transaction markers after the last record
+                    nxt[t] = max(nxt[t], o)
+                if tick:
+                    out.extend(task.tick(now))
+                snap = encode_snapshot(task.buffered(), task.state())
+                if snap != self.snap_written.get(p):
+                    snaps[p] = snap
+                outs[p] = out
+            moved = any(offsets[p] != self.committed[p] for p in recs)
+            if not moved and not snaps and not any(outs.values()):
                 return
-            await asyncio.wait_for(self._send_and_commit(p, prod, outs, snap, next_off), self.txn_timeout_s)
-        except ProducerFenced:
+            await asyncio.wait_for(self._send_and_commit(prod, outs, snaps, offsets), self.txn_timeout_s)
+        except GroupFenced as e:
             self.stats.fenced += 1
-            log.warning("%s partition %d: fenced by a newer owner; dropping it and asking the group who owns it",
-                        self.service, p)
-            await self._drop(p)
-            # Usually the owner is another member and a rebalance is already on its way. But when sessions
-            # expire (a broker failure), rebalances follow each other: another member took p over in one
-            # generation, and the next gave p back to us while we still held its task, so the group says p is
-            # ours and nobody would ever process it (a three-broker fault run stalled so, for good). A rejoin
-            # makes the group decide again: whoever gets p without a task takes it over (``_on_assigned``).
+            log.warning("%s%s: %s; dropping partitions %s and asking the group who owns what", self.service,
+                        self.instance, e, sorted(self.tasks))
+            await self._abort_quietly(prod)
+            self._drop_all()
+            self.pending.clear()
+            self.member = None
             if self.consumer is not None:
                 self.consumer._coordinator.request_rejoin()
             return
-        except Exception as e:  # noqa: BLE001 - abort, rebuild the partition from the log, keep serving
-            # Covers a failed or stuck transaction too (e.g. a broker restart can leave a produce retrying
-            # forever). The producer is discarded; the partition is taken over again by a fresh producer with
-            # the same transactional id, whose init_transactions aborts whatever this one left open, and the
-            # task is rebuilt from the changelog and the committed offsets.
-            self.stats.aborted += 1
-            log.warning("%s partition %d: transaction failed (%s: %s); discarding it and taking the partition "
-                        "over again", self.service, p, type(e).__name__, e)
-            await self._drop(p, broken=True)
-            self.pending.add(p)
-            if self.consumer is not None:
-                self.consumer.pause(*[TopicPartition(t, p) for t in self.inputs])
+        except ProducerFenced:
+            # Only a process with the same transactional id does this: another instance with our name, or our
+            # own successor after a restart of the clients.
+            self.stats.fenced += 1
+            log.warning("%s%s: transactional id %s fenced by another producer (is a second instance running "
+                        "with the same --instance?); taking the partitions over again", self.service,
+                        self.instance, self.txn_id)
+            await self._retake_all(broken_producer=True)
             return
-        self.snap_written[p] = snap
-        self.committed[p].update(next_off)
-        self.last_commit[p] = time.monotonic()
+        except Exception as e:  # noqa: BLE001 - abort, rebuild the partitions from the log, keep serving
+            # Covers a failed or stuck transaction too (e.g. a broker restart can leave a produce retrying
+            # forever). The producer is discarded; a fresh one with the same transactional id aborts whatever
+            # this one left open, and every owned partition's task is rebuilt from the changelog and the
+            # committed offsets.
+            self.stats.aborted += 1
+            log.warning("%s%s: transaction over partitions %s failed (%s: %s); discarding it and taking them "
+                        "over again", self.service, self.instance, sorted(recs), type(e).__name__, e)
+            await self._retake_all(broken_producer=True)
+            return
         self.stats.transactions += 1
-        self.stats.records_in += len(recs)
-        self.stats.records_out += len(outs)
-        for o in outs:
-            self.stats.by_type[o.event.EVENT_TYPE] += 1
-        if self.on_commit is not None:
-            self.on_commit(p, recs, outs)
+        for p, out in outs.items():
+            if p in snaps:
+                self.snap_written[p] = snaps[p]
+            self.committed[p] = offsets[p]
+            self.last_commit[p] = now
+            self.stats.records_in += len(recs[p])
+            self.stats.records_out += len(out)
+            for o in out:
+                self.stats.by_type[o.event.EVENT_TYPE] += 1
+            if self.on_commit is not None and (recs[p] or out):
+                self.on_commit(p, recs[p], out)
 
+    @staticmethod
+    async def _abort_quietly(prod: AIOKafkaProducer) -> None:
+        try:
+            await asyncio.wait_for(prod.abort_transaction(), 30)
+        except Exception as e:  # noqa: BLE001 - the next transaction's failure takes the producer down
+            log.debug("abort: %s", e)
 
-    async def _send_and_commit(self, p: int, prod: AIOKafkaProducer, outs: list[Out], snap: bytes,
-                               next_off: dict[str, int]) -> None:
+    def _offsets(self, offsets: dict[int, dict[str, int]]) -> dict[TopicPartition, int]:
+        return {TopicPartition(t, p): o for p, offs in offsets.items() for t, o in offs.items()}
+
+    async def _send_and_commit(self, prod: AIOKafkaProducer, outs: dict[int, list[Out]], snaps: dict[int, bytes],
+                               offsets: dict[int, dict[str, int]]) -> None:
         await prod.begin_transaction()
         futs = []
-        for o in outs:
-            key, value, headers = serde.to_message(o.event)
-            futs.append(await prod.send(o.topic, value=value, key=key, headers=headers))
-        if snap != self.snap_written.get(p):
+        for out in outs.values():
+            for o in out:
+                key, value, headers = serde.to_message(o.event)
+                futs.append(await prod.send(o.topic, value=value, key=key, headers=headers))
+        for p, snap in snaps.items():
             futs.append(await prod.send(self.changelog, value=snap, key=str(p).encode(), partition=p))
-        if next_off:
-            await prod.send_offsets_to_transaction({TopicPartition(t, p): o for t, o in next_off.items()},
-                                                   self.group_id)
+        # every owned partition's offsets, changed or not: the group's generation check fences this transaction
+        await prod.send_offsets_to_transaction(self._offsets(offsets), self.group_id)
         written = await asyncio.gather(*futs)
         await prod.commit_transaction()
-        self.commits.wrote(p, written)
+        self.commits.wrote(written)
 
-    async def confirm_commits(self) -> list[int]:
-        """Re-commit the owned partitions whose committed transactions are not visible after ``confirm_s``
-        (``streams.commits.CommitWatch``). Returns the partitions re-committed."""
+    async def confirm_commits(self) -> list[TopicPartition]:
+        """Re-commit when committed transactions are not visible after ``confirm_s``
+        (``streams.commits.CommitWatch``). Returns the output partitions re-committed."""
         if self.consumer is None or not self.tasks:
             return []
         due = await self.commits.overdue(self.consumer, self.committed)
-        for p, tps in sorted(due.items()):
-            await self._recommit(p, tps)
-        return sorted(due)
+        if due is not None:
+            await self._recommit(due)
+        return due or []
 
-    async def _recommit(self, p: int, tps: list[TopicPartition]) -> None:
+    async def _recommit(self, tps: list[TopicPartition]) -> None:
         async with self.lock:
-            prod, offs = self.producers.get(p), self.committed.get(p)
-            if prod is None or offs is None or p not in self.tasks:
+            prod = self.producer
+            if prod is None or self.member is None or not self.tasks or self.pending:
                 return
-            log.warning("%s%s partition %d: committed transaction not visible after %.0fs (outputs %s); "
-                        "committing again over the same partitions and offsets", self.service, self.instance, p,
-                        self.commits.confirm_s, [f"{tp.topic}-{tp.partition}" for tp in tps])
+            log.warning("%s%s: committed transactions not visible after %.0fs (outputs %s); committing again over "
+                        "the same partitions and offsets", self.service, self.instance, self.commits.confirm_s,
+                        [f"{tp.topic}-{tp.partition}" for tp in tps])
             try:
-                await asyncio.wait_for(commit_again(prod, self.group_id, tps,
-                                                    {TopicPartition(t, p): o for t, o in offs.items()}),
+                await asyncio.wait_for(commit_again(prod, self.group_id, tps, self._offsets(self.committed)),
                                        self.txn_timeout_s)
             except Exception as e:  # noqa: BLE001 - a fence or a dead broker: the usual paths take over
-                log.warning("%s partition %d: re-commit failed (%s: %s)", self.service, p, type(e).__name__, e)
+                log.warning("%s%s: re-commit failed (%s: %s)", self.service, self.instance, type(e).__name__, e)
+                await self._abort_quietly(prod)
                 return
             self.stats.recommitted += 1
-            self.commits.recommitted(p, tps)
+            self.commits.recommitted(tps)
 
 
 class _Listener(ConsumerRebalanceListener):

@@ -83,14 +83,14 @@ async def test_hanging_transaction_is_committed_again(monkeypatch, tmp_path):
         proc = system.processors["verifier"]
         await seed_groups(kw, 10)  # 40 rollouts
         for _ in range(120):
-            if await _visible(kw, "read_committed") >= 40 and proc.producers:
+            if await _visible(kw, "read_committed") >= 40 and proc.producer is not None:
                 break
             await asyncio.sleep(0.25)
         assert await _visible(kw, "read_committed") == 40
 
         async with proc.lock:  # between two transactions
-            hidden = dict(proc.producers)
-            for prod in hidden.values():
+            hidden = [proc.producer]
+            for prod in hidden:
                 _hide_scores_from_coordinator(prod)
         await seed_groups(kw, 10, start=10)  # 40 more, scored into transactions the coordinator half-knows
         for _ in range(120):
@@ -98,7 +98,7 @@ async def test_hanging_transaction_is_committed_again(monkeypatch, tmp_path):
                 break
             await asyncio.sleep(0.25)
         async with proc.lock:
-            for prod in hidden.values():
+            for prod in hidden:
                 _restore(prod)
             recommitted_before = proc.stats.recommitted
         # the commits succeeded, yet the new scores are not there for read_committed readers: hanging
