@@ -67,6 +67,10 @@ class Batcher(Generic[T]):
         self.items.append(item)
         return None
 
+    def full(self) -> bool:
+        """Whether the waiting records make a whole batch (polling is worth it before the next tick)."""
+        return self._full(self.items) > 0
+
     def _full(self, items: list[Item[T]]) -> int:
         """How many leading items make one full batch (0 if not enough)."""
         if self.policy.batch_tokens:

@@ -44,6 +44,20 @@ class BlobWriter:
         return [offset, int(arr.shape[0])]
 
 
+def _frozen(arr: np.ndarray) -> bool:
+    """Read-only all the way down to immutable memory (``bytes``, or an array no one may write)."""
+    if arr.flags.writeable:
+        return False
+    base = arr.base
+    while isinstance(base, np.ndarray):
+        if base.flags.writeable:
+            return False
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    return base is None or isinstance(base, bytes)
+
+
 class _ArrayAnnotation:
     def __init__(self, dtype: str, what: str) -> None:
         self.dtype = np.dtype(dtype)
@@ -85,6 +99,8 @@ class _ArrayAnnotation:
                 if arr.size and (arr.min() < info_.min or arr.max() > info_.max):
                     raise ValueError(f"{self.what}: values outside {self.dtype} range")
             arr = arr.astype(self.dtype)
+        elif _frozen(arr):
+            return arr  # another event's array, or a frame's view: nothing can change it, no copy needed
         else:
             arr = arr.copy()  # never alias a caller's mutable buffer
         arr.flags.writeable = False

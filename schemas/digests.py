@@ -16,6 +16,7 @@ Each digest hashes a domain tag (``rollout-log/<kind>/v1``), a newline, then the
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 from datetime import datetime
@@ -29,9 +30,20 @@ from schemas.policy import PolicyRef
 WRITE_METADATA = frozenset({"event_id", "created_at", "producer", "causation_id"})
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+@functools.cache
+def _content_fields(cls: type[BaseModel]) -> tuple[str, ...]:
+    return tuple(k for k in cls.model_fields if k not in WRITE_METADATA)
+
+
 def _plain(value: Any) -> Any:
+    # most of a record is scalars: they return first (a batch digests every record: 20+ values each)
+    if type(value) in _SCALARS:
+        return value
     if isinstance(value, BaseModel):
-        return {k: _plain(getattr(value, k)) for k in type(value).model_fields if k not in WRITE_METADATA}
+        return {k: _plain(getattr(value, k)) for k in _content_fields(type(value))}
     if isinstance(value, np.ndarray):
         le = value.astype(value.dtype.newbyteorder("<"), copy=False)
         return {"dtype": le.dtype.str, "n": int(le.shape[0]), "sha256": hashlib.sha256(le.tobytes()).hexdigest()}

@@ -179,3 +179,23 @@ def test_decoding_a_mutable_buffer_does_not_alias_it() -> None:
     assert not event.completion_token_ids.flags.writeable
     frame = bytes(codec.encode(step(4)))
     assert codec.decode(memoryview(frame)).completion_token_ids.base is not None  # bytes stay zero-copy
+
+
+def test_an_array_is_shared_only_when_nothing_can_change_it() -> None:
+    """Building an event from another event's arrays shares them (no copy per hop); an array someone could
+    still write, directly or through a writable base, is copied."""
+    decoded = codec.decode(codec.encode(step(16)))
+    again = step(16, token_ids=decoded.completion_token_ids)
+    assert np.shares_memory(again.completion_token_ids, decoded.completion_token_ids)  # a frame's view: shared
+    assert np.shares_memory(step(16, token_ids=again.completion_token_ids).completion_token_ids,
+                            decoded.completion_token_ids)
+    mutable = np.arange(16, dtype="<i4")
+    copied = step(16, token_ids=mutable)
+    mutable[0] = 99
+    assert copied.completion_token_ids[0] == 0
+    # a read-only view of a writable array is no promise: the owner can still write through the base
+    view = mutable.view()
+    view.flags.writeable = False
+    through_base = step(16, token_ids=view)
+    mutable[1] = 99
+    assert through_base.completion_token_ids[1] == 1

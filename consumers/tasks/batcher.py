@@ -43,7 +43,8 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records
             return [dead_letter(rec, NAME, type(e).__name__, str(e))]
         refusal = self._add(rec, record)
         outs = [dead_letter(rec, NAME, refusal.error_type, refusal.reason, record.run_id)] if refusal else []
-        return outs + self.tick(time.monotonic())
+        # a whole batch goes out at once; partial flushes and stale refusals wait for the processor's tick
+        return outs + self.tick(time.monotonic()) if self.batcher.full() else outs
 
     def restore(self, rec: Any) -> None:
         self._add(rec, decode(rec, TrainingRecord))
