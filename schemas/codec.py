@@ -49,6 +49,15 @@ def peek(frame: bytes | memoryview) -> tuple[str, int]:
     return event_type, version
 
 
+def header(frame: bytes | memoryview) -> dict:
+    """A frame's JSON, not validated, arrays left as blob references: for readers that only need ids (a
+    benchmark counting records); anything that acts on an event decodes it."""
+    try:
+        return json.loads(bytes(_split(memoryview(frame))[2]))
+    except ValueError as exc:
+        raise EventDecodeError(f"frame header is not JSON: {exc}") from None
+
+
 def decode(frame: bytes | memoryview, expect: type[Event] | None = None) -> Event:
     """Decode a frame; raise an ``EventDecodeError`` subclass (never anything else) on bad input.
 
