@@ -91,6 +91,14 @@ def port_is_free(port: int) -> bool:
     return True
 
 
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range: ports below it are never a client's local port."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(*, restartable: bool = False) -> int:
     """A port nothing listens on. ``restartable``: one for a server that stops and starts again on it (a broker
     restarted by a fault test), taken below the kernel's ephemeral range. While such a server is down, its
@@ -100,10 +108,7 @@ def free_port(*, restartable: bool = False) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
+    low = ephemeral_low()
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(max(1024, low - 12000), low)

@@ -6,7 +6,7 @@
 Each service in ``consumers.registry`` (principal ``User:<service name>``) reads its inputs, side inputs
 and its changelog, writes its outputs and its changelog, creates its changelog (the admin creates the
 pipeline's topics: ``rollout topics create``), uses its consumer group ``group_id(name)`` and
-the transactional ids ``group_id(name)-<partition>`` (a PREFIXED pattern). The arena (``User:arena``)
+the transactional ids ``group_id(name)-<instance>`` (a PREFIXED pattern). The arena (``User:arena``)
 writes steps, rollouts and admissions, reads admissions and policy-revisions, and uses the transactional
 ids ``arena-*``. ``check_access`` says at a service's start-up which of its topics its principal cannot
 read or write. Read/Write imply Describe; idempotent producers need no cluster ACL since Kafka 3.0.

@@ -152,8 +152,11 @@ async def test_dashboard_in_chromium_follows_a_running_pipeline(kafka_settings, 
     try:
         t0 = time.monotonic()
         stage = lambda what: print(f"[{time.monotonic() - t0:5.1f}s] {what}")  # noqa: E731
-        async with System(SERVICES, cfg, kw):
+        async with System(SERVICES, cfg, kw) as system:
             stage("services started")
+            trainer_endpoint = system.metrics["trainer"]
+            assert trainer_endpoint.port == base + offsets[1] and trainer_endpoint._server is not None, \
+                "the trainer's metrics endpoint did not bind (see the log for why)"
             start("dashboard", "dashboard", "--port", str(port), "--lag-every", "1")
             start("arena", "arena", str(plan_path), "--groups", "0", "--follow-revisions", "--evaluate", "--no-progress",
                   "--concurrency", "4", "--policy-port", str(free_port()))

@@ -20,15 +20,19 @@ from consumers.settings import ServiceSettings
 from schemas import codec
 from schemas.events import DeadLetter, TrainerBatch
 from streams import metrics, topics
+from streams.local_broker import ephemeral_low
 from tests.test_eos_pipeline import THREE, batch_record_ids, prefix, publish_revision, read_all, seed_groups  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
 
 def free_base(offsets: list[int]) -> int:
-    """A base port whose base + offset ports are all free now."""
+    """A base port whose base + offset ports are all free now, below the kernel's ephemeral range: there, a
+    Kafka client's outgoing connection could take one of them between this check and the server's bind (seen
+    once in CI: the trainer's endpoint never bound, its scrape was refused)."""
+    top = ephemeral_low() - max(offsets) - 1
     for _ in range(100):
-        base = random.randrange(20000, 40000)
+        base = random.randrange(max(1024, top - 10000), top)
         socks = []
         try:
             for off in offsets:
