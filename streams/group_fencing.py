@@ -146,3 +146,11 @@ def fence_by_group(producer: AIOKafkaProducer, member: Callable[[], GroupMember]
         await _Handler(self, offsets, group_id, member()).do(node_id)
 
     sender._do_txn_offset_commit = types.MethodType(_do_txn_offset_commit, sender)
+
+
+def fence_error_seen(producer: AIOKafkaProducer) -> None:
+    """The transaction's error is handled by the caller: mark it retrieved, so asyncio does not report the
+    producer's internal waiter as "exception never retrieved" when the producer is discarded."""
+    waiter = producer._txn_manager._transaction_waiter
+    if waiter is not None and waiter.done() and not waiter.cancelled():
+        waiter.exception()

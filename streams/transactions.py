@@ -44,7 +44,7 @@ from schemas.envelope import Event
 from streams import serde, topics
 from streams.changelog import Restorer, changelog_topic, encode_snapshot
 from streams.commits import CommitWatch, StallWatch, commit_again
-from streams.group_fencing import GroupFenced, GroupMember, fence_by_group
+from streams.group_fencing import GroupFenced, GroupMember, fence_by_group, fence_error_seen
 from streams.settings import MAX_MESSAGE_BYTES, ProcessingSettings
 
 log = logging.getLogger("rollout.eos")
@@ -424,8 +424,12 @@ class TransactionalProcessor:
         except GroupFenced as e:
             self.stats.fenced += 1
             log.warning("%s%s: %s; dropping partitions %s and asking the group who owns what", self.service,
-                        self.instance, e, sorted(self.tasks))
-            await self._abort_quietly(prod)
+                        self.instance, e.args[-1], sorted(self.tasks))
+            # Not abort_transaction: aiokafka forgets the transaction's partitions on this error, so its abort
+            # sends no EndTxn and the open transaction would be committed by the next one (the fence test saw
+            # the fenced scores doubled). A fresh producer's InitProducerId aborts it on the broker.
+            fence_error_seen(prod)
+            await self._close_producer(broken=True)
             self._drop_all()
             self.pending.clear()
             self.member = None
@@ -463,13 +467,6 @@ class TransactionalProcessor:
                 self.stats.by_type[o.event.EVENT_TYPE] += 1
             if self.on_commit is not None and (recs[p] or out):
                 self.on_commit(p, recs[p], out)
-
-    @staticmethod
-    async def _abort_quietly(prod: AIOKafkaProducer) -> None:
-        try:
-            await asyncio.wait_for(prod.abort_transaction(), 30)
-        except Exception as e:  # noqa: BLE001 - the next transaction's failure takes the producer down
-            log.debug("abort: %s", e)
 
     def _offsets(self, offsets: dict[int, dict[str, int]]) -> dict[TopicPartition, int]:
         return {TopicPartition(t, p): o for p, offs in offsets.items() for t, o in offs.items()}
@@ -511,9 +508,10 @@ class TransactionalProcessor:
             try:
                 await asyncio.wait_for(commit_again(prod, self.group_id, tps, self._offsets(self.committed)),
                                        self.txn_timeout_s)
-            except Exception as e:  # noqa: BLE001 - a fence or a dead broker: the usual paths take over
+            except Exception as e:  # noqa: BLE001 - a fence or a dead broker: take everything over again
                 log.warning("%s%s: re-commit failed (%s: %s)", self.service, self.instance, type(e).__name__, e)
-                await self._abort_quietly(prod)
+                fence_error_seen(prod)
+                await self._retake_all(broken_producer=True)
                 return
             self.stats.recommitted += 1
             self.commits.recommitted(tps)

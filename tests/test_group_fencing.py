@@ -7,6 +7,8 @@ import asyncio
 import uuid
 
 import pytest
+
+from tests.test_eos_pipeline import prefix  # noqa: F401  (fixture)
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from streams import group_offsets
@@ -62,3 +64,36 @@ async def test_a_stale_generation_or_unknown_member_cannot_commit(kafka_settings
     finally:
         await p.stop()
         await c.stop()
+
+
+@pytest.mark.integration
+async def test_a_processor_that_missed_a_rebalance_is_fenced_and_recovers(kafka_settings, prefix):
+    """The processor's side of the fence, on a real broker: the three services run; the verifier is made to
+    believe it still holds an older generation (what a member frozen through a rebalance would hold). Its next
+    transaction is refused by the group and aborted, its tasks are dropped, it rejoins, takes its partitions over
+    from the log, and every record still reaches exactly one batch."""
+    from consumers import testing
+    from consumers.runner import System
+    from consumers.settings import ServiceSettings
+    from streams import topics
+    from tests.test_eos_pipeline import THREE, batch_record_ids, publish_revision, read_all, seed_groups
+
+    kw = kafka_settings.client_kwargs()
+    cfg = ServiceSettings(family=testing.FAMILY, batch_records=16, flush_after_s=1.0)
+    async with System(THREE, cfg, kw) as system:
+        await publish_revision(kw, 0)
+        verifier = system.processors["verifier"]
+        expected = await seed_groups(kw, 20)
+        await read_all(kw, topics.TRAINER_BATCHES.name, until=lambda rs: len(rs) >= 1, timeout_s=60)
+        async with verifier.lock:  # between two transactions
+            assert verifier.member is not None and verifier.tasks
+            verifier.member = GroupMember(verifier.member.generation_id - 1, verifier.member.member_id)
+        expected |= await seed_groups(kw, 20, start=20)
+        recs = await read_all(kw, topics.TRAINER_BATCHES.name,
+                              until=lambda rs: sum(batch_record_ids(rs).values()) >= len(expected), timeout_s=90)
+        await asyncio.sleep(2)  # a doubled record would show up now
+        recs = await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=2, timeout_s=60)
+        assert verifier.stats.fenced >= 1, "the stale generation was never refused"
+        assert verifier.member is not None and verifier.member.generation_id >= 2  # it rejoined
+    got = batch_record_ids(recs)
+    assert set(got) == expected and max(got.values()) == 1
