@@ -22,8 +22,10 @@ from aiokafka import AIOKafkaProducer
 from aiokafka import errors as Errors
 from aiokafka.client import CoordinationType
 from aiokafka.protocol.api import Request, RequestStruct, Response
-from aiokafka.protocol.types import CompactArray, CompactString, Int16, Int32, Int64, Schema, TaggedFields
+from aiokafka.protocol.types import CompactString, Int16, Int32, Int64, Schema, TaggedFields
 from aiokafka.producer.sender import TxnOffsetCommitHandler
+
+from streams.group_offsets import partition_struct, per_topic
 
 log = logging.getLogger("rollout.eos")
 
@@ -33,10 +35,7 @@ class TxnOffsetCommitResponse_v3(Response):
     API_VERSION = 3
     SCHEMA = Schema(
         ("throttle_time_ms", Int32),
-        ("topics", CompactArray(
-            ("name", CompactString("utf-8")),
-            ("partitions", CompactArray(("partition_index", Int32), ("error_code", Int16), ("tags", TaggedFields))),
-            ("tags", TaggedFields))),
+        ("topics", per_topic(partition_struct(("partition_index", Int32), ("error_code", Int16)))),
         ("tags", TaggedFields),
     )
 
@@ -59,13 +58,9 @@ class TxnOffsetCommitRequest_v3(RequestStruct):
         ("generation_id", Int32),
         ("member_id", CompactString("utf-8")),
         ("group_instance_id", CompactString("utf-8")),
-        ("topics", CompactArray(
-            ("name", CompactString("utf-8")),
-            ("partitions", CompactArray(("partition_index", Int32), ("committed_offset", Int64),
-                                        ("committed_leader_epoch", Int32), ("committed_metadata",
-                                                                            CompactString("utf-8")),
-                                        ("tags", TaggedFields))),
-            ("tags", TaggedFields))),
+        ("topics", per_topic(partition_struct(
+            ("partition_index", Int32), ("committed_offset", Int64), ("committed_leader_epoch", Int32),
+            ("committed_metadata", CompactString("utf-8"))))),
         ("tags", TaggedFields),
     )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka import errors as Errors
@@ -32,17 +33,25 @@ class Unstable(Errors.KafkaError):
     retriable = True
 
 
+def per_topic(partitions: Any) -> CompactArray:
+    """The flexible-version ``topics`` array of the group APIs: each topic's name, its ``partitions`` (a field
+    type: the per-partition struct, or the partition numbers alone) and tagged fields."""
+    return CompactArray(("name", CompactString("utf-8")), ("partitions", partitions), ("tags", TaggedFields))
+
+
+def partition_struct(*fields: tuple[str, Any]) -> CompactArray:
+    """A flexible-version array of per-partition structs: ``fields``, then tagged fields."""
+    return CompactArray(*fields, ("tags", TaggedFields))
+
+
 class OffsetFetchResponse_v7(Response):
     API_KEY = 9
     API_VERSION = 7
     SCHEMA = Schema(
         ("throttle_time_ms", Int32),
-        ("topics", CompactArray(
-            ("name", CompactString("utf-8")),
-            ("partitions", CompactArray(("partition_index", Int32), ("committed_offset", Int64),
-                                        ("committed_leader_epoch", Int32), ("metadata", CompactString("utf-8")),
-                                        ("error_code", Int16), ("tags", TaggedFields))),
-            ("tags", TaggedFields))),
+        ("topics", per_topic(partition_struct(
+            ("partition_index", Int32), ("committed_offset", Int64), ("committed_leader_epoch", Int32),
+            ("metadata", CompactString("utf-8")), ("error_code", Int16)))),
         ("error_code", Int16),
         ("tags", TaggedFields),
     )
@@ -55,8 +64,7 @@ class OffsetFetchRequest_v7(RequestStruct):
     RESPONSE_TYPE = OffsetFetchResponse_v7
     SCHEMA = Schema(
         ("group_id", CompactString("utf-8")),
-        ("topics", CompactArray(("name", CompactString("utf-8")), ("partition_indexes", CompactArray(Int32)),
-                                ("tags", TaggedFields))),
+        ("topics", per_topic(CompactArray(Int32))),
         ("require_stable", Boolean),
         ("tags", TaggedFields),
     )

@@ -294,13 +294,12 @@ class TransactionalProcessor:
             self._drop(p)
         self.commits.forget()
 
-    async def _retake_all(self, *, broken_producer: bool) -> None:
+    async def _retake_all(self) -> None:
         """After a failed transaction: every owned partition's task ran ahead of what committed; rebuild them
-        all from the log (with a fresh producer when this one may be stuck)."""
+        all from the log, with a fresh producer (this one may be stuck, or hold the transaction open)."""
         owned = set(self.tasks) | self.pending
         self._drop_all()
-        if broken_producer:
-            await self._close_producer(broken=True)
+        await self._close_producer(broken=True)
         self.pending = owned
         if self.consumer is not None and owned:
             self.consumer.pause(*[TopicPartition(t, p) for p in owned for t in self.inputs])
@@ -443,7 +442,7 @@ class TransactionalProcessor:
             log.warning("%s%s: transactional id %s fenced by another producer (is a second instance running "
                         "with the same --instance?); taking the partitions over again", self.service,
                         self.instance, self.txn_id)
-            await self._retake_all(broken_producer=True)
+            await self._retake_all()
             return
         except Exception as e:  # noqa: BLE001 - abort, rebuild the partitions from the log, keep serving
             # Covers a failed or stuck transaction too (e.g. a broker restart can leave a produce retrying
@@ -453,7 +452,7 @@ class TransactionalProcessor:
             self.stats.aborted += 1
             log.warning("%s%s: transaction over partitions %s failed (%s: %s); discarding it and taking them "
                         "over again", self.service, self.instance, sorted(recs), type(e).__name__, e)
-            await self._retake_all(broken_producer=True)
+            await self._retake_all()
             return
         self.stats.transactions += 1
         for p, out in outs.items():
@@ -511,7 +510,7 @@ class TransactionalProcessor:
             except Exception as e:  # noqa: BLE001 - a fence or a dead broker: take everything over again
                 log.warning("%s%s: re-commit failed (%s: %s)", self.service, self.instance, type(e).__name__, e)
                 fence_error_seen(prod)
-                await self._retake_all(broken_producer=True)
+                await self._retake_all()
                 return
             self.stats.recommitted += 1
             self.commits.recommitted(tps)
