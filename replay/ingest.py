@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -279,6 +280,14 @@ class _Buffer:
 ROW_GROUP_ROWS = 2048
 
 
+# The writer thread spends its time in DuckDB, which gives up the GIL and takes it back many times an insert
+# (each statement, each Arrow chunk it scans); every time, it waits for the fetch/decode loop to let go, which
+# CPython forces only after the switch interval (5 ms by default). At 0.1 ms the insert of a replay's
+# flushes took 0.46-0.48 s instead of 0.72-0.80 s of wall time (benchmarks/RESULTS.md). Process-wide, so it
+# is set for the replay only and restored after.
+WRITER_SWITCH_INTERVAL_S = 0.0001
+
+
 def open_db(path: str, *, read_only: bool = False) -> duckdb.DuckDBPyConnection:
     if read_only:
         return duckdb.connect(path, read_only=True)
@@ -395,6 +404,9 @@ class Replayer:
         pending: asyncio.Future | None = None
         gc_was_enabled = gc.isenabled()
         gc.disable()  # decoded events are long-lived until flushed: cyclic GC passes over them cost, free nothing
+        switch_interval = sys.getswitchinterval()
+        if self.writer_thread:
+            sys.setswitchinterval(WRITER_SWITCH_INTERVAL_S)
         try:
             tps = await _assign(consumer, topic_names.values())
             result.partitions = len(tps)
@@ -525,11 +537,22 @@ class Replayer:
             writer.shutdown(wait=True)
             if gc_was_enabled:
                 gc.enable()
+            sys.setswitchinterval(switch_interval)
             tc = time.perf_counter()
             await consumer.stop()
             tm["close"] = time.perf_counter() - tc
         result.seconds = time.perf_counter() - t0
         return result
+
+
+def _offsets_table(next_offsets: Mapping[tuple[str, int], int]) -> pa.Table:
+    keys = list(next_offsets)
+    return pa.table({"topic": [t for t, _ in keys], "partition": pa.array([p for _, p in keys], pa.int32()),
+                     "next_offset": pa.array(list(next_offsets.values()), pa.int64())})
+
+
+def _literal(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
 
 
 def build(buf: _Buffer, result: ReplayResult) -> dict[str, list[pa.Table]]:
@@ -543,38 +566,39 @@ def build(buf: _Buffer, result: ReplayResult) -> dict[str, list[pa.Table]]:
 def write(con: duckdb.DuckDBPyConnection, buf: _Buffer, next_offsets: Mapping[tuple[str, int], int],
           result: ReplayResult, tables: dict[str, list[pa.Table]] | None = None) -> None:
     """Insert the buffered events (``tables``, when already built from ``buf``) and the next offsets in one
-    transaction."""
+    transaction, sent to DuckDB as one multi-statement call.
+
+    On the writer thread each DuckDB call gives up the GIL and must win it back from the fetch/decode loop
+    (up to a switch interval, 5 ms, each time): one call per flush instead of ~25 halved the insert's wall
+    time in a replay (benchmarks/RESULTS.md)."""
     if tables is None:
         tables = build(buf, result)
     t1 = time.perf_counter()
-    con.execute("BEGIN TRANSACTION")
+    views = {f"_arrow_{name}_{i}": (name, table) for name, parts in tables.items() for i, table in enumerate(parts)}
+    if next_offsets:
+        views["_arrow_offsets"] = (None, _offsets_table(next_offsets))
+    sql = ["BEGIN TRANSACTION"]
+    for view, (name, _) in views.items():
+        sql.append(f"INSERT INTO {name} BY NAME SELECT * FROM {view}" if name is not None else
+                   'INSERT OR REPLACE INTO _replay_offsets (topic, "partition", next_offset) '
+                   f'SELECT topic, "partition", next_offset FROM {view}')
+    for key, value in (("run_id", result.run_id), ("topic_prefix", result.prefix)):
+        if value is not None:
+            sql.append(f"INSERT OR REPLACE INTO _replay_meta VALUES ('{key}', {_literal(value)})")
+    sql.append("COMMIT")
+    for view, (_, table) in views.items():
+        con.register(view, table)
     try:
-        for name, parts in tables.items():
-            for i, table in enumerate(parts):
-                view = f"_arrow_{name}_{i}"
-                con.register(view, table)
-                try:
-                    con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM {view}")
-                finally:
-                    con.unregister(view)
-                result.rows[name] += table.num_rows
-        if next_offsets:  # one statement: executemany runs one INSERT per partition (~50 ms a flush)
-            keys = list(next_offsets)
-            offsets = pa.table({"topic": [t for t, _ in keys], "partition": pa.array([p for _, p in keys], pa.int32()),
-                                "next_offset": pa.array(list(next_offsets.values()), pa.int64())})
-            con.register("_arrow_offsets", offsets)
-            try:
-                con.execute('INSERT OR REPLACE INTO _replay_offsets (topic, "partition", next_offset) '
-                            'SELECT topic, "partition", next_offset FROM _arrow_offsets')
-            finally:
-                con.unregister("_arrow_offsets")
-        con.execute("INSERT OR REPLACE INTO _replay_meta VALUES ('run_id', ?)", [result.run_id])
-        if result.prefix is not None:
-            con.execute("INSERT OR REPLACE INTO _replay_meta VALUES ('topic_prefix', ?)", [result.prefix])
-        con.execute("COMMIT")
+        con.execute(";\n".join(sql))
     except BaseException:
         con.execute("ROLLBACK")
         raise
+    finally:
+        for view in views:
+            con.unregister(view)
+    for name, table in views.values():
+        if name is not None:
+            result.rows[name] += table.num_rows
     result.timings["insert"] += time.perf_counter() - t1
     result.messages += buf.count
     result.bytes += buf.nbytes
