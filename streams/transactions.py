@@ -42,6 +42,7 @@ from aiokafka.errors import KafkaError, ProducerFenced
 
 from schemas.envelope import Event
 from streams import serde, topics
+from streams.batched_send import PartitionBatches
 from streams.changelog import Restorer, changelog_topic, encode_snapshot
 from streams.commits import CommitWatch, StallWatch, commit_again
 from streams.group_fencing import GroupFenced, GroupMember, fence_by_group, fence_error_seen
@@ -473,16 +474,17 @@ class TransactionalProcessor:
     async def _send_and_commit(self, prod: AIOKafkaProducer, outs: dict[int, list[Out]], snaps: dict[int, bytes],
                                offsets: dict[int, dict[str, int]]) -> None:
         await prod.begin_transaction()
-        futs = []
+        batches = PartitionBatches(prod, MAX_MESSAGE_BYTES)
         for out in outs.values():
             for o in out:
                 key, value, headers = serde.to_message(o.event)
-                futs.append(await prod.send(o.topic, value=value, key=key, headers=headers))
+                await batches.add(o.topic, value, key=key, headers=headers)
         for p, snap in snaps.items():
-            futs.append(await prod.send(self.changelog, value=snap, key=str(p).encode(), partition=p))
+            await batches.add(self.changelog, snap, key=str(p).encode(), partition=p)
+        await batches.send()
         # every owned partition's offsets, changed or not: the group's generation check fences this transaction
         await prod.send_offsets_to_transaction(self._offsets(offsets), self.group_id)
-        written = await asyncio.gather(*futs)
+        written = await batches.written()
         await prod.commit_transaction()
         self.commits.wrote(written)
 
