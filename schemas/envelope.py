@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import uuid
+import os
+import random
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -14,8 +15,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Upcaster = Any  # Callable[[dict[str, Any]], dict[str, Any]]
 
 
+# Ids only need to be unique, not unpredictable: a Mersenne Twister seeded from the OS (again in every forked
+# child) gives the same 32-hex-digit version-4 UUIDs as ``uuid.uuid4().hex`` at ~0.4 µs instead of ~1.5 µs
+# (a getrandom system call each); every output event of every service draws one.
+_ids = random.Random(os.urandom(32))
+os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(32)))
+_UUID4_CLEAR = ~((0xF << 76) | (0x3 << 62))  # version and variant bits
+_UUID4_SET = (0x4 << 76) | (0x2 << 62)
+
+
 def new_id() -> str:
-    return uuid.uuid4().hex
+    return f"{_ids.getrandbits(128) & _UUID4_CLEAR | _UUID4_SET:032x}"
 
 
 def utcnow() -> datetime:

@@ -199,3 +199,25 @@ def test_an_array_is_shared_only_when_nothing_can_change_it() -> None:
     through_base = step(16, token_ids=view)
     mutable[1] = 99
     assert through_base.completion_token_ids[1] == 1
+
+
+def test_event_ids_are_uuid4_hex_and_differ_across_a_fork() -> None:
+    import os
+    import uuid
+
+    from schemas.envelope import new_id
+
+    ids = [new_id() for _ in range(10_000)]
+    assert len(set(ids)) == len(ids)
+    for i in ids[:100]:
+        u = uuid.UUID(i)
+        assert (u.hex, u.version, u.variant) == (i, 4, uuid.RFC_4122)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child's next ids must not repeat the parent's (its generator is seeded again)
+        os.write(w, "".join(new_id() for _ in range(4)).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(r, 4096).decode()
+    parent = "".join(new_id() for _ in range(4))
+    assert len(child) == len(parent) == 128 and child != parent
