@@ -29,19 +29,20 @@ class BlobWriter:
     """Collects arrays during serialization; hands back their offsets in the blob section."""
 
     def __init__(self) -> None:
-        self.parts: list[bytes | memoryview] = []
+        self.parts: list[bytes | np.ndarray] = []  # anything ``bytes.join`` takes: contiguous arrays as they are
         self.size = 0
 
     def add(self, arr: np.ndarray) -> list[int]:
         offset = self.size
-        data = memoryview(np.ascontiguousarray(arr)).cast("B")
-        self.parts.append(data)
-        self.size += data.nbytes
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        self.parts.append(arr)
+        self.size += arr.nbytes
         pad = -self.size % 8  # keep every array 8-byte aligned for fast zero-copy views
         if pad:
             self.parts.append(b"\0" * pad)
             self.size += pad
-        return [offset, int(arr.shape[0])]
+        return [offset, arr.shape[0]]
 
 
 def _frozen(arr: np.ndarray) -> bool:
