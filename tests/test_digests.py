@@ -145,3 +145,37 @@ def test_target_revision_without_checkpoint_is_refused() -> None:
 def test_record_offered_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="offered twice"):
         build([record(0, rev=5), record(0, rev=5)])
+
+
+# Canonical encoding v1 is a format: replays of old runs recompute these digests and compare them with the ones
+# their batches carry. Pinned values, computed once with the first implementation; any change is a new version.
+PINNED = {
+    "policy_revision": "549fe2ba9c93eb97093f530b4ed54ab0bda5ccf4ea84f5fe9e700da932ac239b",
+    "step": "a8b1299a80712e3da1e4625b64a1cb0862d008cec8964b3f1b052d05a4d588d5",
+    "rollout": "de597d0840f382d24daa718380472f99c93338f533a54f68fd787e67ab134d5e",
+    "rollout_scored": "2ce4270a25ed9ff610d125feec0a95669ed88334cbfdc248ba46092834ad7cc1",
+    "training_record": "e54b3ba89db1a625470c96c483c2d32db651a84a6e8ade91fa5dfa187b50aa05",
+    "trainer_batch": "a9ac336fd1d62f4dd9c027a1ef38944c08b09dbaafc57d55c96476d022bad12d",
+    "dead_letter": "0e27d3af30076d63dd014f7aa45f1d1b47c34b50416eb126e542036b5986c5ad",
+}
+
+
+def test_canonical_digests_are_pinned() -> None:
+    from _contract_factories import fixture_events
+
+    from schemas.digests import digest
+
+    events = fixture_events()
+    assert {k: digest("record", events[k]) for k in PINNED} == PINNED
+
+
+def test_array_digest_is_of_little_endian_c_order_bytes() -> None:
+    from schemas.digests import digest
+
+    a = np.arange(12, dtype="<i4")
+    same = [a.astype(">i4"), np.repeat(a, 2)[::2]]  # big-endian; a strided (non-contiguous) view
+    assert not same[1].flags.c_contiguous
+    for b in same:
+        assert np.array_equal(a, b)
+        assert digest("x", b) == digest("x", a)
+    assert digest("x", a.astype("<i8")) != digest("x", a)  # the dtype is part of the digest
