@@ -79,6 +79,8 @@ class Event(Record):
     @model_validator(mode="after")
     def _stamp_type_and_version(self) -> Event:
         # Stamp the class constants; a value read from the wire must agree with them.
+        if self.event_type == self.EVENT_TYPE and self.schema_version == self.SCHEMA_VERSION:
+            return self  # what every decoded event carries: nothing to do
         for name, want in (("event_type", self.EVENT_TYPE), ("schema_version", self.SCHEMA_VERSION)):
             got = getattr(self, name)
             if got in ("", 0):

@@ -39,6 +39,7 @@ class PartitionBatches:
         self.producer = producer
         self.max_request_size = max_request_size
         self._partitions: dict[str, list[int]] = {}
+        self._by_key: dict[tuple[str, bytes | None], int] = {}  # a group's records share a key: murmur2 once
         self._open: dict[tuple[str, int], tuple[Any, int]] = {}  # (topic, partition) -> (builder, last offset)
         self._sent: list[tuple[asyncio.Future, str, int, int]] = []
 
@@ -51,10 +52,14 @@ class PartitionBatches:
                 f"The message is {size} bytes when serialized which is larger than the maximum request size you "
                 "have configured with the max_request_size configuration")
         if partition is None:
-            parts = self._partitions.get(topic)
-            if parts is None:
-                parts = self._partitions[topic] = sorted(await self.producer.partitions_for(topic))
-            partition = _PARTITIONER(key, parts, parts)
+            partition = self._by_key.get((topic, key)) if key is not None else None
+            if partition is None:
+                parts = self._partitions.get(topic)
+                if parts is None:
+                    parts = self._partitions[topic] = sorted(await self.producer.partitions_for(topic))
+                partition = _PARTITIONER(key, parts, parts)
+                if key is not None:
+                    self._by_key[topic, key] = partition
         entry = self._open.get((topic, partition))
         builder = entry[0] if entry is not None else self.producer.create_batch()
         md = builder.append(key=key, value=value, timestamp=None, headers=headers)
