@@ -1,8 +1,8 @@
 """A transaction's messages sent a partition at a time: aiokafka's ``send_batch`` instead of ``send``.
 
-``AIOKafkaProducer.send`` costs ~17-20 µs of CPU a message (a future, the partitioner and the accumulator,
-per message); appending to one ``BatchBuilder`` per output partition and sending each with ``send_batch``
-costs ~7.5 µs (benchmarks/RESULTS.md). Same records in the same partitions, in the same order within each:
+``AIOKafkaProducer.send`` costs ~14 µs of CPU a record in a transaction (a future, the partitioner and the
+accumulator, per record); appending to one ``BatchBuilder`` per output partition and sending each with
+``send_batch`` costs ~9-10 µs (``python -m benchmarks send``, benchmarks/RESULTS.md). Same records in the same partitions, in the same order within each:
 a keyed message goes where ``send`` puts it (murmur2 of the key over the topic's partitions, the Java
 client's default partitioner), and a message larger than ``max_request_size`` is refused before anything is
 sent, with the error ``send`` raises.
