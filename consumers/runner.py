@@ -9,6 +9,7 @@ from its ``Service`` declaration (``consumers.registry``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import sys
@@ -36,6 +37,16 @@ async def ensure_topics(service: Service, admin_kwargs: dict[str, Any]) -> None:
     pipeline's topics where its principal may create them (``streams.topics.ensure``). Idempotent."""
     await topics.ensure(admin_kwargs, [changelog_topic(service.name, service.partitions), *service.inputs,
                                        *service.side_inputs, *service.outputs])
+
+
+def tune_gc() -> None:
+    """Collect cycles less often in a service process (``ROLLOUT_GC_THRESHOLD``). A service allocates a few
+    models a record and leaves almost no cycles, and every collection at Python's default pace (700
+    allocations) walked them all again: at 50,000, ~8% less CPU a rollout for the three services
+    (benchmarks/RESULTS.md, issue 14)."""
+    threshold = ProcessingSettings().gc_threshold
+    if threshold:
+        gc.set_threshold(threshold, 20, 100)
 
 
 def processor(service: Service, factory: Any, settings: ServiceSettings, client_kwargs: dict[str, Any]
@@ -66,6 +77,7 @@ class System:
         self._stack = AsyncExitStack()
 
     async def __aenter__(self) -> System:
+        tune_gc()
         for svc in self.services:
             await ensure_topics(svc, self.kw)
         for svc in self.services:
@@ -100,6 +112,7 @@ async def serve(service: Service, settings: ServiceSettings, client_kwargs: dict
         loop.add_signal_handler(sig, stop.set)
     fields = {"service": service.name, "instance": settings.instance}
     stall_s = ProcessingSettings().stall_s
+    tune_gc()
     endpoint, observer = metrics_endpoint(service, metrics_port)
     try:
         await _serve(service, settings, client_kwargs, stop, fields, stall_s, stats_every_s, observer)

@@ -65,3 +65,24 @@ def test_the_cheap_topic_prefix_agrees_with_the_settings(monkeypatch):
         assert settings.topic_prefix() == settings.current().topic_prefix
         with settings.overridden(topic_prefix="demo-1."):
             assert settings.topic_prefix() == settings.current().topic_prefix == "demo-1."
+
+
+def test_a_service_process_collects_cycles_at_the_configured_pace(monkeypatch) -> None:
+    import gc
+
+    from consumers.runner import tune_gc
+
+    before = gc.get_threshold()
+    try:
+        monkeypatch.setenv("ROLLOUT_GC_THRESHOLD", "12345")
+        tune_gc()
+        assert gc.get_threshold() == (12345, 20, 100)
+        gc.set_threshold(*before)
+        monkeypatch.setenv("ROLLOUT_GC_THRESHOLD", "0")  # 0: Python's settings stay
+        tune_gc()
+        assert gc.get_threshold() == before
+        monkeypatch.delenv("ROLLOUT_GC_THRESHOLD")
+        tune_gc()
+        assert gc.get_threshold()[0] == 50_000
+    finally:
+        gc.set_threshold(*before)
