@@ -4,8 +4,8 @@
 
 Broker: ROLLOUT_BOOTSTRAP_SERVERS, else the local one (streams.local_broker). Each run uses fresh topics
 (a random ROLLOUT_TOPIC_PREFIX). Both pipelines run in this one process (one event loop), so they get the
-same CPU and the same garbage-collector pace (``consumers.runner.tune_gc``, which a service process sets: it
-speeds the raw pipe up too); the broker gets the rest of the machine.
+same CPU and the same garbage-collector pace (``consumers.runner.tune_gc``, ROLLOUT_GC_THRESHOLD: it would
+speed the raw pipe up too); the broker gets the rest of the machine.
 
 * throughput: N single-turn arithmetic rollouts (groups of 4, T completion tokens each, steps + rollouts)
   are written first, then the services start; the clock runs from start until every expected record is

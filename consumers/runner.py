@@ -40,10 +40,11 @@ async def ensure_topics(service: Service, admin_kwargs: dict[str, Any]) -> None:
 
 
 def tune_gc() -> None:
-    """Collect cycles less often in a service process (``ROLLOUT_GC_THRESHOLD``). A service allocates a few
-    models a record and leaves almost no cycles, and every collection at Python's default pace (700
-    allocations) walked them all again: at 50,000, ~8% less CPU a rollout for the three services
-    (benchmarks/RESULTS.md, issue 14)."""
+    """The cyclic collector's pace in a service process (``ROLLOUT_GC_THRESHOLD``; 0, the default, leaves
+    Python's). A service allocates a few models a record and leaves almost no cycles, so at Python's pace
+    (every 700 allocations) the collector mostly walks live objects: at 50,000, ~8% less CPU a rollout for
+    the three services, and a median latency 15-35 ms higher in the runs measured (benchmarks/RESULTS.md,
+    issue 14), hence off unless asked for."""
     threshold = ProcessingSettings().gc_threshold
     if threshold:
         gc.set_threshold(threshold, 20, 100)

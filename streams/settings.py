@@ -44,9 +44,10 @@ class ProcessingSettings(BaseSettings):
     steps_retention_ms: int = Field(-1, description="retention of the steps topic (-1: forever)")
     metrics_port: int = Field(0, ge=0, description="base port of the Prometheus endpoints: each process serves on "
                               "base + its offset (streams.metrics.OFFSETS); 0: none")
-    gc_threshold: int = Field(50_000, ge=0, description="a service process runs Python's cyclic garbage collector "
-                              "after this many net allocations (Python's default: 700; older generations every 20 "
-                              "and 100 of those); 0: leave Python's settings")
+    gc_threshold: int = Field(0, ge=0, description="a service process runs Python's cyclic garbage collector "
+                              "after this many net allocations (older generations every 20 and 100 of those); 0: "
+                              "Python's settings (700, 10, 10). 50000 saves ~8% of the services' CPU; the median "
+                              "latency came out 15-35 ms higher with it (benchmarks/RESULTS.md)")
 
     @field_validator("*", mode="before")
     @classmethod
