@@ -21,10 +21,10 @@ async def _one(kw: dict[str, Any], topic: str, records: list[tuple[bytes, bytes]
     from aiokafka import AIOKafkaProducer
 
     from streams.batched_send import PartitionBatches
-    from streams.settings import MAX_MESSAGE_BYTES
+    from streams.transactions import PRODUCER_OPTIONS
 
-    prod = AIOKafkaProducer(**kw, transactional_id=f"bench-send-{uuid.uuid4().hex[:8]}", enable_idempotence=True,
-                            acks="all", linger_ms=5, max_request_size=MAX_MESSAGE_BYTES, max_batch_size=1024 * 1024)
+    prod = AIOKafkaProducer(**kw, **PRODUCER_OPTIONS, transactional_id=f"bench-send-{uuid.uuid4().hex[:8]}",
+                            linger_ms=5)
     await prod.start()
     try:
         await prod.partitions_for(topic)
@@ -32,7 +32,7 @@ async def _one(kw: dict[str, Any], topic: str, records: list[tuple[bytes, bytes]
         c0, t0 = time.process_time(), time.perf_counter()
         await prod.begin_transaction()
         if batched:
-            batches = PartitionBatches(prod, MAX_MESSAGE_BYTES)
+            batches = PartitionBatches(prod, PRODUCER_OPTIONS["max_request_size"])
             for key, value in records:
                 await batches.add(topic, value, key=key, headers=headers)
             await batches.send()

@@ -574,19 +574,21 @@ def write(con: duckdb.DuckDBPyConnection, buf: _Buffer, next_offsets: Mapping[tu
     if tables is None:
         tables = build(buf, result)
     t1 = time.perf_counter()
-    views = {f"_arrow_{name}_{i}": (name, table) for name, parts in tables.items() for i, table in enumerate(parts)}
-    if next_offsets:
-        views["_arrow_offsets"] = (None, _offsets_table(next_offsets))
+    views: dict[str, pa.Table] = {}
     sql = ["BEGIN TRANSACTION"]
-    for view, (name, _) in views.items():
-        sql.append(f"INSERT INTO {name} BY NAME SELECT * FROM {view}" if name is not None else
-                   'INSERT OR REPLACE INTO _replay_offsets (topic, "partition", next_offset) '
-                   f'SELECT topic, "partition", next_offset FROM {view}')
+    for name, parts in tables.items():
+        for i, table in enumerate(parts):
+            views[f"_arrow_{name}_{i}"] = table
+            sql.append(f"INSERT INTO {name} BY NAME SELECT * FROM _arrow_{name}_{i}")
+    if next_offsets:
+        views["_arrow_offsets"] = _offsets_table(next_offsets)
+        sql.append('INSERT OR REPLACE INTO _replay_offsets (topic, "partition", next_offset) '
+                   'SELECT topic, "partition", next_offset FROM _arrow_offsets')
     for key, value in (("run_id", result.run_id), ("topic_prefix", result.prefix)):
         if value is not None:
             sql.append(f"INSERT OR REPLACE INTO _replay_meta VALUES ('{key}', {_literal(value)})")
     sql.append("COMMIT")
-    for view, (_, table) in views.items():
+    for view, table in views.items():
         con.register(view, table)
     try:
         con.execute(";\n".join(sql))
@@ -596,9 +598,8 @@ def write(con: duckdb.DuckDBPyConnection, buf: _Buffer, next_offsets: Mapping[tu
     finally:
         for view in views:
             con.unregister(view)
-    for name, table in views.values():
-        if name is not None:
-            result.rows[name] += table.num_rows
+    for name, parts in tables.items():
+        result.rows[name] += sum(t.num_rows for t in parts)
     result.timings["insert"] += time.perf_counter() - t1
     result.messages += buf.count
     result.bytes += buf.nbytes

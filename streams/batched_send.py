@@ -2,10 +2,10 @@
 
 ``AIOKafkaProducer.send`` costs ~14 µs of CPU a record in a transaction (a future, the partitioner and the
 accumulator, per record); appending to one ``BatchBuilder`` per output partition and sending each with
-``send_batch`` costs ~9-10 µs (``python -m benchmarks send``, benchmarks/RESULTS.md). Same records in the same partitions, in the same order within each:
-a keyed message goes where ``send`` puts it (murmur2 of the key over the topic's partitions, the Java
-client's default partitioner), and a message larger than ``max_request_size`` is refused before anything is
-sent, with the error ``send`` raises.
+``send_batch`` costs ~9-10 µs (``python -m benchmarks send``, benchmarks/RESULTS.md). Same records in the same
+partitions, in the same order within each: a keyed message goes where ``send`` puts it (murmur2 of the key
+over the topic's partitions, the Java client's default partitioner), and a message larger than
+``max_request_size`` is refused before anything is sent, with the error ``send`` raises.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class PartitionBatches:
         self.producer = producer
         self.max_request_size = max_request_size
         self._partitions: dict[str, list[int]] = {}
-        self._by_key: dict[tuple[str, bytes | None], int] = {}  # a group's records share a key: murmur2 once
+        self._by_key: dict[tuple[str, bytes], int] = {}
         self._open: dict[tuple[str, int], tuple[Any, int]] = {}  # (topic, partition) -> (builder, last offset)
         self._sent: list[tuple[asyncio.Future, str, int, int]] = []
 
@@ -52,14 +52,7 @@ class PartitionBatches:
                 f"The message is {size} bytes when serialized which is larger than the maximum request size you "
                 "have configured with the max_request_size configuration")
         if partition is None:
-            partition = self._by_key.get((topic, key)) if key is not None else None
-            if partition is None:
-                parts = self._partitions.get(topic)
-                if parts is None:
-                    parts = self._partitions[topic] = sorted(await self.producer.partitions_for(topic))
-                partition = _PARTITIONER(key, parts, parts)
-                if key is not None:
-                    self._by_key[topic, key] = partition
+            partition = await self._partition(topic, key)
         entry = self._open.get((topic, partition))
         builder = entry[0] if entry is not None else self.producer.create_batch()
         md = builder.append(key=key, value=value, timestamp=None, headers=headers)
@@ -68,6 +61,18 @@ class PartitionBatches:
             builder = self.producer.create_batch()
             md = builder.append(key=key, value=value, timestamp=None, headers=headers)
         self._open[topic, partition] = (builder, md.offset)
+
+    async def _partition(self, topic: str, key: bytes | None) -> int:
+        """Where ``send`` would put the record (for a key: once per transaction, a group's records share one)."""
+        partition = self._by_key.get((topic, key))
+        if partition is None:
+            parts = self._partitions.get(topic)
+            if parts is None:
+                parts = self._partitions[topic] = sorted(await self.producer.partitions_for(topic))
+            partition = _PARTITIONER(key, parts, parts)
+            if key is not None:  # no key: a partition drawn at random each time, as send does
+                self._by_key[topic, key] = partition
+        return partition
 
     async def _send(self, topic: str, partition: int, builder: Any, last: int) -> None:
         fut = await self.producer.send_batch(builder, topic, partition=partition)

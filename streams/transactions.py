@@ -52,6 +52,11 @@ log = logging.getLogger("rollout.eos")
 
 _PROCESS_ID = uuid.uuid4().hex[:8]  # the transactional id of an instance without a name: unique to this process
 
+# What every processor's transactional producer is opened with (besides its id, linger and transaction timeout);
+# ``benchmarks send`` measures a producer opened the same way.
+PRODUCER_OPTIONS: dict[str, Any] = {"enable_idempotence": True, "acks": "all", "max_request_size": MAX_MESSAGE_BYTES,
+                                    "max_batch_size": 1024 * 1024}
+
 
 @dataclass(frozen=True)
 class Out:
@@ -192,9 +197,7 @@ class TransactionalProcessor:
     async def _open_producer(self) -> AIOKafkaProducer:
         """The instance's producer; ``init_transactions`` (InitProducerId) aborts whatever a predecessor with
         the same transactional id left open and fences it."""
-        prod = AIOKafkaProducer(**self.kw, transactional_id=self.txn_id, enable_idempotence=True, acks="all",
-                                linger_ms=self.linger_ms, max_request_size=MAX_MESSAGE_BYTES,
-                                max_batch_size=1024 * 1024,
+        prod = AIOKafkaProducer(**self.kw, **PRODUCER_OPTIONS, transactional_id=self.txn_id, linger_ms=self.linger_ms,
                                 transaction_timeout_ms=self.settings.transaction_timeout_ms)
         try:
             await prod.start()
@@ -474,7 +477,7 @@ class TransactionalProcessor:
     async def _send_and_commit(self, prod: AIOKafkaProducer, outs: dict[int, list[Out]], snaps: dict[int, bytes],
                                offsets: dict[int, dict[str, int]]) -> None:
         await prod.begin_transaction()
-        batches = PartitionBatches(prod, MAX_MESSAGE_BYTES)
+        batches = PartitionBatches(prod, PRODUCER_OPTIONS["max_request_size"])
         for out in outs.values():
             for o in out:
                 key, value, headers = serde.to_message(o.event)
