@@ -13,6 +13,7 @@ values without a fixed shape (chat messages, seeds, artifacts, members) are JSON
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -388,8 +389,7 @@ def _is_duckdb_file(path: str) -> bool:
 def open_read_only(db: str):  # -> duckdb.DuckDBPyConnection
     """The database for reading, refused with a clear reason when it lacks this version's views."""
     con = connect(db)
-    have = {v for (v,) in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
-    missing = sorted(set(VIEWS) - have)
+    missing = sorted(set(VIEWS) - _views(con))
     if missing:
         con.close()
         raise OutdatedSchema(f"{db} was replayed by an older version (no {', '.join(missing)}): run "
@@ -397,19 +397,42 @@ def open_read_only(db: str):  # -> duckdb.DuckDBPyConnection
     return con
 
 
-def ensure_schema(con) -> None:  # con: duckdb.DuckDBPyConnection
+def _schema_sql(have: dict[str, set[str]]) -> list[str]:
+    """The statements that bring a database whose tables have the columns ``have`` to this version's schema."""
+    sql = []
     for t in TABLES.values():
-        con.execute(create_table_sql(t))
-        # a database replayed by an older version: add the columns it lacks (older events had their defaults)
-        have = {c for (c,) in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = ?",
-                                          [t.name]).fetchall()}
-        for f in t.schema:
-            if f.name not in have:
-                con.execute(f"ALTER TABLE {t.name} ADD COLUMN {column_sql(f)}")
-        con.execute(f"COMMENT ON TABLE {t.name} IS '{t.doc.replace(chr(39), chr(39) * 2)}'")
-    for sql in META_SQL:
-        con.execute(sql)
-    for name, body in VIEWS.items():
-        con.execute(f"CREATE OR REPLACE VIEW {name} AS {body.strip()}")
-    for sql in MACROS:
-        con.execute(sql)
+        sql.append(create_table_sql(t))
+        if t.name in have:  # replayed by an older version: add the columns it lacks (older events had their defaults)
+            sql += [f"ALTER TABLE {t.name} ADD COLUMN {column_sql(f)}" for f in t.schema if f.name not in have[t.name]]
+        sql.append(f"COMMENT ON TABLE {t.name} IS '{t.doc.replace(chr(39), chr(39) * 2)}'")
+    sql += META_SQL
+    sql += [f"CREATE OR REPLACE VIEW {name} AS {body.strip()}" for name, body in VIEWS.items()]
+    return sql + MACROS
+
+
+# What this version's schema is made of; stamped into _replay_meta (key "schema"), so that opening a database
+# that already has it costs one lookup instead of re-creating ~60 tables, views and comments (~45 ms).
+SCHEMA_DIGEST = hashlib.sha256(";".join(_schema_sql({})).encode()).hexdigest()[:16]
+
+
+def _views(con) -> set[str]:
+    return {v for (v,) in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal "
+                                      "AND database_name = current_database()").fetchall()}
+
+
+def ensure_schema(con) -> None:  # con: duckdb.DuckDBPyConnection
+    """Tables, views and macros of this version, created or upgraded in one call (~40 ms on a new file)."""
+    import duckdb
+
+    try:
+        stamped = con.execute("SELECT value FROM _replay_meta WHERE key = 'schema'").fetchone() == (SCHEMA_DIGEST,)
+    except duckdb.CatalogException:  # a new database (or one older than _replay_meta)
+        stamped = False
+    if stamped and _views(con) >= set(VIEWS):  # (a view dropped by hand is made again)
+        return
+    have: dict[str, set[str]] = {}
+    for table, column in con.execute("SELECT table_name, column_name FROM duckdb_columns() "
+                                     "WHERE database_name = current_database()").fetchall():
+        have.setdefault(table, set()).add(column)
+    con.execute(";\n".join([*_schema_sql(have),
+                             f"INSERT OR REPLACE INTO _replay_meta VALUES ('schema', '{SCHEMA_DIGEST}')"]))

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pytest
 
 from replay import columns as C
+from replay import tables as T
 from replay.audit import audit
 from replay.ingest import ReplayError, Until, discover_prefixes, load_events, split_topic, topics_for
 from replay.query import export, interactive, run_query
@@ -342,7 +343,7 @@ def test_the_topic_prefix_is_kept_in_the_database(run):
     con = duckdb.connect()
     load_events(con, run.run_id, placed(flat(run)[:5]), prefix="demo-1a2b3c4d.")
     assert dict(con.execute("SELECT * FROM _replay_meta").fetchall()) == {
-        "run_id": run.run_id, "topic_prefix": "demo-1a2b3c4d."}
+        "run_id": run.run_id, "topic_prefix": "demo-1a2b3c4d.", "schema": T.SCHEMA_DIGEST}
 
 
 # -- evaluation rollouts, policy_exact, revision metrics ---------------------------------------------------
@@ -449,6 +450,19 @@ def test_report_shows_evaluation_and_mismatch_or_says_there_is_none(run, eval_ru
     assert all(b.batch_id in page for b in run.events("trainer-batches"))
 
 
+def test_the_schema_is_stamped_and_a_dropped_view_is_made_again(tmp_path):
+    from replay.ingest import open_db
+
+    db = str(tmp_path / "s.duckdb")
+    con = open_db(db)
+    assert con.execute("SELECT value FROM _replay_meta WHERE key = 'schema'").fetchone() == (T.SCHEMA_DIGEST,)
+    con.execute("DROP VIEW v_lineage")
+    con.close()
+    con = open_db(db)  # stamped, but a view is missing: the schema is made again
+    assert con.execute("SELECT count(*) FROM v_lineage").fetchone() == (0,)
+    con.close()
+
+
 def test_an_older_database_gets_the_new_columns_with_their_defaults(run, tmp_path, capsys):
     from replay import tables as T
     from replay.audit import run_audit
@@ -459,6 +473,7 @@ def test_an_older_database_gets_the_new_columns_with_their_defaults(run, tmp_pat
     load_events(con, run.run_id, placed(flat(run)))
     for name in T.VIEWS:
         con.execute(f"DROP VIEW {name}")
+    con.execute("DELETE FROM _replay_meta WHERE key = 'schema'")  # older versions did not stamp their schema
     for table, col in (("steps", "policy_exact"), ("rollouts", "evaluation"), ("scores", "evaluation"),
                        ("policy_revisions", "metrics"), ("policy_revisions", "mismatch_mean")):
         con.execute(f"ALTER TABLE {table} DROP COLUMN {col}")
