@@ -1,11 +1,15 @@
 """Rollout -> TrainerBatch through verifier, credit and batcher (exactly-once) vs a raw 3-hop aiokafka pipe.
 
-    python -m benchmarks pipeline [--quick] [--rollouts N] [--tokens T] [--latency-rollouts M]
+    python -m benchmarks pipeline [--quick] [--rollouts N] [--tokens T] [--latency-rollouts M] [--layout L] [--rounds R]
 
 Broker: ROLLOUT_BOOTSTRAP_SERVERS, else the local one (streams.local_broker). Each run uses fresh topics
-(a random ROLLOUT_TOPIC_PREFIX). Both pipelines run in this one process (one event loop), so they get the
-same CPU and the same garbage-collector pace (``consumers.runner.tune_gc``, ROLLOUT_GC_THRESHOLD: it would
-speed the raw pipe up too); the broker gets the rest of the machine.
+(a random ROLLOUT_TOPIC_PREFIX). ``--layout`` decides where the workers run, the same for both sides:
+
+* ``process`` (default): the three services (one ``System``) and the raw pipe's three hops each share this one
+  event loop, so they get the same CPU and the same garbage-collector pace (``consumers.runner.tune_gc``,
+  ROLLOUT_GC_THRESHOLD: it would speed the raw pipe up too); the broker gets the rest of the machine.
+* ``processes``: each service and each raw hop in its own forked process, as compose deploys the services;
+  their start-up (topics check, clients, group join) is inside the clock on both sides, which starts at the fork.
 
 * throughput: N single-turn arithmetic rollouts (groups of 4, T completion tokens each, steps + rollouts)
   are written first, then the services start; the clock runs from start until every expected record is
@@ -29,8 +33,12 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any
 
 from streams.settings import MAX_MESSAGE_BYTES
@@ -177,7 +185,65 @@ async def _refusals(kw) -> dict[str, int]:
     return out
 
 
-async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int, rate: float) -> dict[str, Any]:
+class _Forked:
+    """Workers each in their own forked process (``--layout processes``): ``run(stop)`` is awaited in the child
+    until SIGTERM sets ``stop``; what it returns comes back from ``stop_all``."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        self._ctx = multiprocessing.get_context("fork")
+        self._children: dict[str, tuple[Any, Any]] = {}
+
+    def start(self, name: str, run: Callable[[asyncio.Event], Awaitable[dict[str, Any]]]) -> None:
+        parent_end, child_end = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(target=self._child, args=(run, child_end), name=name, daemon=True)
+        proc.start()
+        child_end.close()
+        self._children[name] = (proc, parent_end)
+
+    @staticmethod
+    def _child(run: Callable[[asyncio.Event], Awaitable[dict[str, Any]]], conn: Any) -> None:
+        import signal
+
+        async def main() -> dict[str, Any]:
+            stop = asyncio.Event()
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+            return await run(stop)
+
+        conn.send(asyncio.run(main()))
+
+    def cpu_s(self) -> float:
+        """CPU seconds the children have used so far (utime + stime from /proc)."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for proc, _ in self._children.values():
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        return total / ticks
+
+    async def stop_all(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name, (proc, conn) in self._children.items():
+            proc.terminate()
+            out[name] = await asyncio.to_thread(conn.recv) if await asyncio.to_thread(conn.poll, 60) else {}
+            await asyncio.to_thread(proc.join, 10)
+        return out
+
+
+async def _service(name: str, settings: Any, kw: dict[str, Any], stop: asyncio.Event) -> dict[str, Any]:
+    """One service until ``stop`` (a child of ``--layout processes``)."""
+    from consumers.runner import System
+
+    async with System((name,), settings, kw) as system:
+        system.processors[name].tick_s = 0.2
+        await stop.wait()
+        return {"transactions": system.processors[name].stats.transactions}
+
+
+async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int, rate: float,
+                         layout: str = "process") -> dict[str, Any]:
     os.environ["ROLLOUT_TOPIC_PREFIX"] = f"bench{uuid.uuid4().hex[:6]}."
     from consumers import testing
     from consumers.runner import System
@@ -195,12 +261,20 @@ async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int, ra
     await p.stop()
     await _produce(kw, msgs)
     settings = ServiceSettings(family=testing.FAMILY, batch_records=batch_records, flush_after_s=0.5)
-    async with System(("verifier", "credit", "batcher"), settings, kw) as system:
-        for proc in system.processors.values():
-            proc.tick_s = 0.2
+    names = ("verifier", "credit", "batcher")
+    forked = _Forked() if layout == "processes" else None
+    async with AsyncExitStack() as stack:
+        if forked is None:
+            system = await stack.enter_async_context(System(names, settings, kw))
+            for proc in system.processors.values():
+                proc.tick_s = 0.2
         t0, c0 = time.monotonic(), time.process_time()
+        if forked is not None:
+            for name in names:
+                forked.start(name, partial(_service, name, settings, kw))
         t1, _, batches, toks, nrec = await _batches_until(kw, n, 600)
-        cpu = time.process_time() - c0  # this process: the three services and the batch reader
+        # the services and the batch reader: this process, and the services' own processes if forked
+        cpu = time.process_time() - c0 + (forked.cpu_s() if forked else 0.0)
         tf = _batches_until.first  # type: ignore[attr-defined]
         thr = {"rollouts": nrec, "seconds": round(t1 - t0, 3), "rollouts_per_s": round(nrec / (t1 - t0), 1),
                "completion_tokens_per_s": round(toks / (t1 - t0)), "batches": batches,
@@ -219,11 +293,14 @@ async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int, ra
             lat = {"rate_rollouts_per_s": round(rate, 1), "p50_ms": _pct(lats, 0.5), "p99_ms": _pct(lats, 0.99),
                    "samples": len(lats), "hops_p50_ms": await _hops(kw, written)}
         ref = await _refusals(kw)
-        txns = {name: proc.stats.transactions for name, proc in system.processors.items()}
+        if forked is None:
+            txns = {name: proc.stats.transactions for name, proc in system.processors.items()}
+        else:
+            txns = {name: stats.get("transactions") for name, stats in (await forked.stop_all()).items()}
     return {"throughput": thr, "latency": lat, "dead_letters": ref, "transactions": txns}
 
 
-async def bench_raw(kw, n: int, tokens: int, m: int, rate: float) -> dict[str, Any]:
+async def bench_raw(kw, n: int, tokens: int, m: int, rate: float, layout: str = "process") -> dict[str, Any]:
     """Same step+rollout bytes through 3 plain consume->produce hops (at-least-once, no decoding)."""
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
@@ -238,7 +315,7 @@ async def bench_raw(kw, n: int, tokens: int, m: int, rate: float) -> dict[str, A
     total = len(msgs)
     stop = asyncio.Event()
 
-    async def hop(src: list[str], dst: str, gid: str) -> None:
+    async def hop(src: list[str], dst: str, gid: str, stop: asyncio.Event) -> dict[str, Any]:
         c = AIOKafkaConsumer(*src, **kw, group_id=gid, auto_offset_reset="earliest", enable_auto_commit=True,
                              max_partition_fetch_bytes=16 * 1024 * 1024)
         p = AIOKafkaProducer(**kw, linger_ms=5, max_request_size=MAX_MESSAGE_BYTES, max_batch_size=1024 * 1024,
@@ -255,14 +332,21 @@ async def bench_raw(kw, n: int, tokens: int, m: int, rate: float) -> dict[str, A
         finally:
             await c.stop()
             await p.stop()
+        return {}
 
-    tasks = [asyncio.create_task(hop([topics.STEPS.name, topics.ROLLOUTS.name], hops[0].name, prefix + "h1")),
-             asyncio.create_task(hop([hops[0].name], hops[1].name, prefix + "h2")),
-             asyncio.create_task(hop([hops[1].name], hops[2].name, prefix + "h3"))]
     c = AIOKafkaConsumer(hops[2].name, **kw, group_id=None, auto_offset_reset="earliest",
                          max_partition_fetch_bytes=16 * 1024 * 1024)
     await c.start()
+    runs = {"h1": partial(hop, [topics.STEPS.name, topics.ROLLOUTS.name], hops[0].name, prefix + "h1"),
+            "h2": partial(hop, [hops[0].name], hops[1].name, prefix + "h2"),
+            "h3": partial(hop, [hops[1].name], hops[2].name, prefix + "h3")}
     t0 = time.monotonic()
+    forked = _Forked() if layout == "processes" else None
+    if forked is None:
+        tasks = [asyncio.create_task(run(stop)) for run in runs.values()]
+    else:
+        for name, run in runs.items():
+            forked.start(name, run)
     count, nbytes, lats = 0, 0, []
     tf = None
     try:
@@ -296,9 +380,53 @@ async def bench_raw(kw, n: int, tokens: int, m: int, rate: float) -> dict[str, A
                    "samples": len(lats)}
     finally:
         await c.stop()
-        stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if forked is None:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        else:
+            await forked.stop_all()
     return {"throughput": thr, "latency": lat}
+
+
+def _summary(raw: dict[str, Any], svc: dict[str, Any], args: argparse.Namespace, n: int, m: int) -> dict[str, Any]:
+    ratio = raw["throughput"]["rollouts_per_s"] / max(svc["throughput"]["rollouts_per_s"], 1e-9)
+    steady_ratio = raw["throughput"]["steady_rollouts_per_s"] / max(svc["throughput"]["steady_rollouts_per_s"], 1e-9)
+    refused = sum(v for k, v in svc["dead_letters"].items() if k in ("StaleRecordError", "CrossFamilyMixError"))
+    return {
+        "benchmark": "pipeline", "layout": args.layout, "quick": args.quick, "rollouts": n, "latency_rollouts": m,
+        "completion_tokens_per_rollout": args.tokens, "batch_records": args.batch_records,
+        "services_rollouts_per_s": svc["throughput"]["rollouts_per_s"],
+        "services_completion_tokens_per_s": svc["throughput"]["completion_tokens_per_s"],
+        "services_p50_ms": svc["latency"].get("p50_ms"), "services_p99_ms": svc["latency"].get("p99_ms"),
+        "services_hops_p50_ms": svc["latency"].get("hops_p50_ms"),
+        "raw_rollouts_per_s": raw["throughput"]["rollouts_per_s"],
+        "raw_completion_tokens_per_s": raw["throughput"]["completion_tokens_per_s"],
+        "raw_p50_ms": raw["latency"].get("p50_ms"), "raw_p99_ms": raw["latency"].get("p99_ms"),
+        "raw_over_services": round(ratio, 2), "raw_over_services_steady": round(steady_ratio, 2),
+        "services_steady_completion_tokens_per_s": svc["throughput"]["steady_completion_tokens_per_s"], "target_ratio_max": 2.0, "target_tokens_per_s": 500000,
+        "latency_rate_rollouts_per_s": args.latency_rate, "refused_records": refused, "dead_letters": svc["dead_letters"],
+        "commit_interval_ms": int(os.environ.get("ROLLOUT_COMMIT_INTERVAL_MS") or 0),
+        "services_transactions": svc["transactions"],
+        "services_cpu_ms_per_rollout": svc["throughput"]["process_cpu_ms_per_rollout"], "load_avg_1m": round(os.getloadavg()[0], 1),
+        "machine": f"{os.cpu_count()} cpu, {platform.python_version()}",
+        "detail": {"services": svc, "raw": raw},
+    }
+
+
+def _medians(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several rounds (raw pipe, then services, each round on fresh topics): every plain figure is the rounds'
+    median, the rounds' own figures are listed, the rest is the last round's."""
+    out = dict(outs[-1])
+    for key, value in out.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(o[key] for o in outs if o[key] is not None)
+    out["rounds"] = [{k: o[k] for k in ROUND_KEYS} for o in outs]
+    out["detail"] = [o["detail"] for o in outs]
+    return out
+
+
+ROUND_KEYS = ("raw_over_services", "services_rollouts_per_s", "raw_rollouts_per_s", "services_p50_ms",
+              "services_p99_ms", "services_cpu_ms_per_rollout")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,6 +437,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-rollouts", type=int, default=None)
     ap.add_argument("--batch-records", type=int, default=64)
     ap.add_argument("--latency-rate", type=float, default=300.0, help="rollouts/s offered in the latency phase")
+    ap.add_argument("--layout", choices=("process", "processes"), default="process",
+                    help="process (default): every service, and every raw hop, on this one event loop; processes: "
+                         "each service and each raw hop in its own forked process, as compose deploys them")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of raw pipe then services, each on fresh topics; more than 1: every figure is the "
+                         "rounds' median, and each round's ratio is listed (the raw pipe's own speed moves 2x "
+                         "between minutes on a shared machine)")
     ap.add_argument("--commit-interval-ms", type=int, default=None,
                     help="the services' ROLLOUT_COMMIT_INTERVAL_MS (default: the environment's, else 0: commit "
                          "after every fetch); more: fewer, larger transactions, later outputs")
@@ -332,32 +467,17 @@ def main(argv: list[str] | None = None) -> int:
     tune_gc()  # before both sides, not only where System sets it for the services
 
     async def both():
-        raw = await bench_raw(kw, n, args.tokens, m, args.latency_rate)
-        svc = await bench_services(kw, n, args.tokens, m, args.batch_records, args.latency_rate)
+        raw = await bench_raw(kw, n, args.tokens, m, args.latency_rate, args.layout)
+        svc = await bench_services(kw, n, args.tokens, m, args.batch_records, args.latency_rate, args.layout)
         return raw, svc
 
-    raw, svc = asyncio.run(both())
-    ratio = raw["throughput"]["rollouts_per_s"] / max(svc["throughput"]["rollouts_per_s"], 1e-9)
-    steady_ratio = raw["throughput"]["steady_rollouts_per_s"] / max(svc["throughput"]["steady_rollouts_per_s"], 1e-9)
-    refused = sum(v for k, v in svc["dead_letters"].items() if k in ("StaleRecordError", "CrossFamilyMixError"))
-    out = {
-        "benchmark": "pipeline", "quick": args.quick, "rollouts": n, "latency_rollouts": m,
-        "completion_tokens_per_rollout": args.tokens, "batch_records": args.batch_records,
-        "services_rollouts_per_s": svc["throughput"]["rollouts_per_s"],
-        "services_completion_tokens_per_s": svc["throughput"]["completion_tokens_per_s"],
-        "services_p50_ms": svc["latency"].get("p50_ms"), "services_p99_ms": svc["latency"].get("p99_ms"),
-        "services_hops_p50_ms": svc["latency"].get("hops_p50_ms"),
-        "raw_rollouts_per_s": raw["throughput"]["rollouts_per_s"],
-        "raw_completion_tokens_per_s": raw["throughput"]["completion_tokens_per_s"],
-        "raw_p50_ms": raw["latency"].get("p50_ms"), "raw_p99_ms": raw["latency"].get("p99_ms"),
-        "raw_over_services": round(ratio, 2), "raw_over_services_steady": round(steady_ratio, 2),
-        "services_steady_completion_tokens_per_s": svc["throughput"]["steady_completion_tokens_per_s"], "target_ratio_max": 2.0, "target_tokens_per_s": 500000,
-        "latency_rate_rollouts_per_s": args.latency_rate, "refused_records": refused, "dead_letters": svc["dead_letters"],
-        "commit_interval_ms": int(os.environ.get("ROLLOUT_COMMIT_INTERVAL_MS") or 0),
-        "services_transactions": svc["transactions"],
-        "services_cpu_ms_per_rollout": svc["throughput"]["process_cpu_ms_per_rollout"], "load_avg_1m": round(os.getloadavg()[0], 1),
-        "machine": f"{os.cpu_count()} cpu, {platform.python_version()}",
-        "detail": {"services": svc, "raw": raw},
-    }
+    outs = []
+    for i in range(args.rounds):
+        outs.append(_summary(*asyncio.run(both()), args, n, m))
+        if args.rounds > 1:
+            o = outs[-1]
+            print(f"round {i + 1}: raw / services {o['raw_over_services']} (services {o['services_rollouts_per_s']}, "
+                  f"raw {o['raw_rollouts_per_s']} rollouts/s), p50 {o['services_p50_ms']} ms", flush=True)
+    out = outs[0] if len(outs) == 1 else _medians(outs)
     print(json.dumps(out))
     return 0
