@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -37,11 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 class Fleet:
     """Service processes: two instances per service, each restartable."""
 
-    def __init__(self, bootstrap: str, prefix: str, logdir: Path, services=("verifier", "credit", "batcher")):
+    def __init__(self, bootstrap: str, prefix: str, logdir: Path, services=("verifier", "credit", "batcher"),
+                 named: bool = True):
         self.env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix,
                     "ROLLOUT_SESSION_TIMEOUT_MS": "6000", "PYTHONPATH": str(ROOT),
                     "ROLLOUT_FAMILY": testing.FAMILY}  # a setting from the environment, as a deployment would
         self.logdir = logdir
+        self.named = named  # False: no --instance, so every process has a transactional id of its own
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
         self.services = services
         self.kills = Counter()
@@ -49,7 +52,7 @@ class Fleet:
     def start(self, svc: str, inst: str) -> None:
         log = open(self.logdir / f"{svc}-{inst}.log", "ab")
         self.procs[(svc, inst)] = subprocess.Popen(
-            [sys.executable, "-m", "consumers", "serve", svc, "--instance", inst,
+            [sys.executable, "-m", "consumers", "serve", svc, *(("--instance", inst) if self.named else ()),
              *(("--batch-records", "32", "--flush-after-s", "1") if svc == "batcher" else ())], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
 
     def start_all(self) -> None:
@@ -139,6 +142,93 @@ async def test_sigkill_two_instances_exactly_once(kafka_bootstrap, kafka_setting
                  for f in tmp_path.glob("*.log"))
     print(f"kills={dict(fleet.kills)} records={len(expected)} batches={len(recs)} missing={len(missing)} "
           f"duplicates={len(dupes)} zombie_transactions_fenced={fenced}")
+    assert not missing, f"{len(missing)} records never reached a batch"
+    assert not dupes, f"{len(dupes)} records in more than one batch"
+    assert set(got) == expected
+
+
+async def freeze_in_a_transaction(kw, topic: topics.Topic, procs: list[subprocess.Popen], tries: int = 2000) -> float:
+    """SIGSTOP ``procs`` at a moment one of them holds an open transaction on ``topic`` (records written, not
+    committed: a partition's high watermark is past its last stable offset, and stays so while they are frozen);
+    returns how many seconds it took, or raises if no transaction was caught. Otherwise they are resumed."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    committed = AIOKafkaConsumer(**kw, group_id=None, isolation_level="read_committed")
+    written = AIOKafkaConsumer(**kw, group_id=None, isolation_level="read_uncommitted")
+    await committed.start()
+    await written.start()
+    t0 = asyncio.get_running_loop().time()
+    try:
+        tps = [TopicPartition(topic.name, p) for p in range(topic.partitions)]
+
+        async def open_() -> bool:
+            lso, hw = await asyncio.gather(committed.end_offsets(tps), written.end_offsets(tps))
+            return any(hw[tp] > lso[tp] for tp in tps)
+
+        for _ in range(tries):
+            if await open_():
+                for p in procs:
+                    p.send_signal(signal.SIGSTOP)
+                await asyncio.sleep(0.5)
+                if await open_():
+                    return asyncio.get_running_loop().time() - t0
+                for p in procs:
+                    p.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.005)
+    finally:
+        await committed.stop()
+        await written.stop()
+    raise AssertionError(f"no open transaction on {topic.name} caught in {tries} tries")
+
+
+async def test_an_unnamed_instance_killed_in_a_transaction_is_taken_over_exactly_once(kafka_bootstrap, kafka_settings,
+                                                                                    monkeypatch, tmp_path):
+    """Instances started without --instance: a restarted one has a new transactional id, so it cannot abort the
+    transaction its killed predecessor left open. Both verifiers are frozen while one of them has a transaction
+    open (written, not committed), then killed, and two new unnamed ones start: the broker aborts the orphan
+    after ROLLOUT_TRANSACTION_TIMEOUT_MS (10 s, checked every 10 s), and until then the partitions' new owner
+    waits for the pending offsets (OffsetFetch require_stable, streams.group_offsets). Nothing may be lost or
+    doubled, only delayed."""
+    prefix = f"u{uuid.uuid4().hex[:8]}."
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
+    kw = kafka_settings.client_kwargs()
+    for svc in ("verifier", "credit", "batcher"):
+        await ensure_topics(SERVICES[svc], kw)
+    await publish_revision(kw, 0)
+    fleet = Fleet(kafka_bootstrap, prefix, tmp_path, named=False)
+    fleet.start_all()
+    expected: set[str] = set()
+    groups, per_chunk = 200, 5  # 800 rollouts, arriving all along, so the verifiers keep committing
+
+    async def seed() -> None:
+        for start in range(0, groups, per_chunk):
+            expected.update(await seed_groups(kw, per_chunk, start=start))
+            await asyncio.sleep(0.2)
+
+    try:
+        seeding = asyncio.create_task(seed())
+        await asyncio.sleep(3)  # the fleet has joined and is working
+        waited = await freeze_in_a_transaction(kw, topics.SCORES,
+                                               [fleet.procs[("verifier", i)] for i in "ab"])
+        for inst in "ab":
+            fleet.kill("verifier", inst)
+            fleet.start("verifier", inst)
+        await seeding
+        recs = await read_all(kw, topics.TRAINER_BATCHES.name,
+                              until=lambda rs: sum(batch_record_ids(rs).values()) >= len(expected), timeout_s=180)
+        await asyncio.sleep(3)  # anything extra (a duplicate) would show up now
+        recs = await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=3, timeout_s=60)
+    finally:
+        codes = fleet.stop_all()
+    got = batch_record_ids(recs)
+    took = [float(m) for f in tmp_path.glob("verifier-*.log")
+            for m in re.findall(r"verifier took over \[[^]]*\] in ([0-9.]+)s", f.read_text(errors="replace"))]
+    missing = expected - set(got)
+    dupes = {k: n for k, n in got.items() if n > 1}
+    print(f"open transaction caught after {waited:.1f} s; verifier take-overs {sorted(took)} s; records={len(expected)} "
+          f"batches={len(recs)} missing={len(missing)} duplicates={len(dupes)}")
+    assert set(codes.values()) == {0}, f"not a graceful SIGTERM shutdown: {codes}"
+    assert max(took) >= 2.0, "no take-over waited for the orphaned transaction"
     assert not missing, f"{len(missing)} records never reached a batch"
     assert not dupes, f"{len(dupes)} records in more than one batch"
     assert set(got) == expected
