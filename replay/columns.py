@@ -52,8 +52,11 @@ def _str_lists(values: Sequence[Sequence[str]]) -> pa.Array:
     return pa.array(values, type=T.STR_LIST)
 
 
+_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode  # json.dumps' output, one encoder for all
+
+
 def _json(values: Sequence[Any]) -> list[str]:
-    return [json.dumps(v, sort_keys=True, separators=(",", ":")) for v in values]
+    return [_JSON(v) for v in values]
 
 
 def _models_json(adapter: TypeAdapter, items: Sequence[Any]) -> str:
