@@ -81,6 +81,26 @@ class Fleet:
         return codes
 
 
+async def read_batches(kw, expected: set[str], timeout_s: float) -> list:
+    """The trainer batches once every expected record is in one, read again 3 s later (a duplicate would show)."""
+    await read_all(kw, topics.TRAINER_BATCHES.name,
+                   until=lambda rs: sum(batch_record_ids(rs).values()) >= len(expected), timeout_s=timeout_s)
+    await asyncio.sleep(3)
+    return await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=3, timeout_s=60)
+
+
+def check_exactly_once(expected: set[str], recs: list, **shown) -> None:
+    """Print the run's figures (``shown`` first), then fail on a record missing from the batches or in two."""
+    got = batch_record_ids(recs)
+    missing = expected - set(got)
+    doubled = sorted(k for k, n in got.items() if n > 1)
+    print(*(f"{k}={v}" for k, v in shown.items()), f"records={len(expected)} batches={len(recs)} "
+          f"missing={len(missing)} duplicates={len(doubled)}")
+    assert not missing, f"{len(missing)} records never reached a batch"
+    assert not doubled, f"{len(doubled)} records landed in two batches: {doubled[:4]}"
+    assert set(got) == expected
+
+
 async def test_sigkill_two_instances_exactly_once(kafka_bootstrap, kafka_settings, monkeypatch, tmp_path):
     prefix = f"k{uuid.uuid4().hex[:8]}."
     monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
@@ -126,25 +146,15 @@ async def test_sigkill_two_instances_exactly_once(kafka_bootstrap, kafka_setting
         await killing
         assert sum(n for k, n in fleet.kills.items() if not k.startswith("zombie")) >= 4, fleet.kills
         assert sum(n for k, n in fleet.kills.items() if k.startswith("zombie")) >= 2, fleet.kills
-        recs = await read_all(kw, topics.TRAINER_BATCHES.name,
-                              until=lambda rs: sum(batch_record_ids(rs).values()) >= len(expected), timeout_s=150)
-        await asyncio.sleep(3)  # anything extra (a duplicate) would show up now
-        recs = await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=3, timeout_s=60)
+        recs = await read_batches(kw, expected, timeout_s=150)
     finally:
         codes = fleet.stop_all()
-    got = batch_record_ids(recs)
     assert set(codes.values()) == {0}, f"not a graceful SIGTERM shutdown: {codes}"
     assert len(expected) == groups * 4
-    missing = expected - set(got)
-    dupes = {k: n for k, n in got.items() if n > 1}
     # transactions the group refused (a member whose partitions had moved: KIP-447's fence, streams.group_fencing)
     fenced = sum(f.read_text(errors="replace").count("refused the offsets of generation")
                  for f in tmp_path.glob("*.log"))
-    print(f"kills={dict(fleet.kills)} records={len(expected)} batches={len(recs)} missing={len(missing)} "
-          f"duplicates={len(dupes)} zombie_transactions_fenced={fenced}")
-    assert not missing, f"{len(missing)} records never reached a batch"
-    assert not dupes, f"{len(dupes)} records in more than one batch"
-    assert set(got) == expected
+    check_exactly_once(expected, recs, kills=dict(fleet.kills), zombie_transactions_fenced=fenced)
 
 
 async def freeze_in_a_transaction(kw, topic: topics.Topic, procs: list[subprocess.Popen], tries: int = 2000) -> float:
@@ -214,24 +224,14 @@ async def test_an_unnamed_instance_killed_in_a_transaction_is_taken_over_exactly
             fleet.kill("verifier", inst)
             fleet.start("verifier", inst)
         await seeding
-        recs = await read_all(kw, topics.TRAINER_BATCHES.name,
-                              until=lambda rs: sum(batch_record_ids(rs).values()) >= len(expected), timeout_s=180)
-        await asyncio.sleep(3)  # anything extra (a duplicate) would show up now
-        recs = await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=3, timeout_s=60)
+        recs = await read_batches(kw, expected, timeout_s=180)
     finally:
         codes = fleet.stop_all()
-    got = batch_record_ids(recs)
+    assert set(codes.values()) == {0}, f"not a graceful SIGTERM shutdown: {codes}"
     took = [float(m) for f in tmp_path.glob("verifier-*.log")
             for m in re.findall(r"verifier took over \[[^]]*\] in ([0-9.]+)s", f.read_text(errors="replace"))]
-    missing = expected - set(got)
-    dupes = {k: n for k, n in got.items() if n > 1}
-    print(f"open transaction caught after {waited:.1f} s; verifier take-overs {sorted(took)} s; records={len(expected)} "
-          f"batches={len(recs)} missing={len(missing)} duplicates={len(dupes)}")
-    assert set(codes.values()) == {0}, f"not a graceful SIGTERM shutdown: {codes}"
+    check_exactly_once(expected, recs, open_transaction_caught_after_s=round(waited, 1), verifier_take_overs_s=sorted(took))
     assert max(took) >= 2.0, "no take-over waited for the orphaned transaction"
-    assert not missing, f"{len(missing)} records never reached a batch"
-    assert not dupes, f"{len(dupes)} records in more than one batch"
-    assert set(got) == expected
 
 
 async def test_broker_restart_mid_run_exactly_once(monkeypatch, tmp_path):
@@ -270,10 +270,7 @@ async def test_broker_restart_mid_run_exactly_once(monkeypatch, tmp_path):
         # producer caught by the restart has to guess what committed (a wrong guess doubles the input), and
         # has no CommitWatch to re-commit a transaction the restart left hanging (streams/commits.py).
         expected |= await seed_groups(kw, 100, start=200)
-        recs = await read_all(kw, topics.TRAINER_BATCHES.name,
-                              until=lambda rs: sum(batch_record_ids(rs).values()) >= len(expected), timeout_s=180)
-        await asyncio.sleep(3)
-        recs = await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=3, timeout_s=60)
+        recs = await read_batches(kw, expected, timeout_s=180)
         seeded = Counter(codec.decode(r.value, Rollout).rollout_id
                          for r in await read_to_end(kw, topics.ROLLOUTS.name))
     finally:
@@ -282,7 +279,4 @@ async def test_broker_restart_mid_run_exactly_once(monkeypatch, tmp_path):
         await asyncio.to_thread(broker.down)
     # the input first: each rollout seeded once, so any doubling below is the services' doing
     assert max(seeded.values()) == 1, f"the test seeded {sum(n > 1 for n in seeded.values())} rollouts twice"
-    got = batch_record_ids(recs)
-    assert set(got) == expected, f"{len(expected - set(got))} records missing"
-    doubled = sorted(k for k, n in got.items() if n > 1)
-    assert not doubled, f"{len(doubled)} records landed in two batches: {doubled[:4]}"
+    check_exactly_once(expected, recs)
