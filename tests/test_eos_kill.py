@@ -101,15 +101,22 @@ def check_exactly_once(expected: set[str], recs: list, **shown) -> None:
     assert set(got) == expected
 
 
-async def test_sigkill_two_instances_exactly_once(kafka_bootstrap, kafka_settings, monkeypatch, tmp_path):
+async def start_fleet(bootstrap: str, kafka_settings, monkeypatch, tmp_path: Path, *, named: bool = True
+                      ) -> tuple[dict, Fleet]:
+    """Fresh topics (their own prefix), revision 0 published, and two instances of each service running."""
     prefix = f"k{uuid.uuid4().hex[:8]}."
     monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
     kw = kafka_settings.client_kwargs()
     for svc in ("verifier", "credit", "batcher"):
         await ensure_topics(SERVICES[svc], kw)
     await publish_revision(kw, 0)
-    fleet = Fleet(kafka_bootstrap, prefix, tmp_path)
+    fleet = Fleet(bootstrap, prefix, tmp_path, named=named)
     fleet.start_all()
+    return kw, fleet
+
+
+async def test_sigkill_two_instances_exactly_once(kafka_bootstrap, kafka_settings, monkeypatch, tmp_path):
+    kw, fleet = await start_fleet(kafka_bootstrap, kafka_settings, monkeypatch, tmp_path)
     rng = random.Random(1234)
     expected: set[str] = set()
     groups, per_chunk = 520, 20  # 2,080 rollouts
@@ -199,14 +206,7 @@ async def test_an_unnamed_instance_killed_in_a_transaction_is_taken_over_exactly
     after ROLLOUT_TRANSACTION_TIMEOUT_MS (10 s, checked every 10 s), and until then the partitions' new owner
     waits for the pending offsets (OffsetFetch require_stable, streams.group_offsets). Nothing may be lost or
     doubled, only delayed."""
-    prefix = f"u{uuid.uuid4().hex[:8]}."
-    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
-    kw = kafka_settings.client_kwargs()
-    for svc in ("verifier", "credit", "batcher"):
-        await ensure_topics(SERVICES[svc], kw)
-    await publish_revision(kw, 0)
-    fleet = Fleet(kafka_bootstrap, prefix, tmp_path, named=False)
-    fleet.start_all()
+    kw, fleet = await start_fleet(kafka_bootstrap, kafka_settings, monkeypatch, tmp_path, named=False)
     expected: set[str] = set()
     groups, per_chunk = 200, 5  # 800 rollouts, arriving all along, so the verifiers keep committing
 
