@@ -22,6 +22,7 @@ from schemas import codec
 from schemas.events import TrainingRecord
 from streams import topics
 from streams.serde import to_message
+from tests.test_eos_pipeline import read_to_end
 
 pytestmark = pytest.mark.integration
 
@@ -315,6 +316,11 @@ async def test_replay_while_services_are_live_leaves_their_groups_alone(log, tmp
         more = await service.getmany(timeout_ms=1000)
         assert sum(len(v) for v in more.values()) > 0
         await live.commit_transaction()
+        # EndTxn returns before the coordinator has written the commit markers: until they are on the log the
+        # last stable offset has not moved, and a replay started at once (one that opens its database quickly)
+        # would rightly read nothing new
+        for key in {k for k, _ in extra.transactions[1]}:
+            await read_to_end(log.client_kwargs(), default_topics()[key])
         r2 = await Replayer(db, log).run()
         assert r2.messages == len(extra.transactions[1])
         assert run_audit(db).ok
