@@ -232,6 +232,22 @@ class _Forked:
         return out
 
 
+class _Tasks:
+    """The same workers as tasks of this event loop (``--layout process``): ``run(stop)`` until ``stop_all``."""
+
+    def __init__(self) -> None:
+        self._stop = asyncio.Event()
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    def start(self, name: str, run: Callable[[asyncio.Event], Awaitable[dict[str, Any]]]) -> None:
+        self._tasks[name] = asyncio.create_task(run(self._stop), name=name)
+
+    async def stop_all(self) -> dict[str, dict[str, Any]]:
+        self._stop.set()
+        done = await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        return {name: r if isinstance(r, dict) else {} for name, r in zip(self._tasks, done)}
+
+
 async def _service(name: str, settings: Any, kw: dict[str, Any], stop: asyncio.Event) -> dict[str, Any]:
     """One service until ``stop`` (a child of ``--layout processes``)."""
     from consumers.runner import System
@@ -313,7 +329,6 @@ async def bench_raw(kw, n: int, tokens: int, m: int, rate: float, layout: str = 
     msgs = _messages(n, tokens)
     await _produce(kw, msgs)
     total = len(msgs)
-    stop = asyncio.Event()
 
     async def hop(src: list[str], dst: str, gid: str, stop: asyncio.Event) -> dict[str, Any]:
         c = AIOKafkaConsumer(*src, **kw, group_id=gid, auto_offset_reset="earliest", enable_auto_commit=True,
@@ -341,12 +356,9 @@ async def bench_raw(kw, n: int, tokens: int, m: int, rate: float, layout: str = 
             "h2": partial(hop, [hops[0].name], hops[1].name, prefix + "h2"),
             "h3": partial(hop, [hops[1].name], hops[2].name, prefix + "h3")}
     t0 = time.monotonic()
-    forked = _Forked() if layout == "processes" else None
-    if forked is None:
-        tasks = [asyncio.create_task(run(stop)) for run in runs.values()]
-    else:
-        for name, run in runs.items():
-            forked.start(name, run)
+    workers = _Forked() if layout == "processes" else _Tasks()
+    for name, run in runs.items():
+        workers.start(name, run)
     count, nbytes, lats = 0, 0, []
     tf = None
     try:
@@ -380,11 +392,7 @@ async def bench_raw(kw, n: int, tokens: int, m: int, rate: float, layout: str = 
                    "samples": len(lats)}
     finally:
         await c.stop()
-        if forked is None:
-            stop.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        else:
-            await forked.stop_all()
+        await workers.stop_all()
     return {"throughput": thr, "latency": lat}
 
 
