@@ -129,13 +129,19 @@ async def test_tampered_record_written_to_the_topic_is_caught(log, tmp_path):
     assert await asyncio.to_thread(main, ["audit", "--db", db]) == 1
 
 
-@pytest.mark.parametrize("flush_rows", [None, 5], ids=["default-flushes", "flushes-of-5-rows"])
-async def test_replay_is_idempotent_and_incremental(log, tmp_path, monkeypatch, flush_rows):
+@pytest.mark.parametrize("flush_rows, fetch_bytes", [(None, None), (5, None), (None, 1024)],
+                         ids=["default-flushes", "flushes-of-5-rows", "fetches-smaller-than-a-message"])
+async def test_replay_is_idempotent_and_incremental(log, tmp_path, monkeypatch, flush_rows, fetch_bytes):
     """Also with flushes cut every few rows of one event type (in the middle of a fetched batch, as at a whole
-    row group in a big run): the same database, nothing lost or doubled."""
+    row group in a big run), and with a fetch size below every message's (the broker still sends a whole first
+    record batch): the same database, nothing lost or doubled."""
     if flush_rows:
         monkeypatch.setattr(ingest, "FLUSH_ROWS", flush_rows)
+    if fetch_bytes:
+        monkeypatch.setattr(ingest, "FETCH_BYTES", fetch_bytes)
     run = generate_run(uuid.uuid4().hex, rounds=4, seed=3)
+    if fetch_bytes:
+        assert max(len(codec.encode(e)) for tx in run.transactions for _, e in tx) > fetch_bytes
     first, rest = run.transactions[:6], run.transactions[6:]
     await produce_run(log, run, first)
     a, fresh = str(tmp_path / "a.duckdb"), str(tmp_path / "fresh.duckdb")
