@@ -36,14 +36,8 @@ from replay import columns as C
 from replay import frames
 from replay import tables as T
 from schemas.errors import EventDecodeError
-from streams.settings import MAX_MESSAGE_BYTES
+from streams.settings import FETCH_MAX_BYTES, MAX_MESSAGE_BYTES
 
-# Bytes one fetch response brings at most (a bigger first record batch still comes whole: KIP-74). Each
-# response is read into fresh buffers and copied a few times on its way to records; at 64 MB those buffers were
-# mmap'd anew for every fetch (~100k page faults a 119 MB replay), at 4 MB glibc reuses them: 10-15% less CPU
-# for replay and the raw consume alike (benchmarks/RESULTS.md). A partition's own limit stays the largest
-# message, so any record batch fits it.
-FETCH_BYTES = 4 * 1024 * 1024
 NO_RUN = "?"  # the run of messages without a run_id header, as listed
 
 
@@ -153,7 +147,7 @@ def consumer_kwargs(settings: Any, **extra: Any) -> dict[str, Any]:
     kw = settings.client_kwargs()
     kw["client_id"] = f"{kw.get('client_id', 'rollout-log')}-replay"
     kw.update(group_id=None, enable_auto_commit=False, isolation_level="read_committed",
-              auto_offset_reset="earliest", fetch_max_bytes=FETCH_BYTES, max_partition_fetch_bytes=MAX_MESSAGE_BYTES,
+              auto_offset_reset="earliest", fetch_max_bytes=FETCH_MAX_BYTES, max_partition_fetch_bytes=MAX_MESSAGE_BYTES,
               fetch_max_wait_ms=50)
     kw.update(extra)
     return kw

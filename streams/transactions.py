@@ -46,7 +46,7 @@ from streams.batched_send import PartitionBatches
 from streams.changelog import Restorer, changelog_topic, encode_snapshot
 from streams.commits import CommitWatch, StallWatch, commit_again
 from streams.group_fencing import GroupFenced, GroupMember, fence_by_group, fence_error_seen
-from streams.settings import MAX_MESSAGE_BYTES, ProcessingSettings
+from streams.settings import FETCH_MAX_BYTES, MAX_MESSAGE_BYTES, ProcessingSettings
 
 log = logging.getLogger("rollout.eos")
 
@@ -161,7 +161,7 @@ class TransactionalProcessor:
         self.consumer = AIOKafkaConsumer(
             **self.kw, group_id=self.group_id, enable_auto_commit=False, isolation_level="read_committed",
             auto_offset_reset="earliest", partition_assignment_strategy=(RangePartitionAssignor,),
-            max_partition_fetch_bytes=MAX_MESSAGE_BYTES, fetch_max_bytes=64 * 1024 * 1024,
+            max_partition_fetch_bytes=MAX_MESSAGE_BYTES, fetch_max_bytes=FETCH_MAX_BYTES,
             session_timeout_ms=self.session_timeout_ms, heartbeat_interval_ms=min(1000, self.session_timeout_ms // 3),
             rebalance_timeout_ms=30000, max_poll_interval_ms=120000, fetch_max_wait_ms=self.settings.fetch_max_wait_ms)
         await self.consumer.start()
@@ -391,10 +391,24 @@ class TransactionalProcessor:
             tick = now - self._last_tick >= self.tick_s
             if tick:
                 self._last_tick = now
+                await self._past_lone_markers()
             due = {p for p in self.inbox if now - self.last_commit.get(p, 0.0) >= self.commit_interval_s}
             ps = due | (set(self.tasks) if tick else set())
             if ps and self.member is not None and self.producer is not None:
                 await self._transact(sorted(ps), tick)
+
+    async def _past_lone_markers(self) -> None:
+        """A fetch cut right after a transaction's last record brings its commit marker alone, in the next fetch:
+        the position moves past it with no record to process, so nothing would commit it (and `rollout status`
+        would show a lag of 1 on an idle service). With nothing waiting in a partition's inbox, everything between
+        its committed offset and the position is markers or aborted records: the tick's transaction commits it."""
+        assert self.consumer is not None
+        for p, offs in self.committed.items():
+            if p in self.tasks and not self.inbox.get(p):
+                for t, off in offs.items():
+                    pos = await self.consumer.position(TopicPartition(t, p))
+                    if pos > off:
+                        self.inbox_pos[p][t] = pos
 
     async def _transact(self, ps: list[int], tick: bool) -> None:
         """Process the inbox of ``ps`` (and their timers on a tick) and commit it all in one transaction."""
