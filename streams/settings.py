@@ -25,8 +25,9 @@ producer's ``max_request_size`` must agree on it, or a record the producer accep
 FETCH_MAX_BYTES = 4 * 1024 * 1024
 """The most one fetch response brings (a larger first record batch still comes whole: KIP-74); a partition's own
 limit is MAX_MESSAGE_BYTES. A response is read into fresh buffers and copied a few times on its way to records: at
-64 MB glibc mmap'd them anew for every fetch (~100,000 page faults to read 119 MB), at 4 MB it reuses them. Replay
-and its raw-consume baseline use ~30% less CPU, services ~4% (benchmarks/RESULTS.md)."""
+64 MB glibc mmap'd them anew for every fetch (~100,000 page faults to read 119 MB), at 4 MB it reuses them: replay
+and its raw-consume baseline use 10-30% less CPU; the services' benchmark moved within its noise
+(benchmarks/RESULTS.md), and each fetch holds 16x less memory."""
 
 
 class ProcessingSettings(BaseSettings):
