@@ -41,7 +41,7 @@ from contextlib import AsyncExitStack
 from functools import partial
 from typing import Any
 
-from streams.settings import FETCH_MAX_BYTES, MAX_MESSAGE_BYTES
+from streams.settings import FETCH_OPTIONS, MAX_MESSAGE_BYTES
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -332,7 +332,7 @@ async def bench_raw(kw, n: int, tokens: int, m: int, rate: float, layout: str = 
 
     async def hop(src: list[str], dst: str, gid: str, stop: asyncio.Event) -> dict[str, Any]:
         c = AIOKafkaConsumer(*src, **kw, group_id=gid, auto_offset_reset="earliest", enable_auto_commit=True,
-                             max_partition_fetch_bytes=MAX_MESSAGE_BYTES, fetch_max_bytes=FETCH_MAX_BYTES)  # as the services fetch
+                             **FETCH_OPTIONS)  # as the services fetch
         p = AIOKafkaProducer(**kw, linger_ms=5, max_request_size=MAX_MESSAGE_BYTES, max_batch_size=1024 * 1024,
                              enable_idempotence=True)
         await c.start()

@@ -36,7 +36,7 @@ from replay import columns as C
 from replay import frames
 from replay import tables as T
 from schemas.errors import EventDecodeError
-from streams.settings import FETCH_MAX_BYTES, MAX_MESSAGE_BYTES
+from streams.settings import FETCH_OPTIONS
 
 NO_RUN = "?"  # the run of messages without a run_id header, as listed
 
@@ -147,8 +147,7 @@ def consumer_kwargs(settings: Any, **extra: Any) -> dict[str, Any]:
     kw = settings.client_kwargs()
     kw["client_id"] = f"{kw.get('client_id', 'rollout-log')}-replay"
     kw.update(group_id=None, enable_auto_commit=False, isolation_level="read_committed",
-              auto_offset_reset="earliest", fetch_max_bytes=FETCH_MAX_BYTES, max_partition_fetch_bytes=MAX_MESSAGE_BYTES,
-              fetch_max_wait_ms=50)
+              auto_offset_reset="earliest", fetch_max_wait_ms=50, **FETCH_OPTIONS)
     kw.update(extra)
     return kw
 

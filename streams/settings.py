@@ -29,6 +29,9 @@ limit is MAX_MESSAGE_BYTES. A response is read into fresh buffers and copied a f
 and its raw-consume baseline use 10-30% less CPU; the services' benchmark moved within its noise
 (benchmarks/RESULTS.md), and each fetch holds 16x less memory."""
 
+FETCH_OPTIONS = {"fetch_max_bytes": FETCH_MAX_BYTES, "max_partition_fetch_bytes": MAX_MESSAGE_BYTES}
+"""The fetch sizes of every pipeline consumer (services, replay), as AIOKafkaConsumer keyword arguments."""
+
 
 class ProcessingSettings(BaseSettings):
     """What the transactional processor, the topics and the service supervisor read from the environment."""

@@ -46,7 +46,7 @@ from streams.batched_send import PartitionBatches
 from streams.changelog import Restorer, changelog_topic, encode_snapshot
 from streams.commits import CommitWatch, StallWatch, commit_again
 from streams.group_fencing import GroupFenced, GroupMember, fence_by_group, fence_error_seen
-from streams.settings import FETCH_MAX_BYTES, MAX_MESSAGE_BYTES, ProcessingSettings
+from streams.settings import FETCH_OPTIONS, MAX_MESSAGE_BYTES, ProcessingSettings
 
 log = logging.getLogger("rollout.eos")
 
@@ -161,8 +161,7 @@ class TransactionalProcessor:
         self.consumer = AIOKafkaConsumer(
             **self.kw, group_id=self.group_id, enable_auto_commit=False, isolation_level="read_committed",
             auto_offset_reset="earliest", partition_assignment_strategy=(RangePartitionAssignor,),
-            max_partition_fetch_bytes=MAX_MESSAGE_BYTES, fetch_max_bytes=FETCH_MAX_BYTES,
-            session_timeout_ms=self.session_timeout_ms, heartbeat_interval_ms=min(1000, self.session_timeout_ms // 3),
+            **FETCH_OPTIONS, session_timeout_ms=self.session_timeout_ms, heartbeat_interval_ms=min(1000, self.session_timeout_ms // 3),
             rebalance_timeout_ms=30000, max_poll_interval_ms=120000, fetch_max_wait_ms=self.settings.fetch_max_wait_ms)
         await self.consumer.start()
         self.consumer.subscribe(self.inputs, listener=_Listener(self))

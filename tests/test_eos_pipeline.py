@@ -164,10 +164,10 @@ THREE = ("verifier", "credit", "batcher")
 async def test_three_services_exactly_once(kafka_settings, prefix, monkeypatch, fetch_bytes):
     """Also with a fetch size below every message's: the broker still sends a whole first record batch."""
     from consumers.status import service_lag
-    from streams import transactions
+    from streams.settings import FETCH_OPTIONS
 
     if fetch_bytes:
-        monkeypatch.setattr(transactions, "FETCH_MAX_BYTES", fetch_bytes)
+        monkeypatch.setitem(FETCH_OPTIONS, "fetch_max_bytes", fetch_bytes)
     kw = kafka_settings.client_kwargs()
     cfg = ServiceSettings(family=testing.FAMILY, batch_records=32, flush_after_s=1.0)
     async with System(THREE, cfg, kw):

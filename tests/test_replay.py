@@ -22,6 +22,7 @@ from schemas import codec
 from schemas.events import TrainingRecord
 from streams import topics
 from streams.serde import to_message
+from streams.settings import FETCH_OPTIONS
 from tests.test_eos_pipeline import read_to_end
 
 pytestmark = pytest.mark.integration
@@ -138,7 +139,7 @@ async def test_replay_is_idempotent_and_incremental(log, tmp_path, monkeypatch, 
     if flush_rows:
         monkeypatch.setattr(ingest, "FLUSH_ROWS", flush_rows)
     if fetch_bytes:
-        monkeypatch.setattr(ingest, "FETCH_MAX_BYTES", fetch_bytes)
+        monkeypatch.setitem(FETCH_OPTIONS, "fetch_max_bytes", fetch_bytes)
     run = generate_run(uuid.uuid4().hex, rounds=4, seed=3)
     if fetch_bytes:
         assert max(len(codec.encode(e)) for tx in run.transactions for _, e in tx) > fetch_bytes
