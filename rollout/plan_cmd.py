@@ -78,7 +78,12 @@ def render(plan, rollout: str | None = None, seed: int = 0, members: list[str] |
            f"  max_off_policy_steps  {plan.max_off_policy_steps}   ({prov.get('max_off_policy_steps', '?')})",
            f"  max_async_level       {plan.max_async_level}   ({prov.get('max_async_level', '?')})",
            f"  algorithm             {_algorithm(plan.advantage)}",
-           "", "environments (training)"]
+           f"  max_steps             {plan.max_steps or 'none (until stopped)'}   ({prov.get('max_steps', '?')})",
+           f"  seq_len               {plan.seq_len or 'the server default'}   ({prov.get('seq_len', '?')})",
+           f"  trainer               {_kv(plan.trainer) if plan.trainer else 'the reference trainer defaults'}"]
+    if plan.served_model:
+        out.append(f"  served model          {plan.served_model}  (stands in for {plan.family})")
+    out += ["", "environments (training)"]
     out += [_env_line(e, plan.advantage) for e in plan.environments]
     if plan.eval_environments:
         out += ["", "environments (evaluation: scored, never trained)"]
@@ -122,4 +127,7 @@ def render(plan, rollout: str | None = None, seed: int = 0, members: list[str] |
                 + ", ".join(plan.passthrough_sampling)]
     out += ["", "ignored sections: " + (", ".join(plan.ignored_sections) or "none"),
             "ignored keys:     " + (", ".join(plan.ignored_keys) or "none")]
+    if plan.refused:
+        out += ["", "refused when a run starts (they change the run; nothing here applies them):"]
+        out += [f"  {r}" for r in plan.refused]
     return "\n".join(out)

@@ -120,6 +120,9 @@ class EnvSpec(Record):
     evaluation: bool = Field(default=False, description="an evaluation source: scored, never trained on")
     algorithm: AdvantageSpec | None = Field(default=None, description="this training source's algorithm")
     seats: dict[str, Seat] = Field(default_factory=dict, description="the environment's agent seats, by name")
+    env_table: dict[str, JsonValue] | None = Field(
+        default=None, description="the source's verifiers env table (prime-rl's ``env``) as written; resolved by "
+                                  "verifiers' own loader where the environment runs (producers.verifiers_loader)")
 
     @property
     def display_name(self) -> str:
@@ -144,6 +147,19 @@ class GenerationPlan(Record):
                                          description="prime-rl's token-based batching, when the recipe uses it")
     max_off_policy_steps: int = Field(ge=0)
     max_async_level: int = Field(default=DEFAULT_MAX_ASYNC_LEVEL, ge=0)
+    max_steps: int | None = Field(default=None, ge=1,
+                                  description="trained revisions after which the run stops (None: until stopped)")
+    seq_len: int | None = Field(default=None, ge=1, description="longest sample (prompt + completion) in tokens: "
+                                "the context length of the inference server the run starts")
+    trainer: dict[str, JsonValue] = Field(
+        default_factory=dict, description="the recipe's optimizer settings for the reference trainer (lr, "
+                                          "weight_decay); empty: the trainer's own defaults")
+    served_model: str | None = Field(
+        default=None, description="the weights that stand in for ``family`` where its own model cannot be served "
+                                  "here (``--model``); None: the family's own model")
+    refused: list[str] = Field(
+        default_factory=list, description="recipe keys that change the run and that nothing here applies, each "
+                                          "with why: the plan compiles (to be shown) but no run starts with it")
     advantage: AdvantageSpec = Field(default_factory=AdvantageSpec)
     ignored_sections: list[str] = Field(default_factory=list)
     ignored_keys: list[str] = Field(default_factory=list)
@@ -209,6 +225,10 @@ class GenerationPlan(Record):
     def trainable_members(self, member_ids: Iterable[str], rollout_id: str, seed: int) -> set[str]:
         return {m for m in member_ids if self.route(m, rollout_id, seed)[1]}
 
+    def group_size_of(self, env: EnvSpec) -> int:
+        """Rollouts per example for one source: its own ``group_size``, else the plan's."""
+        return int(env.options.get("group_size") or self.group_size)
+
     @property
     def learner(self) -> Target:
         return self.targets[LEARNER]
@@ -245,6 +265,12 @@ class GenerationPlan(Record):
         rows.append({"member": "*", "target": LEARNER, "trainable": True, "rule": "default (self-play)"})
         return rows
 
+
+
+def require_runnable(plan: GenerationPlan) -> None:
+    """Refuse to start a run whose recipe has keys that change the run and that nothing here applies."""
+    if plan.refused:
+        raise PlanError(f"{plan.source}: cannot run as written; not applied here: " + "; ".join(plan.refused))
 
 
 def credit_strategy(plan: GenerationPlan) -> tuple[str, dict[str, Any]]:

@@ -47,6 +47,7 @@ from typing import Any, Iterable
 
 from pydantic import ValidationError
 
+from schemas.recipe_keys import neutral_reason, refusals
 from schemas.plan import (DEFAULT_BATCH_SIZE, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ASYNC_LEVEL,
                           DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, AdvantageSpec, EnvSpec, GenerationPlan,
                           MemberRoute, PlanError, Seat, Target, TrainOne)
@@ -61,7 +62,7 @@ SAMPLING_KEYS = frozenset({
 SAMPLING_IGNORED = frozenset({"temp_scheduler"})  # the fork's orchestrator-side temperature schedule
 # prime-rl EnvConfig / TrainSourceConfig / EvalSourceConfig (configs/orchestrator.py).
 SOURCE_KEYS = frozenset({"env", "serve", "name", "ratio", "sampling", "group_size", "algo", "curriculum",
-                         "num_examples", "interval"})
+                         "num_examples", "interval", "select", "sampler", "skip_first_step"})
 # verifiers vf.EnvConfig base fields; any other table of env is a seat (an AgentConfig) or an env knob.
 ENV_BASE_KEYS = frozenset({"id", "taskset", "timeout", "retries", "max_concurrent_agents", "interception"})
 AGENT_KEYS = frozenset({"harness", "runtime", "model", "client", "sampling", "max_turns", "max_input_tokens",
@@ -73,8 +74,10 @@ ENV_OWNED = frozenset({"id", "name", "args", "sampling", "ratio"})
 ENV_PASSED = frozenset({"taskset", "harness", "num_workers", "address", "extra_env_kwargs", "max_retries",
                         "max_total_completion_tokens", "version", "score_rollouts", "num_examples",
                         "rollouts_per_example", "group_size", "interval"})
-TRAIN_OWNED = frozenset({"source", "env", "sampling"})
-EVAL_OWNED = frozenset({"source", "env", "sampling", "num_examples", "group_size", "rollouts_per_example",
+# [orchestrator.train]: prime-rl's newer shape also holds group_size, algo, select and sampler here.
+TRAIN_OWNED = frozenset({"source", "env", "sampling", "group_size", "algo", "select", "sampler"})
+EVAL_OWNED = frozenset({"source", "env", "sampling", "num_examples", "group_size", "rollouts_per_example", "select",
+                        "skip_first_step",
                         "interval"})
 MULTI_AGENT_KEYS = frozenset({"train_one", "fixed", "drop_judge", "routes"})
 TRAIN_ONE_KEYS = frozenset({"members", "unselected"})
@@ -83,11 +86,13 @@ CLIENT_OWNED = frozenset({"base_url", "api_key_var", "timeout"})
 MODEL_OWNED = frozenset({"name", "client"})
 # Scalar keys of the orchestrator scope (the [orchestrator] table, or the top level of an orchestrator-only file).
 ORCH_SCALARS = frozenset({"batch_size", "token_batch_size", "group_size", "rollouts_per_example",
-                          "max_off_policy_steps", "max_async_level"})
+                          "max_off_policy_steps", "max_async_level", "max_steps", "seq_len"})
 # Tables of the orchestrator scope the compiler reads.
 ORCH_TABLES = frozenset({"sampling", "env", "environment", "train", "eval", "algo", "advantage", "multi_agent",
                          "client", "model"})
-TOP_SCALARS_UNIFIED = frozenset({"max_off_policy_steps", "max_async_level"})
+TOP_SCALARS_UNIFIED = frozenset({"max_off_policy_steps", "max_async_level", "max_steps", "seq_len"})
+# The task samplers run here: prime-rl's standard one (cycle through the taskset, admit every group).
+STANDARD_SAMPLER = "standard"
 
 # prime-rl's algorithm types (configs/algorithm.py, the AlgoConfig union): their own keys, and what
 # runs them here. A mapped one names our credit strategy and its parameters; an unmapped one
@@ -120,6 +125,8 @@ class _Compiler:
         self.source = source
         self.ignored_sections: list[str] = []
         self.ignored_keys: list[str] = []
+        self.refused: list[str] = []
+        self.unified = True
         self.passthrough: list[str] = []
         self.provenance: dict[str, str] = {}
         self.targets: dict[str, Target] = {}
@@ -154,7 +161,12 @@ class _Compiler:
             self.ignore(_join(path, key), value)
 
     def ignore(self, path: str, value: Any) -> None:
-        (self.ignored_sections if isinstance(value, dict) or _is_table_list(value) else self.ignored_keys).append(path)
+        """A key the generation plan does not read: refused when it changes the run (``schemas.recipe_keys``),
+        else listed as not applicable here."""
+        refused = refusals(path, value, orchestrator_scope=not self.unified)
+        self.refused.extend(refused)
+        if not refused and neutral_reason(path, orchestrator_scope=not self.unified) is not None:
+            (self.ignored_sections if isinstance(value, dict) or _is_table_list(value) else self.ignored_keys).append(path)
 
     # -- typed readers -------------------------------------------------------------------------
 
@@ -254,7 +266,7 @@ class _Compiler:
         if not isinstance(data, dict):
             raise self.fail("<root>", "a plan is a TOML table")
         orch_table = self.table(data, "orchestrator", "")
-        unified = orch_table is not None
+        unified = self.unified = orch_table is not None
         if not unified and not {"train", "env", "environment"} & data.keys():
             raise PlanError(f"{self.source}: {_not_a_recipe(data)}, not a generation recipe: it has no "
                             "[orchestrator] part and no training sources ([[train.source]], [[env]], [environment])")
@@ -262,7 +274,7 @@ class _Compiler:
         op = "orchestrator" if unified else ""  # path prefix of the orchestrator scope
 
         if unified:
-            self.lenient(data, "", owned={"orchestrator", "model", *TOP_SCALARS_UNIFIED})
+            self.lenient(data, "", owned={"orchestrator", "model", *TOP_SCALARS_UNIFIED}, skip={"trainer"})
         self.lenient(orch, op, owned=ORCH_SCALARS | ORCH_TABLES)
 
         family, model_path = self._family(data, orch, op, unified)
@@ -275,6 +287,8 @@ class _Compiler:
         batch_size, token_batch_size = self._batching(orch, op)
         max_off, max_async = self._staleness(data, orch, op, unified)
         train_one, untrained = self._multi_agent(orch, op)
+        max_steps, seq_len = self._run_length(data, orch, op, unified)
+        trainer = self._trainer(data) if unified else {}
 
         try:
             return GenerationPlan(
@@ -282,6 +296,7 @@ class _Compiler:
                 train_one=train_one, untrained_members=untrained, environments=environments,
                 eval_environments=eval_environments, group_size=group_size, batch_size=batch_size,
                 token_batch_size=token_batch_size, max_off_policy_steps=max_off, max_async_level=max_async,
+                max_steps=max_steps, seq_len=seq_len, trainer=trainer, refused=self.refused,
                 advantage=advantage, ignored_sections=self.ignored_sections, ignored_keys=self.ignored_keys,
                 passthrough_sampling=self.passthrough, provenance={"family": model_path, **self.provenance})
         except ValidationError as exc:
@@ -330,7 +345,10 @@ class _Compiler:
     # -- algorithms ----------------------------------------------------------------------------
 
     def _top_algorithm(self, orch: dict, op: str) -> AdvantageSpec:
-        algo = self.table(orch, "algo", op), _join(op, "algo")
+        train = self.table(orch, "train", op)
+        algo = self.one_of((self.table(orch, "algo", op), _join(op, "algo")),
+                           (self.table(train, "algo", _join(op, "train")) if train is not None else None,
+                            _join(op, "train.algo"))) or (None, _join(op, "algo"))
         adv = self.table(orch, "advantage", op), _join(op, "advantage")
         self.one_of(algo, adv, why=" ([algo] is prime-rl's algorithm, [advantage] names a credit strategy)")
         if algo[0] is not None:
@@ -425,10 +443,16 @@ class _Compiler:
         path, read = self._sources(forms, "training", family, evaluation=False)
         if not read:
             raise self.fail(path, "no training source")
+        shared: dict[str, Any] = {}
+        if train is not None:
+            self._sampling_policy(train, tpath)
+            if "select" in train:
+                shared["select"] = self.table(train, "select", tpath)
         envs = []
         for p, t, env in read:
             algo = self.table(t, "algo", p) if path.endswith("source") else None
-            envs.append(env.model_copy(update={"algorithm": self._algo(algo, _join(p, "algo")) if algo else top}))
+            envs.append(env.model_copy(update={"algorithm": self._algo(algo, _join(p, "algo")) if algo else top,
+                                               "options": {**shared, **env.options}}))
         return envs
 
     def _eval_sources(self, orch: dict, op: str, family: str) -> list[EnvSpec]:
@@ -440,7 +464,10 @@ class _Compiler:
         group_sampling = self.sampling_of(ev, epath)
         defaults = {"num_examples": ev.get("num_examples", -1),
                     "group_size": ev.get("group_size", ev.get("rollouts_per_example", 1)),
-                    "interval": ev.get("interval", 100)}
+                    "interval": ev.get("interval", 100),
+                    "skip_first_step": self._bool(ev.get("skip_first_step", False), _join(epath, "skip_first_step"))}
+        if "select" in ev:
+            defaults["select"] = self.table(ev, "select", epath)
         forms = [(_join(epath, k), ev[k]) for k in ("source", "env") if k in ev]
         if not forms:
             raise self.fail(_join(epath, "source"), "an [eval] block needs at least one evaluation source "
@@ -493,9 +520,13 @@ class _Compiler:
         for key in ("group_size", "num_examples", "interval"):
             if key in src:
                 options[key] = self.integer(src[key], _join(path, key), -1 if key == "num_examples" else 1)
-        for key in ("serve", "curriculum"):
-            if key in src:
-                options[key] = src[key]
+        if "serve" in src:
+            options["serve"] = src["serve"]
+        if "select" in src:
+            options["select"] = self.table(src, "select", path)
+        if "skip_first_step" in src:
+            options["skip_first_step"] = self._bool(src["skip_first_step"], _join(path, "skip_first_step"))
+        self._sampling_policy(src, path)
         knobs: dict[str, Any] = {}
         seats: dict[str, Seat] = {}
         for key, value in env.items():
@@ -512,8 +543,31 @@ class _Compiler:
         if knobs:
             options["env"] = knobs
         return EnvSpec(id=full_id, name=name, args={k: v for k, v in taskset.items() if k != "id"},
-                       sampling=self.sampling_of(src, path),
+                       sampling=self.sampling_of(src, path), env_table=env,
                        options=options, evaluation=evaluation, seats=seats)
+
+    def _sampling_policy(self, table: dict, path: str) -> None:
+        """prime-rl's task sampler (``sampler``, or ``curriculum.sampler`` / ``curriculum.gates``): the standard
+        one (cycle through the taskset, admit every group) runs here; any other is refused when a run starts."""
+        cur = self.table(table, "curriculum", path) or {}
+        for key, value in (("sampler", table.get("sampler")), ("curriculum.sampler", cur.get("sampler"))):
+            if value is None:
+                continue
+            kind = value.get("type", STANDARD_SAMPLER) if isinstance(value, dict) else value
+            if kind != STANDARD_SAMPLER:
+                self.refused.append(f"{_join(path, key)}: task sampler {kind!r}: only prime-rl's standard sampler "
+                                    "runs here")
+        if cur.get("gates"):
+            self.refused.append(f"{_join(path, 'curriculum.gates')}: admission gates "
+                                f"({', '.join(sorted(cur['gates']))}): every finished group is admitted here")
+        extra = sorted(set(cur) - {"sampler", "gates"})
+        if extra:
+            self.refused.append(f"{_join(path, 'curriculum')}: keys {extra}: not applied by rollout-log")
+
+    def _bool(self, value: Any, field: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(field, f"expected true or false, got {_kind(value)} {value!r}")
+        return value
 
     def _seat(self, seat: str, spec: dict, path: str, family: str) -> Seat:
         """A verifiers AgentConfig: unpinned (or pinned to the learner's model) it is the learner, trainable;
@@ -588,14 +642,47 @@ class _Compiler:
         return DEFAULT_BATCH_SIZE, None
 
     def _group_size(self, orch: dict, op: str) -> int:
-        given = {k: self.integer(orch[k], _join(op, k), 1) for k in ("group_size", "rollouts_per_example") if k in orch}
+        """prime-rl's older ``group_size`` (or ``rollouts_per_example``) of the orchestrator, or the newer
+        ``[orchestrator.train] group_size``: both accepted, the one written applied, two that differ refused."""
+        train = orch.get("train") if isinstance(orch.get("train"), dict) else {}
+        scopes = [(train, _join(op, "train"), "group_size")] + [(orch, op, k) for k in ("group_size",
+                                                                                   "rollouts_per_example")]
+        given = {_join(p, k): self.integer(t[k], _join(p, k), 1) for t, p, k in scopes if k in t}
         if len(set(given.values())) > 1:
-            raise self.fail(_join(op, "group_size"), f"conflicts with rollouts_per_example ({given}); set one")
+            raise self.fail(next(iter(given)), f"group sizes conflict ({given}); set one")
         for key, value in given.items():
-            self.provenance["group_size"] = _join(op, key)
+            self.provenance["group_size"] = key
             return value
         self.provenance["group_size"] = "default"
         return DEFAULT_GROUP_SIZE
+
+    def _run_length(self, data: dict, orch: dict, op: str, unified: bool) -> tuple[int | None, int | None]:
+        """``max_steps`` (trained revisions; top level of an rl file or the orchestrator's) and ``seq_len``."""
+        out: list[int | None] = []
+        for key in ("max_steps", "seq_len"):
+            scopes = [(orch, op)] + ([(data, "")] if unified else [])
+            found = [(s[key], _join(p, key)) for s, p in scopes if s.get(key) is not None]
+            if len({v for v, _ in found}) > 1:
+                raise self.fail(found[1][1], f"conflicts with {found[0][1]} ({found[1][0]} != {found[0][0]}); set one")
+            out.append(self.integer(found[0][0], found[0][1], 1) if found else None)
+            self.provenance[key] = found[0][1] if found else "default"
+        return out[0], out[1]
+
+    def _trainer(self, data: dict) -> dict[str, Any]:
+        """The reference trainer's optimizer from ``[trainer.optim]`` (AdamW's lr and weight_decay); every other
+        trainer key is judged by ``schemas.recipe_keys`` (neutral, or refused)."""
+        trainer = self.table(data, "trainer", "")
+        if trainer is None:
+            return {}
+        optim = self.table(trainer, "optim", "trainer") or {}
+        kind = optim.get("type", "adamw")
+        if kind != "adamw":
+            self.refused.append(f"trainer.optim.type: optimizer {kind!r}: the reference trainer runs AdamW")
+        out = {k: self.number(optim[k], _join("trainer.optim", k)) for k in ("lr", "weight_decay") if k in optim}
+        for k, v in out.items():
+            self.provenance[f"trainer.{k}"] = f"trainer.optim.{k}"
+        self.ignore("trainer", {k: v for k, v in trainer.items()})
+        return out
 
     def _staleness(self, data: dict, orch: dict, op: str, unified: bool) -> tuple[int, int]:
         scopes = [(orch, op)] + ([(data, "")] if unified else [])

@@ -44,7 +44,8 @@ def test_legacy_orchestrator_only_recipe() -> None:
     assert plan.max_off_policy_steps == DEFAULT_MAX_OFF_POLICY_STEPS == 8
     assert plan.provenance["max_off_policy_steps"] == "default"
     assert plan.fixed_targets == {} and plan.train_one is None
-    assert set(plan.ignored_keys) == {"max_steps", "seq_len"}
+    assert plan.ignored_keys == [] and plan.refused == []
+    assert (plan.max_steps, plan.seq_len) == (500, 8192)  # applied: the run's length, the server's context
     target, trainable = plan.route("anyone", "r-1", 0)
     assert target.name == LEARNER and trainable
 
@@ -57,8 +58,8 @@ def test_unified_reverse_text_recipe() -> None:
     env = plan.environments[0]
     assert env.id == "reverse-text" and env.name == "reverse-text"  # id from taskset.id
     assert env.options["harness"] == {"id": "null", "runtime": {"type": "subprocess"}}
-    assert set(plan.ignored_sections) == {"deployment", "wandb", "trainer", "ckpt", "inference",
-                                          "orchestrator.renderer"}
+    assert set(plan.ignored_sections) == {"deployment", "wandb", "ckpt", "inference", "orchestrator.renderer"}
+    assert plan.trainer == {"lr": 3e-6} and plan.max_steps == 20 and plan.refused == []
 
 
 def test_debate_external_opponent_recipe() -> None:
@@ -76,8 +77,10 @@ def test_debate_external_opponent_recipe() -> None:
     assert plan.learner.timeout_s == 3600.0 and plan.learner.sampling == {"temperature": 1.0, "max_tokens": 8192}
     assert plan.advantage.type == "ema_per_member" and plan.advantage.params == {"momentum": 0.9}
     assert plan.group_size == 4 and plan.batch_size == 128
-    assert {"wandb", "ckpt", "trainer", "inference", "orchestrator.renderer"} <= set(plan.ignored_sections)
-    assert "orchestrator.oversampling_factor" in plan.ignored_keys
+    assert {"wandb", "ckpt", "inference", "orchestrator.renderer"} <= set(plan.ignored_sections)
+    # run-changing keys nothing here applies: refused when a run starts, never listed as ignored
+    assert any(r.startswith("orchestrator.oversampling_factor: ") for r in plan.refused)
+    assert "orchestrator.oversampling_factor" not in plan.ignored_keys
     [ev] = plan.eval_environments  # evaluation, not training
     assert ev.evaluation and ev.name == "gpqa-debate-eval" and ev.options["group_size"] == 2
     assert ev.options["num_examples"] == 32 and ev.options["interval"] == 25
@@ -109,7 +112,8 @@ def test_debate_selfplay_recipe() -> None:
     assert plan.selected_member("r", 1) is None
     assert plan.trainable_members(["debater_a", "debater_b", "judge"], "r", 1) == {"debater_a", "debater_b"}
     assert plan.route("judge", "r", 1) == (plan.learner, False)  # drop_judge: served, never trained
-    assert {"orchestrator.buffer", "orchestrator.val"} <= set(plan.ignored_sections)
+    assert {r.split(":")[0] for r in plan.refused} >= {"orchestrator.buffer.easy_threshold",
+                                                       "orchestrator.val.interval"}
     assert [e.name for e in plan.eval_environments] == ["gpqa-debate-eval"]
     assert plan.eval_environments[0].options["group_size"] == 2  # its rollouts_per_example
 
@@ -336,7 +340,7 @@ def test_cli_plan_prints_routes_and_ignored_sections(capsys: pytest.CaptureFixtu
     assert main(["plan", str(PEER / "rl-debate-external-opponent.toml"), "--rollout", "r-1", "--seed", "5"]) == 0
     out = capsys.readouterr().out
     assert "debater_a  learner | opponent  when selected  train_one" in out
-    assert "ignored sections: wandb, ckpt, trainer, inference, orchestrator.renderer" in out
+    assert "ignored sections: wandb, ckpt, inference, orchestrator.renderer" in out
     assert "environments (evaluation: scored, never trained)\n  gpqa-debate-eval: id gpqa-debate" in out
     plan = peer("rl-debate-external-opponent.toml")
     chosen = plan.selected_member("r-1", 5)
@@ -408,7 +412,9 @@ def test_sources_ratio_is_the_weight_and_eval_sources_are_evaluation() -> None:
         ("swe", "r2e-gym", 0.3), ("deepdive", "deepdive", 0.2), ("math", "i3_math", 0.3),
         ("logic", "i3_logic", 0.2), ("code", "i3_code", 0.2)]
     assert plan.environments[3].args == {"filter": {"max": 0.874}}  # taskset knobs are the env's args
-    assert "curriculum" in plan.environments[0].options
+    # its zero-advantage admission gates are not run here: refused when a run starts, named per source
+    assert "orchestrator.train.source[0].curriculum.gates: admission gates (zero_advantage): every finished " \
+           "group is admitted here" in plan.refused
     assert [(e.name, e.id) for e in plan.eval_environments] == [("swe-bench-verified", "swebench-verified"),
                                                                 ("aime2025", "aime25")]
     assert plan.eval_environments[0].options["interval"] == 25
