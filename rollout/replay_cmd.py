@@ -67,6 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--validate", choices=("auto", "yes", "no"), default="auto",
                    help="--format traces: check every line with verifiers' own Trace/Episode models "
                         "(auto: when verifiers 0.4 is installed)")
+    p.add_argument("--trace-format", choices=("0.4.0", "dev"), default="0.4.0",
+                   help="--format traces: the record verifiers 0.4.0 reads (default), or the one its development "
+                        "builds (0.4.1.dev*) write: Trace.dropped, per-token weight_versions, agent records as "
+                        "imported")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("import-traces", help="write a verifiers/prime-rl traces.jsonl onto the log as a run "
@@ -201,9 +205,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     validate = {"auto": None, "yes": True, "no": False}[args.validate]
     try:
-        n = write_traces(args.db, args.out, validate=validate, include_failed=not args.no_failed)
+        n = write_traces(args.db, args.out, validate=validate, include_failed=not args.no_failed,
+                         fmt=getattr(args, "trace_format", "0.4.0"))
     except ImportError as e:
-        return _fail("export", f"--validate yes needs verifiers 0.4 ({e})", 2)
+        return _fail("export", f"--validate yes needs verifiers of the chosen --trace-format ({e})", 2)
     print(f"wrote {n} episodes to {args.out}")
     return 0
 
