@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from schemas.events import ChatMessage, Rollout, Step, TrainingRecord
-from schemas.policy import CheckpointRef, PolicyRef, PolicyRevision
+from schemas.policy import CheckpointRef, PolicyRef, PolicyRevision, family_slug
 from schemas.scoring import ScoringSpec
 
 FAMILY = "tiny"
@@ -20,7 +20,7 @@ ENV = "arith@1"
 
 
 def fake_checkpoint(family: str, revision: int) -> CheckpointRef:
-    return CheckpointRef(uri=f"file:///tmp/{family}-r{revision}.pt",
+    return CheckpointRef(uri=f"file:///tmp/{family_slug(family)}-r{revision}.pt",
                          digest=hashlib.sha256(f"{family}/{revision}".encode()).hexdigest())
 
 

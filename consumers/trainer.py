@@ -103,7 +103,9 @@ class TinyPolicy:
 
     @staticmethod
     def remove(ref: CheckpointRef) -> None:
-        Path(ref.uri.removeprefix("file://")).unlink(missing_ok=True)
+        from policy.checkpoint import checkpoint_path
+
+        checkpoint_path(ref).unlink(missing_ok=True)
 
     @staticmethod
     def logprobs(model: Any, t: TrainerTensors) -> torch.Tensor:
@@ -132,7 +134,9 @@ class HFPolicy:
     def remove(ref: CheckpointRef) -> None:
         import shutil
 
-        shutil.rmtree(Path(ref.uri.removeprefix("file://")).parent, ignore_errors=True)  # the revision's folder
+        from policy.hf import checkpoint_folder
+
+        shutil.rmtree(checkpoint_folder(ref), ignore_errors=True)  # the revision's folder
 
     @staticmethod
     def logprobs(model: Any, t: TrainerTensors) -> torch.Tensor:
@@ -159,8 +163,9 @@ class ReferenceTrainer:
     def __init__(self, model: Any, family: str, revision: int, checkpoint_dir: str | Path, *, lr: float = 1e-3,
                  clip: float = 0.2, max_grad_norm: float = 1.0, epochs: int = 1,
                  kind: type[TinyPolicy] | type[HFPolicy] = TinyPolicy, keep_revisions: int = 3,
-                 keep_checkpoints: int = 0) -> None:
+                 keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None) -> None:
         self.model = model
+        self.served_model = served_model  # stamped on every revision this trainer publishes
         self.family = family
         self.revision = revision
         self.dir = Path(checkpoint_dir)
@@ -178,7 +183,7 @@ class ReferenceTrainer:
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self._probe: Any = None
         self._snapshot()
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0) if kind is HFPolicy \
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay) if kind is HFPolicy \
             else torch.optim.Adam(model.parameters(), lr=lr)
 
     def loss(self, t: TrainerTensors, denom: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -268,6 +273,7 @@ class ReferenceTrainer:
         ref = self.kind.save(self.model, self.dir, self.family, nxt)
         rev = PolicyRevision(run_id=run_id, producer=producer, family=self.family, revision=nxt, checkpoint=ref,
                              parent_revision=self.revision, batch_id=batch.batch_id if batch else None,
+                             served_model=self.served_model,
                              batch_digest=batch.batch_digest if batch else None,
                              metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)})
         self.revision = nxt
@@ -278,16 +284,21 @@ class ReferenceTrainer:
         return rev
 
 
-def initial_revision(family: str, checkpoint_dir: str | Path, *, seed: int = 0, run_id: str = "run") -> PolicyRevision:
-    """Revision 0 of a family: the packaged HF model as prepared (``policy.hf.FAMILY``), else the tiny model's
-    seeded init written to ``checkpoint_dir``; with its digest either way."""
-    from policy import hf
+def initial_revision(family: str, checkpoint_dir: str | Path, *, seed: int = 0, run_id: str = "run",
+                     served: Any = None) -> PolicyRevision:
+    """Revision 0 of a family: the weights ``served`` names (``policy.served.ServedModel``: the family's own HF
+    model, a local HF folder, or the packaged model standing in for it, and its note), else the packaged HF
+    model for ``policy.hf.FAMILY`` and the tiny model's seeded init (written to ``checkpoint_dir``) for any other
+    family; with its digest either way."""
+    from policy.served import PACKAGED_NAMES, served_model
 
-    if family == hf.FAMILY:
-        ref = hf.prepare_model().checkpoint
-    else:
+    if served is None and family in PACKAGED_NAMES:
+        served = served_model(family)
+    ref = served.checkpoint() if served is not None else None
+    if ref is None:
         from policy.checkpoint import save_checkpoint
         from policy.model import PolicyModel
 
         ref = save_checkpoint(PolicyModel.from_seed(seed), checkpoint_dir, family, 0)
-    return PolicyRevision(run_id=run_id, producer="trainer", family=family, revision=0, checkpoint=ref)
+    return PolicyRevision(run_id=run_id, producer="trainer", family=family, revision=0, checkpoint=ref,
+                          served_model=served.note if served is not None else None)

@@ -5,7 +5,9 @@
     model = load_checkpoint("ckpt/tiny-r000003.pt")   # a bare path: loaded, not verified
 
 The file is a ``torch.save`` of ``{"format": 1, "family", "revision", "config", "state_dict"}``;
-the digest is of the file's bytes exactly as written.
+the digest is of the file's bytes exactly as written. Its name is ``checkpoint_stem(family, revision)`` + ``.pt``:
+the family's ``schemas.policy.family_slug`` (``org/name`` -> ``org--name``), so a family named as Hugging Face
+names models is one file in ``directory``, never a sub-folder; the family inside the file is the family itself.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import torch
 
 from policy.model import ModelConfig, PolicyModel
 from schemas.errors import ContractError
-from schemas.policy import CheckpointRef
+from schemas.policy import CheckpointRef, family_slug
 
 FORMAT = 1
 
@@ -28,8 +30,14 @@ class CheckpointDigestError(ContractError):
     """The checkpoint's bytes do not hash to the digest its reference names."""
 
 
+def checkpoint_stem(family: str, revision: int) -> str:
+    """``<family_slug>-r<revision:06d>``: the name of a revision's checkpoint, without its extension (the tiny
+    model adds ``.pt``, an HF model's folder is this name), for every kind of checkpoint."""
+    return f"{family_slug(family)}-r{int(revision):06d}"
+
+
 def checkpoint_filename(family: str, revision: int) -> str:
-    return f"{family}-r{revision:06d}.pt"
+    return checkpoint_stem(family, revision) + ".pt"
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -56,7 +64,7 @@ def save_checkpoint(model: PolicyModel, directory: str | os.PathLike, family: st
 def checkpoint_path(ref_or_path: CheckpointRef | str | os.PathLike) -> Path:
     uri = ref_or_path.uri if isinstance(ref_or_path, CheckpointRef) else os.fspath(ref_or_path)
     if uri.startswith("file://"):
-        return Path(urlparse(uri).path)
+        return Path(unquote(urlparse(uri).path))  # Path.as_uri() percent-encodes (a space, a %, non-ASCII)
     if "://" in uri:
         raise ValueError(f"only local file checkpoints are supported, got {uri!r}")
     return Path(uri)

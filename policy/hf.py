@@ -5,9 +5,10 @@ from the machines this runs on. ``prepare_model()`` turns it once into an HF saf
 cache outside git (``~/.cache/rollout-log/models/SmolLM2-135M-Instruct``, or ``$ROLLOUT_MODEL_DIR``) that
 vLLM and the trainer both load; the SHA-256 of ``model.safetensors`` is its digest, kept beside it.
 
-Checkpoints are folders ``<family>-r<revision>/`` holding ``model.safetensors`` and ``config.json``: the
-folder is what vLLM's ``reload_weights`` reads, the safetensors file is what the ``CheckpointRef`` points
-at and what its digest is of.
+Checkpoints are folders ``<family_slug>-r<revision>/`` (``policy.checkpoint.checkpoint_stem``; ``org/name``
+is written ``org--name-r<revision>``) holding ``model.safetensors`` and ``config.json``: the folder is what
+vLLM's ``reload_weights`` reads, the safetensors file is what the ``CheckpointRef`` points at and what its
+digest is of.
 """
 
 from __future__ import annotations
@@ -129,12 +130,13 @@ def load_model(ref: CheckpointRef | str | os.PathLike, *, config_dir: str | os.P
 
 
 def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revision: int) -> CheckpointRef:
-    """Write ``<family>-r<revision>/`` (bf16 safetensors + config) atomically; the ref's digest is the file's."""
+    """Write ``<family_slug>-r<revision>/`` (bf16 safetensors + config) atomically in ``directory`` (created if
+    missing); the ref's digest is the file's. The family itself is kept in the metadata and ``revision.json``."""
     import torch
 
-    from policy.checkpoint import file_sha256
+    from policy.checkpoint import checkpoint_stem, file_sha256
 
-    folder = Path(directory) / f"{family}-r{revision:06d}"
+    folder = Path(directory) / checkpoint_stem(family, revision)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}

@@ -52,11 +52,11 @@ class SyntheticRun:
         return out
 
 
-def _revision(run_id: str, rev: int, batch: TrainerBatch | None = None) -> PolicyRevision:
-    digest = hashlib.sha256(f"{run_id}/{FAMILY}/{rev}".encode()).hexdigest()
+def _revision(run_id: str, rev: int, batch: TrainerBatch | None = None, family: str = FAMILY) -> PolicyRevision:
+    digest = hashlib.sha256(f"{run_id}/{family}/{rev}".encode()).hexdigest()
     metrics = {"loss": 1.0 / (rev + 1), "mismatch_mean": 0.01 * rev, "mismatch_max": 0.1 * rev,
                "mismatch_tokens": 100.0 * rev} if rev else {}
-    return PolicyRevision(run_id=run_id, producer="trainer", family=FAMILY, revision=rev,
+    return PolicyRevision(run_id=run_id, producer="trainer", family=family, revision=rev,
                           checkpoint=CheckpointRef(uri=f"file:///ckpt/{run_id}/r{rev}.pt", digest=digest),
                           parent_revision=rev - 1 if rev else None, metrics=metrics,
                           batch_id=batch.batch_id if batch else None, batch_digest=batch.batch_digest if batch else None)
@@ -65,11 +65,13 @@ def _revision(run_id: str, rev: int, batch: TrainerBatch | None = None) -> Polic
 def generate_run(run_id: str, *, rounds: int = 3, groups: int = 3, group_size: int = 4, prompt_tokens: int = 32,
                  completion_tokens: int = 48, max_off_policy_steps: int = 1, seed: int = 0,
                  environments: Sequence[str] = ("arithmetic", "debate", "proposer_solver"),
-                 tag: str | None = None, eval_questions: int = 0, inexact: bool = False) -> SyntheticRun:
-    """``tag`` (default: the run id's first 8 characters) goes into every generated id."""
+                 tag: str | None = None, eval_questions: int = 0, inexact: bool = False,
+                 family: str = FAMILY) -> SyntheticRun:
+    """``tag`` (default: the run id's first 8 characters) goes into every generated id; ``family``: the learner's
+    model family (e.g. ``org/name``, as Hugging Face names models)."""
     rng = np.random.default_rng(seed)
     run = SyntheticRun(run_id)
-    revisions = [_revision(run_id, 0)]
+    revisions = [_revision(run_id, 0, family=family)]
     run.transactions.append([("policy-revisions", revisions[0])])
     counter = 0
 
@@ -195,7 +197,7 @@ def generate_run(run_id: str, *, rounds: int = 3, groups: int = 3, group_size: i
         batch = assemble_batch(records, current, max_off_policy_steps, run_id=run_id, producer="batcher",
                                causation_id=records[0].event_id)
         run.transactions.append([("trainer-batches", batch)])
-        revisions.append(_revision(run_id, current.revision + 1, batch))
+        revisions.append(_revision(run_id, current.revision + 1, batch, family))
         run.transactions.append([("policy-revisions", revisions[-1])])
     return run
 

@@ -9,7 +9,8 @@ trainer-batches and dead-letters topics from the beginning, ``read_committed`` a
 reads the services' consumer lag from the broker every few seconds (``consumers.status``). The page polls
 ``/api/state`` and swaps the values into Vega-Lite charts drawn once (``/api/charts``: specs built with Altair,
 rendered by vega-embed served from vl-convert's bundle: no CDN, it works offline).
-``/api/lineage/FAMILY/REVISION``: revision -> batch -> records -> rollouts.
+``/api/lineage/FAMILY/REVISION``: revision -> batch -> records -> rollouts (FAMILY percent-encoded; it may hold
+``/``, as in ``org/name``).
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ def create_app(client_kwargs: dict[str, Any], *, prefix: str, run_id: str | None
     def api_charts() -> dict[str, Any]:
         return chart_specs()
 
-    @app.get("/api/lineage/{family}/{revision}")
+    # ``:path``: a family named as Hugging Face names models (``org/name``) holds a slash; the page sends it
+    # percent-encoded, the server decodes it before routing, and the revision is the last segment
+    @app.get("/api/lineage/{family:path}/{revision}")
     def api_lineage(family: str, revision: int) -> dict[str, Any]:
         got = state.lineage(family, revision)
         if got is None:
@@ -277,7 +280,7 @@ async function update(name, values) {
   }
 }
 async function lineage(family, revision) {
-  const r = await fetch(`/api/lineage/${family}/${revision}`);
+  const r = await fetch(`/api/lineage/${encodeURIComponent(family)}/${revision}`);
   const el = document.getElementById("lineage");
   if (!r.ok) { el.innerHTML = `<p class="bad">${esc((await r.json()).detail)}</p>`; return; }
   const l = await r.json(), b = l.batch;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import ClassVar
 
@@ -12,6 +13,37 @@ from schemas.errors import MissingCheckpointError
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 TINY_FAMILY = "tiny-byte-lm"  # the built-in byte-level model: the family a plan-less service or server assumes
+
+# a family named as Hugging Face names models (``org/name``) whose parts are HF-valid: word characters, ``.`` and
+# ``-``, starting and ending with a word character, no ``--`` or ``..`` (HF's own rules for repo ids)
+_HF_PART = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+SLUG_MAX = 128
+
+
+def family_slug(family: str) -> str:
+    """The family as a name that is safe in a file or folder name, a Kafka topic / group / transactional id, a
+    URL path segment and an HTML id: only ``[A-Za-z0-9._-]``. The family itself (``PolicyRef.family``, in every
+    event) never changes; anything that *names* something after it reads this, and only this.
+
+    * a family that is already one safe name (``tiny-byte-lm``, ``SmolLM2-135M-Instruct``) is itself;
+    * ``org/name`` (HF-valid parts) becomes ``org--name``, as Hugging Face's own cache names a repo
+      (``models--org--name``). HF ids cannot hold ``--``, and no part starts or ends with ``-``, so distinct
+      such families get distinct slugs;
+    * anything else (other characters, ``--``, ``..``, an empty part, a leading ``.`` or ``-``) has each unsafe
+      character replaced (``/`` by ``--``, the others by ``-``) and the first 10 hex digits of the family's
+      SHA-256 appended, so two families that clean up alike still differ (leading and trailing ``.``/``-``
+      dropped: never a hidden file, an option or ``..``); so does a slug over ``SLUG_MAX`` characters, cut short.
+    """
+    if not family:
+        raise ValueError("a model family is never empty")
+    parts = family.split("/")
+    clean = all(_HF_PART.fullmatch(p) and "--" not in p and ".." not in p for p in parts)
+    slug = "--".join(_UNSAFE.sub("-", p) for p in parts)
+    if clean and len(slug) <= SLUG_MAX:
+        return slug
+    base = slug[:SLUG_MAX - 11].strip(".-") or "family"  # never hidden, never read as an option, never ``..``
+    return f"{base}-{hashlib.sha256(family.encode()).hexdigest()[:10]}"
 
 
 class CheckpointRef(Record):
@@ -45,6 +77,9 @@ class PolicyRevision(Event):
         "the TrainerBatch this revision was trained on (one optimizer step from parent_revision); None for a "
         "revision no batch made (revision 0)"))
     batch_digest: str | None = Field(default=None, description="that batch's batch_digest, as the trainer read it")
+    served_model: str | None = Field(default=None, description=(
+        "the weights that stand for this family when its own model cannot be served here (e.g. the packaged "
+        "SmolLM2 in place of a recipe's model), or a local folder they were loaded from; None: the family's own"))
     metrics: dict[str, float] = Field(default_factory=dict, description=(
         "the training step that made this revision: loss, clip fraction, step seconds, and the trainer-inference "
         "logprob mismatch (mean/max |logprob(trainer) - logprob(inference)| over the batch's tokens, each "

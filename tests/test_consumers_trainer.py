@@ -198,3 +198,167 @@ def test_the_trainer_keeps_only_the_newest_checkpoints_when_asked(tmp_path):
     kept = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert kept == [Path(r.checkpoint.uri.removeprefix("file://")).name for r in revs[-2:]]
     assert (tmp_path / "r0").exists() and any((tmp_path / "r0").iterdir())  # never one it did not write
+
+
+# -- a family named as Hugging Face names models (org/name) -------------------------------------------------
+HF_FAMILY = "org/tiny-byte-lm"
+
+
+class _Rec:
+    topic, partition, headers = "tb", 0, []
+
+    def __init__(self, offset, value, key=HF_FAMILY.encode()):
+        self.offset, self.value, self.key = offset, value, key
+
+
+async def test_an_org_slash_name_family_trains_with_flat_checkpoints_found_verified_and_pruned(tmp_path):
+    """The trainer service's path with family ``org/tiny-byte-lm``: revision 0 and every trained revision are one
+    file each in the checkpoint directory (``org--tiny-byte-lm-r<N>.pt``, no ``org/`` folder, the directory created
+    as in the demo), the first batch's target is found there by name and digest-checked, older ones are pruned
+    (keep_checkpoints), a restarted trainer resumes from the newest file, and a file whose bytes changed is
+    refused. The family stays ``org/tiny-byte-lm`` in every event and inside every file."""
+    from schemas import codec
+    from schemas.policy import PolicyRevision
+    from policy.checkpoint import CheckpointDigestError, checkpoint_path, load_checkpoint_info
+
+    ck = tmp_path / "run" / "checkpoints"  # not there yet
+    rev0 = initial_revision(HF_FAMILY, ck, seed=0)
+    p0 = checkpoint_path(rev0.checkpoint)
+    assert rev0.family == HF_FAMILY and p0 == ck.resolve() / "org--tiny-byte-lm-r000000.pt"
+    assert file_sha256(p0) == rev0.checkpoint.digest
+    assert load_checkpoint_info(rev0.checkpoint)[1]["family"] == HF_FAMILY
+
+    task = TrainerTask(0, HF_FAMILY, ck, keep_checkpoints=2)  # no target_checkpoint: finds r0 by its name
+    target: PolicyRevision = rev0
+    revs: list[PolicyRevision] = []
+    for k in range(4):
+        recs = [testing.training_record(10 * k + i, family=HF_FAMILY, revision_=k, reward=float(i % 2))
+                for i in range(4)]
+        outs = await task.process(_Rec(k, codec.encode(batch_of(recs, target))))
+        (target,) = [o.event for o in outs if isinstance(o.event, PolicyRevision)]
+        revs.append(target)
+    assert [r.revision for r in revs] == [1, 2, 3, 4] and {r.family for r in revs} == {HF_FAMILY}
+    assert all(r.batch_id.startswith(f"{HF_FAMILY}-r{r.revision - 1}-") for r in revs)
+    # flat: no folder per org; r0 (not written by this trainer) kept, r1 and r2 pruned, r3 and r4 kept
+    assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == [
+        "run", "run/checkpoints", "run/checkpoints/org--tiny-byte-lm-r000000.pt",
+        "run/checkpoints/org--tiny-byte-lm-r000003.pt", "run/checkpoints/org--tiny-byte-lm-r000004.pt"]
+    for r in revs[-2:]:
+        path = checkpoint_path(r.checkpoint)
+        assert path.parent == ck.resolve() and file_sha256(path) == r.checkpoint.digest
+        assert load_checkpoint_info(r.checkpoint)[1] == {"family": HF_FAMILY, "revision": r.revision,
+                                                         "digest": r.checkpoint.digest}
+
+    # restarted from its snapshot state: resumes from r4's file (digest checked on load), trains r5
+    task2 = TrainerTask(0, HF_FAMILY, ck, keep_checkpoints=2)
+    task2.load_state(task.state())
+    recs = [testing.training_record(100 + i, family=HF_FAMILY, revision_=4, reward=float(i % 2)) for i in range(4)]
+    (r5,) = [o.event for o in await task2.process(_Rec(4, codec.encode(batch_of(recs, revs[-1]))))
+             if isinstance(o.event, PolicyRevision)]
+    assert (r5.revision, r5.parent_revision, r5.family) == (5, 4, HF_FAMILY)
+    assert checkpoint_path(r5.checkpoint).name == "org--tiny-byte-lm-r000005.pt"
+
+    # r3's file replaced by other bytes (r4's): a trainer resuming from r3 refuses it
+    checkpoint_path(revs[2].checkpoint).write_bytes(checkpoint_path(revs[3].checkpoint).read_bytes())
+    task3 = TrainerTask(0, HF_FAMILY, ck)
+    task3.load_state({"current": {"revision": 3, "checkpoint": revs[2].checkpoint.model_dump(mode="json")}})
+    with pytest.raises(CheckpointDigestError):
+        await task3.process(_Rec(5, codec.encode(batch_of(recs, revs[-1]))))
+
+
+def test_an_org_slash_name_family_of_a_transformers_model_writes_one_folder_per_revision(tmp_path):
+    """The HF kind (what vLLM reloads): ``<dir>/org--tiny-llama-r<N>/model.safetensors`` with the family itself in
+    its metadata, the folder vLLM is pointed at is that one, and pruning removes whole revision folders only."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from consumers.trainer import HFPolicy, policy_kind
+    from policy import hf
+    from policy.checkpoint import CheckpointDigestError, checkpoint_path
+    from schemas.policy import CheckpointRef
+
+    fam = "org/tiny-llama"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True))
+    ck = tmp_path / "checkpoints"
+    ref0 = hf.save_checkpoint(model, ck, fam, 0)
+    assert hf.checkpoint_folder(ref0) == ck.resolve() / "org--tiny-llama-r000000"
+    assert policy_kind(ref0) is HFPolicy
+    rev0 = testing.revision(0, family=fam).model_copy(update={"checkpoint": ref0})
+    trainer = ReferenceTrainer(HFPolicy.load(ref0), fam, 0, ck, lr=1e-2, kind=HFPolicy, keep_checkpoints=1)
+    refs = []
+    for k in range(2):
+        recs = [testing.training_record(10 * k + i, family=fam, revision_=k, reward=float(i % 2)) for i in range(4)]
+        b = batch_of(recs, rev0 if k == 0 else rev)
+        stats = trainer.step(to_tensors(b), b)
+        assert np.isfinite(stats["loss"])
+        rev = trainer.publish(run_id="run", batch=b)
+        refs.append(rev.checkpoint)
+        assert rev.family == fam
+    assert sorted(p.name for p in ck.iterdir()) == ["org--tiny-llama-r000000", "org--tiny-llama-r000002"]
+    folder = hf.checkpoint_folder(refs[-1])
+    assert folder == ck.resolve() / "org--tiny-llama-r000002"
+    assert json.loads((folder / "revision.json").read_text()) == {"family": fam, "revision": 2}
+    with safe_open(str(folder / hf.WEIGHTS), "pt") as f:
+        assert f.metadata()["family"] == fam
+    assert file_sha256(checkpoint_path(refs[-1])) == refs[-1].digest
+    reloaded = HFPolicy.load(refs[-1])  # digest checked
+    assert torch.equal(reloaded.state_dict()["model.norm.weight"],
+                       trainer.model.state_dict()["model.norm.weight"].to(torch.bfloat16).float())
+    with pytest.raises(CheckpointDigestError):
+        HFPolicy.load(CheckpointRef(uri=refs[-1].uri, digest="0" * 64))
+
+
+@pytest.mark.integration
+async def test_the_services_train_an_org_slash_name_family_from_the_log(kafka_settings, monkeypatch, tmp_path):
+    """Verifier, credit, batcher and trainer on a real broker with family ``org/tiny-byte-lm`` and a checkpoint
+    directory that does not exist yet: the trainer publishes revision 0 itself (``org--tiny-byte-lm-r000000.pt``),
+    trains from the log, keeps only its newest checkpoint, and the replayed run audits clean."""
+    import asyncio
+    import uuid
+
+    from consumers.runner import System
+    from consumers.settings import ServiceSettings
+    from policy.checkpoint import checkpoint_path
+    from replay.audit import run_audit
+    from replay.ingest import Replayer
+    from schemas import codec
+    from schemas.policy import PolicyRevision
+    from streams import topics
+    from tests.test_eos_pipeline import read_all, seed_groups
+
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", f"hf{uuid.uuid4().hex[:8]}.")
+    kw = kafka_settings.client_kwargs()
+    ck = tmp_path / "run" / "checkpoints"
+    settings = ServiceSettings(family=HF_FAMILY, batch_records=16, flush_after_s=2.0, checkpoint_dir=str(ck),
+                               keep_checkpoints=1)
+
+    async def revisions() -> list[PolicyRevision]:
+        return [codec.decode(r.value, PolicyRevision) for r in
+                await read_all(kw, topics.POLICY_REVISIONS.name, idle_s=0.5, timeout_s=10)]
+
+    async with System(("verifier", "credit", "batcher", "trainer"), settings, kw):
+        expected = await seed_groups(kw, 8, family=HF_FAMILY)  # 32 records: two batches of 16
+        for _ in range(120):
+            revs = await revisions()
+            if max(r.revision for r in revs) >= 2:
+                break
+            await asyncio.sleep(0.5)
+    revs = await revisions()
+    assert [r.revision for r in revs] == [0, 1, 2] and {r.family for r in revs} == {HF_FAMILY}
+    assert [p.name for p in sorted(ck.iterdir())] == ["org--tiny-byte-lm-r000000.pt", "org--tiny-byte-lm-r000002.pt"]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_dir()) == \
+        ["run", "run/checkpoints"]
+    for r in (revs[0], revs[2]):
+        assert checkpoint_path(r.checkpoint).parent == ck.resolve()
+        assert file_sha256(checkpoint_path(r.checkpoint)) == r.checkpoint.digest
+    assert not checkpoint_path(revs[1].checkpoint).exists()  # pruned: keep_checkpoints=1
+    db = str(tmp_path / "run.duckdb")
+    await Replayer(db, kafka_settings).run()
+    report = run_audit(db)
+    assert report.ok, [f.message for f in report.violations][:5]
+    assert report.checked["chain_links"] == 2 and report.checked["record_digests"] == len(expected)

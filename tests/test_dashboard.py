@@ -83,6 +83,50 @@ async def test_live_fold_reward_staleness_dead_letters_lineage():
     assert run.lineage(testing.FAMILY, 7) is None
 
 
+async def test_lineage_of_an_org_slash_name_family_over_http():
+    """A family named as Hugging Face names models (``org/name``) holds a slash: the page percent-encodes it, the
+    server (real uvicorn, which decodes the path before routing) takes every segment but the last as the family."""
+    import uvicorn
+
+    from rollout.dashboard import PAGE, create_app
+
+    fam = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    app = create_app({}, prefix="x.")  # no lifespan below: nothing reads Kafka, the fold is fed by hand
+    live = app.state.live
+    rev0 = testing.revision(0, family=fam)
+    records = [testing.training_record(i, family=fam) for i in range(4)]
+    batch = assemble_batch(records, rev0, 1, run_id="run", producer="batcher")
+    live.apply(rev0)
+    live.apply(batch)
+    live.apply(testing.revision(1, family=fam).model_copy(update={"batch_id": batch.batch_id}))
+    live.apply(testing.revision(0, family="SmolLM2-135M-Instruct"))  # the family's last part alone: another family
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+            for _ in range(100):
+                if server.started:
+                    break
+                await asyncio.sleep(0.05)
+            for path in ("/api/lineage/HuggingFaceTB%2FSmolLM2-135M-Instruct/1",  # what the page sends
+                         "/api/lineage/HuggingFaceTB/SmolLM2-135M-Instruct/1"):
+                r = await http.get(path)
+                assert r.status_code == 200, (path, r.text)
+                got = r.json()
+                assert got["chain"] == [1, 0] and got["batch"]["batch_id"] == batch.batch_id
+                assert got["batch"]["family"] == fam
+            r = await http.get("/api/lineage/SmolLM2-135M-Instruct/1")
+            assert r.status_code == 404 and "SmolLM2-135M-Instruct@r1" in r.json()["detail"]
+            assert (await http.get("/api/lineage/SmolLM2-135M-Instruct/0")).json()["chain"] == [0]
+            r = await http.get("/api/lineage/HuggingFaceTB%2FSmolLM2-135M-Instruct/7")
+            assert r.status_code == 404 and f"{fam}@r7" in r.json()["detail"]
+    finally:
+        server.should_exit = True
+        await serving
+    assert "/api/lineage/${encodeURIComponent(family)}/${revision}" in PAGE
+
+
 # -- the page in Chromium, against a running pipeline --------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:

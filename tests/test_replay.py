@@ -94,6 +94,32 @@ async def test_replay_counts_match_and_audit_is_clean(log, tmp_path):
     assert await asyncio.to_thread(main, ["audit", "--db", db]) == 0
 
 
+async def test_a_run_of_an_org_slash_name_family_replays_audits_and_reports(log, tmp_path):
+    """The family as Hugging Face names models (``org/name``) through Kafka (the revisions' and batches' record
+    key), replay, audit and report: it stays whole everywhere, and the CLI's audit and report work on it."""
+    fam = "PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT"
+    run = generate_run(uuid.uuid4().hex, rounds=3, groups=2, group_size=3, eval_questions=2, family=fam)
+    await produce_run(log, run)
+    raw = await read_to_end(log.client_kwargs(), topics.POLICY_REVISIONS.name)
+    assert {r.key for r in raw} == {fam.encode()}
+    db = str(tmp_path / "run.duckdb")
+    await Replayer(db, log, run_id=run.run_id).run()
+    assert {t: n for t, n in counts(db).items() if n} == {TABLE[k]: n for k, n in run.counts().items()}
+    con = duckdb.connect(db, read_only=True)
+    assert con.execute("SELECT DISTINCT family FROM policy_revisions").fetchall() == [(fam,)]
+    assert con.execute("SELECT DISTINCT family FROM trainer_batches").fetchall() == [(fam,)]
+    assert con.execute("SELECT DISTINCT policy_family FROM steps WHERE trainable").fetchall() == [(fam,)]
+    assert con.execute("SELECT family, count(*) FROM v_logprob_mismatch GROUP BY ALL").fetchall() == [(fam, 3)]
+    con.close()
+    report = run_audit(db)
+    assert report.ok, report.violations[:5]
+    assert await asyncio.to_thread(main, ["audit", "--db", db]) == 0
+    html = tmp_path / "report.html"
+    assert await asyncio.to_thread(main, ["report", "--db", db, "--out", str(html)]) == 0
+    page = html.read_text(encoding="utf-8")
+    assert f"accuracy ({fam})" in page and "audit OK" in page
+
+
 async def test_tampered_record_written_to_the_topic_is_caught(log, tmp_path):
     run = generate_run(uuid.uuid4().hex, rounds=2)
     await produce_run(log, run)

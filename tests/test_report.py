@@ -224,3 +224,36 @@ def test_an_empty_run_says_what_is_not_drawn(tmp_path):
     con.close()
     write_report(db, str(tmp_path / "r.png"), with_audit=False)
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_of_an_org_slash_name_family_reports_under_its_own_name(tmp_path):
+    """A family named as Hugging Face names models (``org/name``): the tables, views, audit and report take it as
+    a value (nothing is named after it), so the page and the PNG show it whole, with a clean audit."""
+    from replay.audit import audit
+
+    fam = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    run = generate_run("hf-run-00001", rounds=3, groups=2, group_size=2, prompt_tokens=4, completion_tokens=4,
+                       eval_questions=2, environments=("arithmetic",), family=fam)
+    assert {r.family for r in run.events("policy-revisions")} == {fam}
+    db = str(tmp_path / "run.duckdb")
+    con = duckdb.connect(db)
+    load_events(con, run.run_id, placed(flat(run)))
+    assert con.execute("SELECT DISTINCT family FROM policy_revisions").fetchall() == [(fam,)]
+    assert con.execute("SELECT DISTINCT policy_family FROM v_eval_accuracy_by_revision").fetchall() == [(fam,)]
+    assert con.execute("SELECT family, count(*) FROM v_logprob_mismatch GROUP BY ALL").fetchall() == [(fam, 3)]
+    rep = audit(con)
+    assert rep.ok, rep.findings
+    assert rep.checked["batch_digests"] == 3
+    series = {f.name: {v["series"] for v in f.chart.to_dict()["data"]["values"]}
+              for f in figures(con) if f.name in ("reward_by_revision", "eval_accuracy", "logprob_mismatch")}
+    assert series == {"reward_by_revision": {f"solver ({fam})"},
+                      "eval_accuracy": {f"accuracy ({fam})", f"mean reward ({fam})"},
+                      "logprob_mismatch": {f"mean |Δ| ({fam})", f"max |Δ| ({fam})"}}
+    con.close()
+    html = tmp_path / "report.html"
+    write_report(db, str(html))
+    page = html.read_text(encoding="utf-8")
+    assert "audit OK" in page and f"mean |Δ| ({fam})" in page
+    assert re.search(rf"<td>{re.escape(fam)}</td>", page)  # the revision chain table names the family whole
+    write_report(db, str(tmp_path / "report.png"), with_audit=False)
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
