@@ -25,5 +25,6 @@ SERVICES: dict[str, Service] = {s.name: s for s in (
     Service("trainer", "reference trainer: TrainerBatches -> clipped policy-gradient step -> PolicyRevision",
             inputs=(topics.TRAINER_BATCHES,), outputs=(topics.POLICY_REVISIONS, topics.DEAD_LETTERS),
             wiring="consumers.tasks.trainer:wiring", side_inputs=(topics.POLICY_REVISIONS,),
-            options=("family", "checkpoint_dir", "keep_checkpoints", "lr", "epochs"), runs_algorithm=True),
+            options=("family", "checkpoint_dir", "keep_checkpoints", "lr", "weight_decay", "served_model", "epochs"),
+            runs_algorithm=True),
 )}

@@ -46,7 +46,10 @@ class ServiceSettings(BaseSettings):
     checkpoint_dir: str = Field(".state/checkpoints", description="trainer: where checkpoints are written")
     keep_checkpoints: int = Field(0, ge=0, description="trainer: keep only the newest N checkpoint files it wrote "
                                                        "(0: keep all; the arena must still find the one it loads)")
-    lr: float = Field(1e-3, gt=0, description="trainer: learning rate")
+    lr: float = Field(1e-3, gt=0, description="trainer: learning rate (the plan's trainer.optim.lr)")
+    weight_decay: float = Field(0.0, ge=0, description="trainer: AdamW weight decay (the plan's trainer.optim.weight_decay)")
+    served_model: str | None = Field(None, description="trainer: the weights standing for the family, stamped on "
+                                                       "every revision (the plan's served_model)")
     epochs: int = Field(1, ge=1, description="trainer: optimizer passes over each batch (PPO epochs)")
 
     @property
@@ -64,7 +67,8 @@ def plan_values(plan: GenerationPlan, *, credit: bool) -> dict[str, Any]:
     from schemas.plan import PlanError, credit_strategy
 
     values: dict[str, Any] = {"family": plan.family, "max_off_policy_steps": plan.max_off_policy_steps,
-                              "judge_targets": dict(plan.targets)}
+                              "judge_targets": dict(plan.targets), "served_model": plan.served_model,
+                              **{k: plan.trainer[k] for k in ("lr", "weight_decay") if k in plan.trainer}}
     if plan.token_batch_size:
         values.update(batch_tokens=plan.token_batch_size, batch_records=None)
     else:

@@ -249,6 +249,8 @@ class _Context:
         samp.update(sampling or {})
         if self.req.evaluation:
             samp.update(self.arena.eval_sampling)
+            if target.is_learner and any(env is self.req.env for _, env in self.arena.eval_environments):
+                samp.update(self.req.env.sampling)  # an evaluation source's own sampling is the recipe's word
         index = len(self.steps)
         client = self.arena.client_for(target)
         gated = target.is_learner and self.arena.weights is not None
@@ -321,13 +323,15 @@ class Arena:
                  client_options: Mapping[str, Any] | None = None, manage_emitter: bool = True,
                  evaluate: bool = False, eval_sampling: Mapping[str, Any] | None = None,
                  admissions: MemoryLedger | None = None, admission_lease_s: float = 600.0,
-                 arena_id: str | None = None) -> None:
+                 arena_id: str | None = None, eval_environments: Sequence[tuple[Any, Environment]] | None = None
+                 ) -> None:
         """``arena_id``: this arena among the run's many (its claims on the admissions ledger; default the run id,
         for a run with one arena). ``producer_name`` is what its events say produced them."""
         self.plan = plan
         # keyed by the source's name: two sources of one environment (different args, ratios) stay two
+        self.env_specs = {spec.display_name: spec for spec in getattr(plan, "environments", []) or []}
         if environments is None:
-            environments = {spec.display_name: environment_from_spec(spec) for spec in plan.environments}
+            environments = {name: environment_from_spec(spec, seed=seed) for name, spec in self.env_specs.items()}
         self.environments = dict(environments)
         if not self.environments:
             raise ValueError("the arena needs at least one environment")
@@ -358,8 +362,10 @@ class Arena:
         self.evaluate = evaluate
         self.eval_sampling = dict(eval_sampling if eval_sampling is not None else {"temperature": 0.0})
         # the plan's evaluation sources (prime-rl's [[orchestrator.eval.source]]): their whole dataset is held out
-        self.eval_environments = [environment_from_spec(s) for s in getattr(plan, "eval_environments", [])] \
-            if evaluate else []
+        # (source, environment) of each: built here unless the caller loaded them
+        self.eval_environments = list(eval_environments) if eval_environments is not None else \
+            [(s, environment_from_spec(s, seed=seed)) for s in getattr(plan, "eval_environments", [])] if evaluate \
+            else []
         self.rng = random.Random(seed)
         self.current_policy = PolicyRef(family=plan.family, revision=base_revision or 0)
         # admissions: the ledger shared with every other arena of the run (streams.admissions.KafkaLedger); an
@@ -453,13 +459,20 @@ class Arena:
 
     # running ----------------------------------------------------------------------------------------
 
-    def eval_requests(self) -> list[EpisodeRequest]:
-        """Each training environment's held-out ``eval_dataset``, and every example of the plan's eval sources."""
-        held_out = [(env, ex) for env in self.environments.values() for ex in env.eval_dataset]
-        held_out += [(env, ex) for env in self.eval_environments for ex in env.store]
-        return [EpisodeRequest(env=env, example=ex, group_id=gid, root_group_id=gid, group_size=1,
+    def eval_requests(self, revision: int | None = None) -> list[EpisodeRequest]:
+        """Each training environment's held-out ``eval_dataset``, and every example of the plan's eval sources
+        that are due at ``revision`` (prime-rl's cadence: revision 0 unless ``skip_first_step``, then every
+        ``interval``), each answered ``group_size`` times (pass@k)."""
+        revision = self.current_policy.revision if revision is None else revision
+        held_out = [(env, ex, 1) for env in self.environments.values() for ex in env.eval_dataset]
+        for spec, env in self.eval_environments:
+            opts = spec.options
+            if revision % int(opts.get("interval") or 1) or (revision == 0 and opts.get("skip_first_step")):
+                continue
+            held_out += [(env, ex, int(opts.get("group_size") or 1)) for ex in env.store]
+        return [EpisodeRequest(env=env, example=ex, group_id=gid, root_group_id=gid, group_size=n,
                                sample_seed=self.rng.getrandbits(31), evaluation=True)
-                for env, ex in held_out for gid in [new_id()]]
+                for env, ex, n in held_out for gid in [new_id()] for _ in range(n)]
 
     async def run_evaluation(self) -> int:
         """Answer every held-out example once with the current revision and emit the rollouts."""
@@ -491,7 +504,8 @@ class Arena:
         env = self.environments[env_id]
         example = env.store.sample(self.rng)
         gid = new_id()
-        n = self.plan.group_size
+        spec = self.env_specs.get(env_id)
+        n = self.plan.group_size_of(spec) if spec is not None else self.plan.group_size
         return [EpisodeRequest(env=env, example=example, group_id=gid, root_group_id=gid, group_size=n,
                                sample_seed=self.rng.getrandbits(31)) for _ in range(n)]
 

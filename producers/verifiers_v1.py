@@ -45,7 +45,7 @@ import types
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from producers.environment import Environment, Example
+from producers.environment import Environment, Example, TaskStream
 from producers.episodes import Episode, EpisodeState
 from producers.asgi_server import JSON, AppServer, Request, body_json, error, json_app
 from producers.inference import SAMPLING_KEYS, InferenceError, from_openai_message, to_openai_message
@@ -210,12 +210,20 @@ def verifiers_reward(state: Mapping[str, Any]) -> float:
     rec = (state.get("artifacts") or {}).get("verifiers") or {}
     member = state.get("member")
     rewards = rec.get("rewards_by_member") or {}
+    if member in (rec.get("reward_errors") or {}):
+        raise ValueError(f"the verifiers env's reward raised for member {member!r}: {rec['reward_errors'][member]}")
     if rewards.get(member) is None:
         raise ValueError(f"the verifiers env recorded no reward for member {member!r} (has {sorted(rewards)})")
     return float(rewards[member])
 
 
 # -- the episode ----------------------------------------------------------------------------------------------
+
+def _scoring_error(error: Any) -> bool:
+    """A trace error from the task's scoring stage (verifiers 0.4 names the stage in a TaskError's message:
+    ``task <Task> scoring: ...``); every other error means the episode itself failed."""
+    return getattr(error, "type", "") == "TaskError" and " scoring: " in (getattr(error, "message", "") or "")
+
 
 def _json(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
@@ -237,7 +245,6 @@ class VerifiersV1Episode(Episode):
             raise ValueError(f"members name seats {sorted(unknown)} the env does not declare (it has {seats})")
         self.members = tuple(dict.fromkeys(self.seat_member[s] for s in seats))
         self.model = model
-        self.tasks: dict[str, Any] = {}
         self.proxy = CaptureProxy()
         self._stack: contextlib.AsyncExitStack | None = None
         self._serving_lock = asyncio.Lock()
@@ -279,15 +286,24 @@ class VerifiersV1Episode(Episode):
 
         mctx = ModelContext(model=self.model, client=EvalClientConfig(base_url=proxy.base_url, api_key_var=KEY_VAR))
         try:
-            episode = await self.vf_env.run_episode(self.tasks[state.example.id], mctx, on_trace=on_trace)
+            episode = await self.vf_env.run_episode(state.example.payload, mctx, on_trace=on_trace)
         finally:
             for t in trace_ids:
                 proxy.sessions.pop(t, None)
         if errors:
             raise errors[0]
         problems = [f"{e.type}: {e.message}" for e in episode.errors]
-        problems += [f"{t.agent.name}: {e.type}: {e.message}" for t in episode.traces for e in t.errors]
-        if not episode.ok:
+        # a reward function that raised: verifiers records it on the trace as a TaskError of the task's scoring
+        # stage; the episode itself ran, so the rollout is kept and the verifier refuses to score that member
+        # (a dead letter naming the error), instead of the rollout being lost as failed
+        reward_errors: dict[str, str] = {}
+        for t in episode.traces:
+            for e in t.errors:
+                if _scoring_error(e):
+                    reward_errors.setdefault(self._member_of(t), f"{e.type}: {e.message}")
+                else:
+                    problems.append(f"{t.agent.name}: {e.type}: {e.message}")
+        if problems or (not episode.ok and not reward_errors):
             raise RuntimeError("verifiers episode failed: " + ("; ".join(problems) or "not ok"))
 
         rewards: dict[str, float | None] = {m: None for m in self.members}
@@ -319,7 +335,7 @@ class VerifiersV1Episode(Episode):
             "version": vf_version, "env_id": self.vf_env.config.env_id, "episode_id": str(episode.id),
             "ok": episode.ok, "seats": self.seat_member, "trainable": trainable,
             "model_calls": calls, "rewards_by_member": rewards, "reward_components": components, "metrics": metrics,
-            "trace_ids": [t.id for t in episode.traces], "errors": problems})
+            "trace_ids": [t.id for t in episode.traces], "errors": problems, "reward_errors": reward_errors})
 
     def finalize(self, state: EpisodeState) -> dict[str, Any]:
         art = super().finalize(state)
@@ -327,31 +343,40 @@ class VerifiersV1Episode(Episode):
         return art
 
 
+def task_example(task: Any, prefix: str = "") -> Example:
+    """One verifiers Task as an arena example: its durable id (else its position in the taskset), its prompt,
+    and its key (``Task.key``, what verifiers records on the trace) in ``info``; the Task itself rides along."""
+    data = task.data
+    key = data.id if data.id is not None else data.idx
+    prompt = data.prompt
+    prompt = prompt if isinstance(prompt, str) or prompt is None else [_v1_to_openai(m) for m in prompt]
+    answer = getattr(data, "answer", None)
+    return Example(id=f"{prefix}{key}", prompt=_json(prompt) if prompt is not None else "",
+                   answer=None if answer is None else str(answer),
+                   info={"source": "verifiers.v1", "task_key": task.key, "task_idx": data.idx,
+                         **({"task_name": data.name} if data.name else {})},
+                   payload=task)
+
+
 def verifiers_v1_environment(vf_env: Any, *, name: str, version: str, members: Mapping[str, str] | None = None,
                              member: str = "policy", model: str = "policy", num_tasks: int | None = None,
-                             eval_tasks: Any = None) -> Environment:
+                             eval_tasks: Any = None, tasks: Any = None, buffer: int = 256) -> Environment:
     """Wrap a ``verifiers.v1.Env``: its taskset's tasks as examples, each rollout one ``run_episode``, scored
-    by the env's own rewards (see the module docstring). ``eval_tasks``: a taskset view for held-out tasks."""
+    by the env's own rewards (see the module docstring). A finite taskset (``Taskset.bounded``, or capped by
+    ``num_tasks``) is read whole; an endless one is drawn lazily (``TaskStream``: a seeded shuffle buffer of
+    ``buffer`` tasks, bounded memory). ``tasks``: a view of the env's taskset to draw from (default: all of it);
+    ``eval_tasks``: a finite taskset view of held-out tasks."""
     episode = VerifiersV1Episode(vf_env, members=members, member=member, model=model)
-
-    def examples(tasks: Any, prefix: str) -> list[Example]:
-        out = []
-        for i, task in enumerate(tasks):
-            if num_tasks is not None and i >= num_tasks and prefix == "":
-                break
-            key = task.data.id or (task.data.idx if task.data.idx is not None else i)
-            ex_id = f"{prefix}{key}"
-            episode.tasks[ex_id] = task
-            prompt = task.data.prompt
-            prompt = prompt if isinstance(prompt, str) or prompt is None else [_v1_to_openai(m) for m in prompt]
-            answer = getattr(task.data, "answer", None)
-            out.append(Example(id=ex_id, prompt=_json(prompt) if prompt is not None else "",
-                               answer=None if answer is None else str(answer),
-                               info={"source": "verifiers.v1", "task_key": task.key}))
-        return out
-
-    train = examples(vf_env.taskset, "")
-    held_out = examples(eval_tasks, "eval-") if eval_tasks is not None else []
+    taskset = vf_env.taskset if tasks is None else tasks
+    taskset = taskset if num_tasks is None else taskset.take(num_tasks)
+    if taskset.bounded:
+        train: Any = [task_example(t) for t in taskset]
+    else:
+        train = TaskStream(lambda: (task_example(t) for t in taskset), buffer=buffer)
+    if eval_tasks is not None and not eval_tasks.bounded:
+        raise ValueError(f"the held-out tasks of {vf_env.config.env_id!r} never end: bound them "
+                         "(num_examples, or select.limit)")
+    held_out = [task_example(t, "eval-") for t in eval_tasks] if eval_tasks is not None else []
 
     def scoring(example: Example, state: EpisodeState | None = None) -> ScoringSpec:
         from verifiers import __version__ as vf_version

@@ -75,9 +75,17 @@ class VllmServer:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
+    def served_names(self) -> list[str]:
+        """The name requests use; the packaged model answers to both its names (``policy.served``)."""
+        from policy.served import PACKAGED_NAMES
+
+        names = [self.served_model_name]
+        return names + sorted(PACKAGED_NAMES - {self.served_model_name}) if self.served_model_name in PACKAGED_NAMES \
+            else names
+
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-               "--served-model-name", self.served_model_name, "--dtype", "bfloat16",
+               "--served-model-name", *self.served_names(), "--dtype", "bfloat16",
                "--max-model-len", str(self.max_model_len), "--host", self.host, "--port", str(self.port),
                "--disable-uvicorn-access-log"]
         if not self.compile:

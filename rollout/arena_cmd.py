@@ -62,6 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (default: ROLLOUT_METRICS_PORT + 0; 0: off): the "
                         "arena's, its local policy server's and its vLLM manager's")
+    from rollout.demo import add_model_flag
+
+    add_model_flag(p)
     p.add_argument("--start-local", action="store_true",
                    help="start the local broker when ROLLOUT_BOOTSTRAP_SERVERS is not set")
     p.set_defaults(func=cmd_arena)
@@ -75,11 +78,19 @@ async def _main(args: argparse.Namespace) -> int:
     from streams.revisions import RevisionFollower
     from producers.emitter import KafkaEmitter
     from schemas.envelope import new_id
+    from producers.environment import environment_from_spec
+    from schemas.plan import require_runnable
     from schemas.plan_compiler import compile_plan
     from streams import topics
     from streams.config import KafkaSettings, ensure_broker
 
     plan = compile_plan(args.plan)
+    require_runnable(plan)
+    # environments first: an id no package provides, a harness that cannot run or a taskset that raises stops
+    # here, in one line, before anything touches the broker or starts a server
+    environments = {s.display_name: environment_from_spec(s, seed=args.seed) for s in plan.environments}
+    eval_environments = [(s, environment_from_spec(s, seed=args.seed)) for s in plan.eval_environments] \
+        if args.evaluate else []
     settings = KafkaSettings.from_env()
     if args.start_local and not settings.external:
         settings = settings.with_bootstrap(ensure_broker(settings))
@@ -93,10 +104,18 @@ async def _main(args: argparse.Namespace) -> int:
         from producers.weights import VllmWeights
 
         if url is None and not plan.learner.base_urls:
-            from policy.hf import prepare_model
+            from policy.hf import ModelUnavailable
+            from policy.served import served_model
             from producers.vllm_server import VllmServer
 
-            vllm = VllmServer(prepare_model().path, port=args.policy_port, served_model_name=plan.family)
+            try:
+                served = served_model(plan.family, args.model)
+            except ModelUnavailable as e:
+                print(f"rollout arena: error: {e}", file=sys.stderr)
+                return 1
+            if served.note:
+                print(f"model: {served.note}", flush=True)
+            vllm = VllmServer(served.path, port=args.policy_port, served_model_name=plan.family)
             print(f"starting vLLM on port {args.policy_port} ...", flush=True)
             await vllm.start()
             url = vllm.base_url
@@ -124,8 +143,9 @@ async def _main(args: argparse.Namespace) -> int:
         arena_id = args.arena_id or run_id
         emitter = KafkaEmitter(settings.client_kwargs(), f"arena-{arena_id}")
         follower = RevisionFollower(settings.client_kwargs(), plan.family) if args.follow_revisions else None
-        arena = Arena(plan, emitter=emitter, policy_base_url=url, concurrency=args.concurrency,
-                      progress=not args.no_progress, run_id=run_id, revisions=follower, seed=args.seed,
+        arena = Arena(plan, environments, eval_environments=eval_environments, emitter=emitter,
+                      policy_base_url=url, concurrency=args.concurrency, progress=not args.no_progress,
+                      run_id=run_id, revisions=follower, seed=args.seed,
                       weights=weights, evaluate=args.evaluate, client_options=client_options,
                       admissions=KafkaLedger(settings.client_kwargs()), admission_lease_s=args.admission_lease_s,
                       arena_id=arena_id, producer_name=f"arena-{arena_id}")

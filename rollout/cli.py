@@ -18,6 +18,7 @@ SUBCOMMANDS: list[str] = [
     "rollout.kafka_cmd",  # rollout kafka up|down|status|logs
     "rollout.topics_cmd",  # rollout topics create|list
     "rollout.demo",  # rollout demo
+    "rollout.rl_cmd",  # rollout rl RECIPE: a prime-rl recipe's whole loop, as `rl @ recipe.toml`
     "consumers.status",  # rollout status: per-service consumer lag and throughput
     "rollout.arena_cmd",  # rollout arena PLAN (producers: episodes -> Steps/Rollouts on Kafka)
     "rollout.serve_cmd",  # rollout serve policy|vllm|<service> (services: consumers.registry)
@@ -45,12 +46,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if "ROLLOUT_LOG_LEVEL" not in os.environ:
         logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    from producers.environment import EnvironmentUnavailable
+    from schemas.plan import PlanError
     from streams.config import KafkaError
 
     try:
         rc = args.func(args)
-    except KafkaError as e:
-        print(f"rollout: error: {e}", file=sys.stderr)
+    except (KafkaError, PlanError, EnvironmentUnavailable) as e:  # each says what to do, in one line
+        print(f"rollout {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -64,14 +64,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vllm-url", help="use this running vLLM server (http://host:port/v1, started with "
                                       "VLLM_SERVER_DEV_MODE=1 on the packaged model) instead of starting one")
     p.add_argument("--timeout", type=float, default=1200.0, help="give up on the arena after this many seconds")
+    add_model_flag(p)
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     p.set_defaults(func=cmd_demo)
 
 
+def add_model_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="packaged|PATH",
+                   help="the weights for a plan whose model cannot be served here: 'packaged' runs the packaged "
+                        "SmolLM2-135M-Instruct in its place, PATH an HF folder (the plan, the summary and every "
+                        "revision say so); not needed when the plan's model is SmolLM2 itself")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import logging
-
-    from streams.config import KafkaSettings, ensure_broker
 
     logging.basicConfig(level=logging.ERROR)
     prof = PROFILES[args.policy]
@@ -79,6 +85,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.groups = args.groups or prof.groups
     args.lr = args.lr or prof.lr
     args.epochs = args.epochs or prof.epochs
+    return run_loop(args, "demo")
+
+
+def run_loop(args: argparse.Namespace, command: str) -> int:
+    """Broker up, then the loop (``_demo``); every expected failure is one line naming ``command``."""
+    from streams.config import KafkaSettings, ensure_broker
+
     settings = KafkaSettings.from_env()
     where = "configured cluster" if settings.external else "local broker"
     settings = settings.with_bootstrap(ensure_broker(settings))
@@ -86,13 +99,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from policy.hf import ModelUnavailable
     from producers.vllm_server import VllmStartError
     from consumers.settings import PlanRefused
+    from producers.environment import EnvironmentUnavailable
     from schemas.plan import PlanError
 
     try:
         return asyncio.run(_demo(settings, args))
-    except (ModelUnavailable, VllmStartError, PlanError, PlanRefused) as e:
-        print(f"rollout demo: error: {e}", file=sys.stderr)
+    except (ModelUnavailable, VllmStartError, PlanError, PlanRefused, EnvironmentUnavailable) as e:
+        print(f"rollout {command}: error: {e}", file=sys.stderr)
         return 1
+
+
+def context_length(plan, model_dir: Path) -> int:
+    """vLLM's context: the recipe's ``seq_len`` (2048 when it has none), at most what the model was trained for."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return min(plan.seq_len or 2048, int(config.get("max_position_embeddings") or 2048))
 
 
 # -- live view of the run --------------------------------------------------------------------------------
@@ -207,20 +227,42 @@ async def _demo(settings, args) -> int:
         return await _run(settings, args, run, prefix)
 
 
+def load_plan(args):
+    """The plan to run, refused when it has run-changing keys nothing here applies, with the weights that serve
+    its family (``policy.served``: ``args.model``) named in it."""
+    from schemas.plan import require_runnable
+    from schemas.plan_compiler import compile_plan
+
+    plan = compile_plan(args.plan)
+    require_runnable(plan)
+    served = None
+    if args.policy == "vllm":
+        from policy.served import served_model
+
+        served = served_model(plan.family, getattr(args, "model", None))
+        plan = plan.model_copy(update={"served_model": served.note})
+    from producers.environment import environment_from_spec
+
+    for spec in plan.environments + plan.eval_environments:  # fail here, in one line, not in the arena later
+        environment_from_spec(spec)
+    return plan, served
+
+
 async def _run(settings, args, run: str, prefix: str) -> int:
     from consumers.trainer import initial_revision
-    from schemas.plan_compiler import compile_plan
     from streams.local_broker import free_port
 
     t0 = time.monotonic()
     kw = settings.client_kwargs()
-    plan = compile_plan(args.plan)
+    plan, served = await asyncio.to_thread(load_plan, args)
     family = plan.family
     rundir = ROOT / ".state" / "demo" / run
     ckdir = rundir / "checkpoints"
     print(f"run {run}: topics {prefix}*, checkpoints {ckdir}, plan {args.plan} (family {family}, "
           f"group_size {plan.group_size}, batch_size {plan.batch_size}, max_off_policy_steps "
           f"{plan.max_off_policy_steps}, advantage {plan.advantage.type}), policy {args.policy}", flush=True)
+    if plan.served_model:
+        print(f"model: {plan.served_model} (every revision says so)", flush=True)
     progress = Progress()
     stop_view = asyncio.Event()
     view = asyncio.create_task(_show(progress, stop_view, not args.no_progress))
@@ -228,17 +270,16 @@ async def _run(settings, args, run: str, prefix: str) -> int:
     arena_args: list[str] = []
     try:
         if args.policy == "vllm":
-            from policy.hf import prepare_model
             from producers.metrics import endpoint, vllm_samples
             from producers.vllm_server import VllmServer
 
             progress.phase = "preparing the model"
-            model = await asyncio.to_thread(prepare_model)
-            rev0 = initial_revision(family, ckdir, run_id=run)
+            rev0 = await asyncio.to_thread(initial_revision, family, ckdir, run_id=run, served=served)
             url = args.vllm_url
             if url is None:
                 port = args.vllm_port or free_port()
-                vllm = VllmServer(model.path, port=port, served_model_name=family, log_path=rundir / "vllm.log")
+                vllm = VllmServer(served.path, port=port, served_model_name=family, log_path=rundir / "vllm.log",
+                                  max_model_len=context_length(plan, served.path))
                 rundir.mkdir(parents=True, exist_ok=True)
                 progress.phase = f"vLLM starting on port {port} (log {rundir / 'vllm.log'})"
                 t_start = time.monotonic()
@@ -248,9 +289,11 @@ async def _run(settings, args, run: str, prefix: str) -> int:
                 print(f"vLLM ready at {url} in {time.monotonic() - t_start:.0f}s", flush=True)
             arena_args = ["--policy", "vllm", "--policy-url", url]
         else:
+            from policy.checkpoint import checkpoint_path
+
             rev0 = initial_revision(family, ckdir, seed=0, run_id=run)
             arena_args = ["--policy", "local", "--policy-port", str(free_port()),
-                          "--checkpoint", rev0.checkpoint.uri.removeprefix("file://")]
+                          "--checkpoint", str(checkpoint_path(rev0.checkpoint))]
         rc, summary = await _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress,
                                   vllm_exited=lambda: vllm is not None and vllm.proc.returncode is not None)
     finally:
@@ -279,8 +322,9 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
     await publish(kw, rev0)
 
     # the plan's settings (its algorithm refused if nothing here runs it), with the demo's own pacing
-    cfg = service_settings.build(plan=plan, credit=True, checkpoint_dir=str(ckdir), lr=args.lr, epochs=args.epochs,
-                                 group_timeout_s=60, keep_checkpoints=DEMO_KEEP_CHECKPOINTS)
+    cfg = service_settings.build(plan=plan, credit=True, checkpoint_dir=str(ckdir), epochs=args.epochs,
+                                 group_timeout_s=60, keep_checkpoints=DEMO_KEEP_CHECKPOINTS,
+                                 **({"lr": args.lr} if args.lr is not None else {}))
     async with System(SERVICES, cfg, kw):
         stop_tail = asyncio.Event()
         tail = asyncio.create_task(_tail(kw, progress, stop_tail))
@@ -323,7 +367,8 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
             print(f"rollout demo: vLLM exited during the run; its log: {ROOT / '.state' / 'demo' / run / 'vllm.log'}",
                   file=sys.stderr)
     summary = await _summary(kw, progress, arena_stats or {})
-    summary.update(run=run, topic_prefix=prefix, policy=args.policy, arena_s=round(time.monotonic() - t0, 1))
+    summary.update(run=run, topic_prefix=prefix, policy=args.policy, arena_s=round(time.monotonic() - t0, 1),
+                   plan=args.plan, family=plan.family, served_model=plan.served_model)
     return rc, summary
 
 
@@ -382,6 +427,8 @@ def _print_summary(s: dict) -> None:
     print(f"\nrun {s['run']} ({s['policy']}): rollouts {s['rollouts']} (+{s['eval_rollouts']} evaluation, "
           f"{s['failed_rollouts']} failed), batches {s['batches']} ({s['records_in_batches']} records), "
           f"revisions published {s['revisions']}, dead letters {s['dead_letters']} {s['dead_letter_reasons'] or ''}")
+    if s.get("served_model"):
+        print(f"model: {s['served_model']}: these results are that model's, not {s['family']}'s")
     evals = s["eval_accuracy_by_revision"]
     if evals:
         first, last = next(iter(evals)), list(evals)[-1]

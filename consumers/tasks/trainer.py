@@ -45,12 +45,14 @@ class TrainerTask(TaskDefaults):
     def __init__(self, partition: int, family: str, checkpoint_dir: str | Path, *, lr: float = 1e-3,
                  epochs: int = 1, train_step: TrainStep | None = None, producer: str = "trainer",
                  target_checkpoint: Callable[[Any], CheckpointRef | None] | None = None,
-                 keep_checkpoints: int = 0) -> None:
+                 keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None) -> None:
         # target_checkpoint: where the first batch's target revision's weights are (default: this trainer's
         # checkpoint_dir naming of the tiny model); the revisions topic says it, see ``wiring``
         self.family = family
         self.dir = Path(checkpoint_dir)
         self.lr = lr
+        self.weight_decay = weight_decay
+        self.served_model = served_model
         self.epochs = epochs
         self.user_step = train_step
         self.target_checkpoint = target_checkpoint
@@ -84,7 +86,8 @@ class TrainerTask(TaskDefaults):
                 rev = ck.revision
             kind = policy_kind(ref)
             self.trainer = ReferenceTrainer(kind.load(ref), self.family, rev, self.dir, lr=self.lr,
-                                            epochs=self.epochs, kind=kind, keep_checkpoints=self.keep_checkpoints)
+                                            epochs=self.epochs, kind=kind, keep_checkpoints=self.keep_checkpoints,
+                                            weight_decay=self.weight_decay, served_model=self.served_model)
         return self.trainer
 
     async def process(self, rec: Any) -> list:
@@ -153,4 +156,5 @@ async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIt
     start = (lambda target: rev0.checkpoint if target.revision == 0 else None) if rev0 and rev0.checkpoint else None
     yield lambda p: TrainerTask(p, cfg.family, cfg.checkpoint_dir, lr=cfg.lr, epochs=cfg.epochs,
                                 producer=f"{NAME}{cfg.instance}", target_checkpoint=start,
-                                keep_checkpoints=cfg.keep_checkpoints)
+                                keep_checkpoints=cfg.keep_checkpoints, weight_decay=cfg.weight_decay,
+                                served_model=cfg.served_model)
