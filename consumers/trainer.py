@@ -7,7 +7,8 @@
   sequence with ``cu_seqlens`` (for varlen kernels) instead of padding.
 * ``ReferenceTrainer``: a GRPO/PPO-style clipped policy-gradient step on the policy the checkpoint holds:
   the tiny byte-level GRU (``policy/``, ``.pt``) or a Hugging Face causal LM (``policy.hf``, a
-  ``model.safetensors`` folder, trained with bf16 autocast on CPU); after each step it writes a checkpoint
+  ``model.safetensors`` folder, trained with bf16 autocast where the CPU has fast bf16 kernels, float32
+  elsewhere: ``policy.hf.cpu_bf16``); after each step it writes a checkpoint
   of the same kind (with its SHA-256) and returns the next ``PolicyRevision``, whose ``metrics`` carry the
   step's figures and the trainer-inference logprob mismatch: |logprob the trainer computes - logprob the
   inference server reported| over the batch tokens, each under the revision that generated it (the current
@@ -114,7 +115,8 @@ class TinyPolicy:
 
 
 class HFPolicy:
-    """A transformers causal LM (``policy.hf``): ``model.safetensors`` folders, bf16 autocast on CPU."""
+    """A transformers causal LM (``policy.hf``): ``model.safetensors`` folders, bf16 autocast on CPUs with fast
+    bf16 kernels (``policy.hf.cpu_bf16``), float32 on others."""
 
     micro_batch = 8  # rows per forward/backward (gradients accumulate): bounds activation memory
 

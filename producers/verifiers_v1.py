@@ -24,11 +24,13 @@ How it works (written against verifiers 0.4.0's own API, no private patching):
   the interception ``endpoint`` + ``secret`` exactly like a program would (verifiers' ``Harness.launch``
   contract allows this). It supports resume, so ``agent.interaction(...)`` multi-turn exchanges work. Any
   other harness works too where its runtime is available (``uv`` for the local ``subprocess`` runtime).
-* Scoring: the rewards are the env's own. Each seat's reward is the sum of ``Trace.reward`` (verifiers'
+* Scoring: the rewards are the env's own. Each seat's reward is the mean of ``Trace.reward`` (verifiers'
   weighted sum of the trace's reward functions/judges, plus what ``Env.finalize`` recorded) over that seat's
-  traces, kept in ``artifacts["verifiers"]["rewards_by_member"]`` with the named components and metrics.
+  traces (one trace for most seats; a hierarchical env's solver seat runs several), kept in
+  ``artifacts["verifiers"]["rewards_by_member"]`` with each trace's reward, the named components and metrics.
   The scoring spec is a ``rubric`` whose one function, ``producers.verifiers_v1:verifiers_reward``, reads
-  that recorded reward for the scored member (it raises when the env recorded none: no guessed reward).
+  that recorded reward for the scored member (it raises when the env recorded none: no guessed reward, and
+  when the env's reward function raised: the verifier dead-letters the rollout with that error).
 * Seats -> members: ``members={"seat": "member"}`` (default: the seat name; ``SingleAgentEnv``'s one seat
   ``agent`` becomes ``member``, default ``"policy"``). Whether a member is trained is the plan's decision
   (``Step.trainable``); verifiers' own standing of each seat is kept in ``artifacts["verifiers"]["trainable"]``.
@@ -219,6 +221,10 @@ def verifiers_reward(state: Mapping[str, Any]) -> float:
 
 # -- the episode ----------------------------------------------------------------------------------------------
 
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def _scoring_error(error: Any) -> bool:
     """A trace error from the task's scoring stage (verifiers 0.4 names the stage in a TaskError's message:
     ``task <Task> scoring: ...``); every other error means the episode itself failed."""
@@ -306,8 +312,10 @@ class VerifiersV1Episode(Episode):
         if problems or (not episode.ok and not reward_errors):
             raise RuntimeError("verifiers episode failed: " + ("; ".join(problems) or "not ok"))
 
-        rewards: dict[str, float | None] = {m: None for m in self.members}
-        components: dict[str, dict[str, float]] = {m: {} for m in self.members}
+        # a seat that ran several times in the episode (a hierarchical env's solvers) scores the mean of its traces'
+        # rewards, on the env's own scale; each trace's reward is kept in trace_rewards
+        trace_rewards: dict[str, list[float]] = {m: [] for m in self.members}
+        components: dict[str, dict[str, list[float]]] = {m: {} for m in self.members}
         metrics: dict[str, dict[str, float | None]] = {m: {} for m in self.members}
         trainable: dict[str, bool] = {}
         calls: dict[str, int] = {m: 0 for m in self.members}
@@ -317,10 +325,10 @@ class VerifiersV1Episode(Episode):
             trainable[m] = bool(t.agent.trainable)
             calls[m] += len(t.calls)
             if t.rewards:
-                rewards[m] = (rewards[m] or 0.0) + float(t.reward)
+                trace_rewards[m].append(float(t.reward))
                 for k, r in t.rewards.items():
                     if r is not None:
-                        components[m][k] = components[m].get(k, 0.0) + r.value
+                        components[m].setdefault(k, []).append(r.value)
             metrics[m].update({k: v for k, v in t.metrics.items()})
             if t.branches:
                 for msg in t.branches[-1].messages:
@@ -334,7 +342,10 @@ class VerifiersV1Episode(Episode):
         state.data["verifiers"] = _json({
             "version": vf_version, "env_id": self.vf_env.config.env_id, "episode_id": str(episode.id),
             "ok": episode.ok, "seats": self.seat_member, "trainable": trainable,
-            "model_calls": calls, "rewards_by_member": rewards, "reward_components": components, "metrics": metrics,
+            "model_calls": calls, "rewards_by_member": {m: _mean(v) for m, v in trace_rewards.items()},
+            "trace_rewards": trace_rewards, "reward_components": {m: {k: _mean(v) for k, v in c.items()}
+                                                                  for m, c in components.items()},
+            "metrics": metrics,
             "trace_ids": [t.id for t in episode.traces], "errors": problems, "reward_errors": reward_errors})
 
     def finalize(self, state: EpisodeState) -> dict[str, Any]:
