@@ -7,7 +7,8 @@ game `rlt-tally-duel` of tests/envs) runs through the arena's own path (``enviro
 ``TaskStream`` shuffle buffer, verifiers' ``run_episode``, the capture harness) against an instant scripted
 endpoint (``producers.echo_server.ScriptedServer``: no model, so memory is the arena's and the taskset's).
 Episodes go to an emitter that counts and drops them (no Kafka: a kept log would be the memory measured).
-Baseline in the same run: the process before the environment is loaded. Ends with one JSON line.
+Baseline in the same run: the process with verifiers imported, before the environment is loaded; Python's heap is
+traced (tracemalloc) from then on. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ async def _run(recipe: Path, rollouts: int, every: int, concurrency: int) -> dic
         async def emit(self, result) -> None:
             self.rollouts += 1
             self.steps += len(result.steps)
+
+    import verifiers.v1  # noqa: F401 - imported before the baseline: its import is not the taskset's memory
 
     gc.collect()
     base_rss = _rss_mb()

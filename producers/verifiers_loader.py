@@ -79,6 +79,37 @@ def _require_installed(table: dict[str, Any], what: str) -> None:
                 f"{_module_of(plugin_id)}); {_install_hint(plugin_id)}")
 
 
+def env_table(spec: Any) -> dict[str, Any]:
+    """The verifiers env table of a source: as written in ``[[...source]] env``, or built from the older
+    ``[[...env]]`` form (``id`` + ``args`` as the taskset, its ``harness = {id, runtime}`` as the one seat's)."""
+    if spec.env_table is not None:
+        return copy.deepcopy(spec.env_table)
+    table: dict[str, Any] = {"taskset": {"id": spec.id, **dict(spec.args or {})}}
+    harness = spec.options.get("harness")
+    if isinstance(harness, dict):
+        harness = dict(harness)
+        runtime = harness.pop("runtime", None)
+        table["agent"] = {"harness": harness, **({"runtime": runtime} if runtime is not None else {})}
+    return table
+
+
+def _import_failure(table: dict[str, Any]) -> str | None:
+    """Why an installed env package does not import (verifiers reports any failed import as "not found")."""
+    taskset = table.get("taskset") if isinstance(table.get("taskset"), dict) else {}
+    for plugin_id, group in ((taskset.get("id"), "verifiers.v1.tasksets"), (table.get("id"), "verifiers.v1.envs")):
+        if not plugin_id:
+            continue
+        module = _module_of(plugin_id)
+        name = f"{group}.{module}" if importlib.util.find_spec(f"{group}.{module}") else module
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - the package's own import error, one line
+            return (f"the package for {plugin_id!r} is installed (module {name}) but importing it fails: "
+                    f"{_one_line(e)}; it may be written for another verifiers version (this is 0.4.0, "
+                    "verifiers.v1) or miss a dependency")
+    return None
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:600]}"
@@ -166,15 +197,15 @@ def load_source(spec: Any, *, seed: int = 0, buffer: int = 256) -> Environment:
     # no model hub can be reached from here: datasets libraries fail at once, naming the dataset
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    table = copy.deepcopy(spec.env_table) if spec.env_table is not None \
-        else {"taskset": {"id": spec.id, **dict(spec.args or {})}}
+    table = env_table(spec)
     _require_installed(table, what)
     from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
     try:
         config = resolve_env_config(table)
     except Exception as e:  # noqa: BLE001 - a bad table or a package that fails to import: one line
-        raise EnvironmentUnavailable(f"{what}: verifiers could not resolve its env table: {_one_line(e)}") from None
+        why = _import_failure(table) or f"verifiers could not resolve its env table: {_one_line(e)}"
+        raise EnvironmentUnavailable(f"{what}: {why}") from None
     config = _seat_harnesses(config, what)
     try:
         vf_env = load_environment(config)

@@ -154,10 +154,18 @@ def _harness_classes() -> tuple[type, type]:
         EXECUTES_CODE = False
         NEEDS_CONTAINER = False
 
-        async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data,
-                         tool_interception_url=None):  # noqa: ANN001 - verifiers' signature
+        _http: Any = None
+
+        def _client(self) -> Any:
+            """One HTTP client for every call of this harness (a client per call cost an SSL context each)."""
             import httpx
 
+            if self._http is None or self._http.is_closed:
+                self._http = httpx.AsyncClient(timeout=self.config.timeout_s)
+            return self._http
+
+        async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data,
+                         tool_interception_url=None):  # noqa: ANN001 - verifiers' signature
             system, prompt = self.resolve_prompt(data)
             messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
             if isinstance(prompt, str):
@@ -165,9 +173,8 @@ def _harness_classes() -> tuple[type, type]:
             else:
                 messages.extend(_v1_to_openai(m) for m in prompt or [])
             body = {"model": ctx.model, "messages": messages}
-            async with httpx.AsyncClient(timeout=self.config.timeout_s) as http:
-                r = await http.post(endpoint.rstrip("/") + "/chat/completions", json=body,
-                                    headers={"Authorization": f"Bearer {secret}"})
+            r = await self._client().post(endpoint.rstrip("/") + "/chat/completions", json=body,
+                                          headers={"Authorization": f"Bearer {secret}"})
             if r.status_code >= 400:
                 return ProgramResult(exit_code=1, stdout="", stderr=f"model call failed: {r.status_code} {r.text}")
             return ProgramResult(exit_code=0, stdout=r.text, stderr="")

@@ -141,6 +141,43 @@ def test_bad_input_is_one_line(tmp_path, text, says):
         assert s in lines[0], lines[0]
 
 
+def test_a_package_that_fails_to_import_says_why(tmp_path):
+    pkg = tmp_path / "site" / "rlt_broken"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import verifiers.rubrics  # an API verifiers 0.4 no longer has\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    out = _cli("arena", str(_recipe(tmp_path, "broken", quiz(taskset="rlt-broken"))), env=env, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "is installed (module rlt_broken) but importing it fails: ModuleNotFoundError: No module named " \
+           "'verifiers.rubrics'" in out.stderr, out.stderr
+
+
+OLD_FORM = """
+[model]
+name = "tiny-byte-lm"
+
+[orchestrator]
+batch_size = 4
+group_size = 2
+
+[[orchestrator.train.env]]
+id = "rlt-sum-quiz"
+harness = { id = "null", runtime = { type = "subprocess" } }
+"""
+
+
+@pytest.mark.integration
+async def test_older_env_form_keeps_its_harness(kafka_settings, prefix, tmp_path):  # noqa: F811
+    """prime-rl's older [[orchestrator.train.env]] with an env-level harness: the one seat plays it (null runs
+    in-process), not verifiers' default harness."""
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
+    out = await asyncio.to_thread(_cli, "arena", str(_recipe(tmp_path, "old", OLD_FORM)), "--groups", "1",
+                                  "--policy", "local", "--policy-port", str(free_port()), "--no-progress", env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    stats = json.loads(out.stdout.strip().splitlines()[-1])
+    assert stats["rollouts"] == 2 and stats["failed"] == 0 and stats["steps"] == 2
+
+
 def test_endless_eval_source_needs_a_bound(tmp_path):
     text = quiz() + """
 [[orchestrator.eval.source]]
@@ -302,7 +339,7 @@ def test_train_one_against_a_fixed_seat_on_its_own_endpoint(kafka_bootstrap, tmp
         text = _tiny("rlt-tally-duel", tmp_path).read_text()
         pinned = text.replace('[orchestrator.train.source.env.player1.runtime]',
                               f'[orchestrator.train.source.env.player1]\nmodel = "opponent"\n'
-                              f'client = {{ base_url = "http://127.0.0.1:{port}/v1" }}\n\n'
+                              f'client = {{ type = "eval", base_url = "http://127.0.0.1:{port}/v1" }}\n\n'
                               '[orchestrator.train.source.env.player1.runtime]', 1)
         path = _recipe(tmp_path, "train-one", pinned.split("[orchestrator.eval]")[0])
         plan = compile_plan(path)
