@@ -8,7 +8,8 @@ game `rlt-tally-duel` of tests/envs) runs through the arena's own path (``enviro
 endpoint (``producers.echo_server.ScriptedServer``: no model, so memory is the arena's and the taskset's).
 Episodes go to an emitter that counts and drops them (no Kafka: a kept log would be the memory measured).
 Baseline in the same run: the process with verifiers imported, before the environment is loaded; Python's heap is
-traced (tracemalloc) from then on. Ends with one JSON line.
+traced (tracemalloc) from then on with ``--trace-heap`` (off by default: it slows the run ~3x). Ends with one JSON
+line.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-async def _run(recipe: Path, rollouts: int, every: int, concurrency: int) -> dict:
+async def _run(recipe: Path, rollouts: int, every: int, concurrency: int, trace_heap: bool) -> dict:
     from producers.arena import Arena
     from producers.echo_server import ScriptedServer
     from producers.emitter import Emitter, EmitterStats
@@ -60,7 +61,8 @@ async def _run(recipe: Path, rollouts: int, every: int, concurrency: int) -> dic
     spec = plan.environments[0]
     # no trainer here: an unbounded off-policy allowance, so admission never waits for a revision
     plan = plan.model_copy(update={"group_size": 1, "eval_environments": [], "max_off_policy_steps": 10**9})
-    tracemalloc.start()
+    if trace_heap:
+        tracemalloc.start()
     env = environment_from_spec(spec, seed=0)
     loaded = (_rss_mb(), tracemalloc.get_traced_memory()[0])
     emitter = Dropping()
@@ -98,11 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollouts", type=int, default=10_000)
     p.add_argument("--every", type=int, default=1000, help="sample memory every this many rollouts")
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--trace-heap", action="store_true", help="also trace Python's heap (tracemalloc: ~3x slower)")
     p.add_argument("--recipe", default=str(ROOT / "tests" / "envs" / "recipes" / "rlt-tally-duel.toml"))
     args = p.parse_args(argv)
     if args.quick:
         args.rollouts, args.every = 1000, 250
     import json
 
-    print(json.dumps(asyncio.run(_run(Path(args.recipe), args.rollouts, args.every, args.concurrency))))
+    print(json.dumps(asyncio.run(_run(Path(args.recipe), args.rollouts, args.every, args.concurrency,
+                                      args.trace_heap))))
     return 0

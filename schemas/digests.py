@@ -8,7 +8,8 @@ Canonical encoding of a value (version 1):
   little-endian bytes (so a float32 logprob must match bit for bit);
 * datetimes as ISO 8601, bytes as base64;
 * write metadata left out (``event_id``, ``created_at``, ``producer``, ``causation_id``): a
-  record re-emitted after a crash has a new event id but the same content digest.
+  record re-emitted after a crash has a new event id but the same content digest;
+* an optional field added after v1 (``ADDED_OPTIONAL``) left out while unset.
 
 Each digest hashes a domain tag (``rollout-log/<kind>/v1``), a newline, then the encoding.
 """
@@ -28,6 +29,9 @@ from pydantic import BaseModel
 from schemas.policy import PolicyRef
 
 WRITE_METADATA = frozenset({"event_id", "created_at", "producer", "causation_id"})
+# Optional fields added to an event after its digests were pinned: left out of the encoding while unset, so an
+# event that never had them (every one written before) keeps its digest.
+ADDED_OPTIONAL = frozenset({"served_model"})
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
@@ -43,7 +47,8 @@ def _plain(value: Any) -> Any:
     if type(value) in _SCALARS:
         return value
     if isinstance(value, BaseModel):
-        return {k: _plain(getattr(value, k)) for k in _content_fields(type(value))}
+        return {k: _plain(v) for k in _content_fields(type(value))
+                if (v := getattr(value, k)) is not None or k not in ADDED_OPTIONAL}
     if isinstance(value, np.ndarray):
         le = value.astype(value.dtype.newbyteorder("<"), copy=False)
         return {"dtype": le.dtype.str, "n": int(le.shape[0]), "sha256": hashlib.sha256(le.tobytes()).hexdigest()}

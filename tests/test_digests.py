@@ -179,3 +179,16 @@ def test_array_digest_is_of_little_endian_c_order_bytes() -> None:
         assert np.array_equal(a, b)
         assert digest("x", b) == digest("x", a)
     assert digest("x", a.astype("<i8")) != digest("x", a)  # the dtype is part of the digest
+
+
+def test_an_added_optional_field_counts_only_when_set() -> None:
+    """PolicyRevision.served_model came after the digests were pinned: unset, an event digests as it always did;
+    set, it is part of the content."""
+    from _contract_factories import fixture_events
+
+    from schemas.digests import digest
+
+    rev = fixture_events()["policy_revision"]
+    assert rev.served_model is None and digest("record", rev) == PINNED["policy_revision"]
+    stood_in = rev.model_copy(update={"served_model": "SmolLM2-135M-Instruct standing in for org/model"})
+    assert digest("record", stood_in) != PINNED["policy_revision"]
