@@ -127,29 +127,37 @@ async def test_recipe_runs_through_the_arena(kafka_settings, prefix, name, group
     (quiz(extra="[trainer.optim]\ntype = \"muon\"\n"), ["trainer.optim.type: optimizer 'muon'"]),
     (quiz(extra="[orchestrator.train.sampler]\ntype = \"difficulty_pool\"\n"), ["task sampler 'difficulty_pool'"]),
 ])
-def test_bad_input_is_one_line(tmp_path, text, says):
+def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, text, says):
     if "harness 'bash'" in says[0] and __import__("shutil").which("uv"):
         pytest.skip("uv is installed here, so the bash harness can run")
     # no broker is named: the failure must come before anything touches one
-    env = {k: v for k, v in os.environ.items() if k != "ROLLOUT_BOOTSTRAP_SERVERS"}
-    out = _cli("arena", str(_recipe(tmp_path, "bad", text)), "--groups", "1", env=env, timeout=120)
-    assert out.returncode == 1, out.stdout + out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
-    assert lines[0].startswith("rollout arena: error: ")
+    monkeypatch.delenv("ROLLOUT_BOOTSTRAP_SERVERS", raising=False)
+    err = _arena_error(capsys, _recipe(tmp_path, "bad", text))
     for s in says:
-        assert s in lines[0], lines[0]
+        assert s in err, err
 
 
-def test_a_package_that_fails_to_import_says_why(tmp_path):
+def _arena_error(capsys, recipe: Path, *args: str) -> str:
+    """`rollout arena RECIPE` in this process (the CLI's own entry point): exit 1 and exactly one line on stderr."""
+    from rollout.cli import main
+
+    capsys.readouterr()
+    assert main(["arena", str(recipe), "--groups", "1", *args]) == 1
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("rollout arena: error: ")
+    return lines[0]
+
+
+def test_a_package_that_fails_to_import_says_why(tmp_path, monkeypatch, capsys):
     pkg = tmp_path / "site" / "rlt_broken"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("import verifiers.rubrics  # an API verifiers 0.4 no longer has\n")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
-    out = _cli("arena", str(_recipe(tmp_path, "broken", quiz(taskset="rlt-broken"))), env=env, timeout=120)
-    assert out.returncode == 1 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    err = _arena_error(capsys, _recipe(tmp_path, "broken", quiz(taskset="rlt-broken")))
     assert "is installed (module rlt_broken) but importing it fails: ModuleNotFoundError: No module named " \
-           "'verifiers.rubrics'" in out.stderr, out.stderr
+           "'verifiers.rubrics'" in err, err
 
 
 OLD_FORM = """
@@ -178,7 +186,7 @@ async def test_older_env_form_keeps_its_harness(kafka_settings, prefix, tmp_path
     assert stats["rollouts"] == 2 and stats["failed"] == 0 and stats["steps"] == 2
 
 
-def test_endless_eval_source_needs_a_bound(tmp_path):
+def test_endless_eval_source_needs_a_bound(tmp_path, capsys):
     text = quiz() + """
 [[orchestrator.eval.source]]
 name = "duel-eval"
@@ -186,9 +194,8 @@ name = "duel-eval"
 [orchestrator.eval.source.env.taskset]
 id = "rlt-tally-duel"
 """
-    out = _cli("arena", str(_recipe(tmp_path, "eval", text)), "--evaluate", timeout=120)
-    assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert "evaluation source 'duel-eval': its taskset never ends" in out.stderr
+    assert "evaluation source 'duel-eval': its taskset never ends" in \
+        _arena_error(capsys, _recipe(tmp_path, "eval", text), "--evaluate")
 
 
 # -- a reward function that raises: the rollout is kept, the verifier dead-letters it with the reason ----------
