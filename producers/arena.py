@@ -482,9 +482,11 @@ class Arena:
             self.stats.evaluated_revisions.append(self.current_policy.revision)
         return len(reqs)
 
-    async def wait_for_revision(self, revision: int, timeout_s: float, idle_s: float = 60.0) -> bool:
+    async def wait_for_revision(self, revision: int, timeout_s: float, idle_s: float = 300.0) -> bool:
         """Wait until ``revision`` is current (and, with evaluate, evaluated); False after ``timeout_s``, or
-        after ``idle_s`` without a new revision (records refused as stale can leave the last batch unfilled)."""
+        after ``idle_s`` without a new revision (records refused as stale can leave the last batch unfilled).
+        ``idle_s`` outlasts a slow trainer step: on an AVX2-only CPU the first revision of SmolLM2 came 3.4
+        minutes after its batch."""
         deadline = time.monotonic() + timeout_s
         last = (self.current_policy.revision, len(self.stats.evaluated_revisions), time.monotonic())
         while time.monotonic() < deadline and self._fatal is None:

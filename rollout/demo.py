@@ -333,7 +333,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
         t0 = time.monotonic()
         arena = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "rollout.cli", "arena", args.plan, "--groups", str(args.groups), "--follow-revisions",
-            "--evaluate", "--await-final-revision", "300", "--no-progress", "--run-id", run, *arena_args,
+            "--evaluate", "--await-final-revision", "900", "--no-progress", "--run-id", run, *arena_args,
             cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         out = b""
         rc = 0
