@@ -11,6 +11,8 @@ then builds the Env, and ``producers.verifiers_v1`` runs it as arena episodes.
 
 Harnesses (who plays a seat), decided at start-up, per seat:
 
+* every seat's calls go to the capture endpoint, routed by the plan: a seat's own ``model``/``client`` (a fixed
+  target in the plan) is taken off verifiers' config, so verifiers never calls an endpoint directly;
 * ``null`` (verifiers' tool-less chat program) runs in-process through the capture harness
   (``producers.verifiers_v1.CHAT_HARNESS_ID``): no ``uv``, no runtime, no tunnel or login. Its runtime, as the
   recipe writes it, is not used (nothing is launched). A taskset that gives its agents tools is the exception:
@@ -128,6 +130,9 @@ def _seat_harnesses(config: Any, what: str) -> Any:
     in_process = _harness_classes_config()
     update: dict[str, Any] = {}
     for seat, agent in agent_config_fields(config).items():
+        # the plan routes every seat (a pinned model/client is a fixed target there): verifiers must send each
+        # call to the capture endpoint, never straight to the seat's own client, or the call is not a Step
+        agent = update[seat] = agent.model_copy(update={"model": None, "client": None})
         harness = defaults[seat]
         runtime = getattr(agent.runtime, "type", type(agent.runtime).__name__)
         if harness.id in IN_PROCESS_HARNESSES and not tools:
@@ -146,7 +151,7 @@ def _seat_harnesses(config: Any, what: str) -> Any:
                 f"{what}: seat {seat!r} uses harness {harness.id!r}, which cannot run here: {why}{tool_note}. "
                 f"Harnesses that run here: {', '.join(sorted(IN_PROCESS_HARNESSES - {CHAT_HARNESS_ID}))} "
                 "(tool-less chat, in-process); others in runtime 'subprocess' with uv installed")
-    return config.model_copy(update=update) if update else config
+    return config.model_copy(update=update)
 
 
 def _harness_classes_config() -> Any:

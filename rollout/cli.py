@@ -52,7 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         rc = args.func(args)
-    except (KafkaError, PlanError, EnvironmentUnavailable) as e:  # each says what to do, in one line
+    except KafkaError as e:
+        print(f"rollout: error: {e}", file=sys.stderr)
+        return 1
+    except (PlanError, EnvironmentUnavailable) as e:  # each says what to do, in one line
         print(f"rollout {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
