@@ -93,7 +93,10 @@ class AppServer:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         self._server = _Server(uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False,
-                                              lifespan="off", timeout_graceful_shutdown=1))
+                                              lifespan="off", timeout_graceful_shutdown=1,
+                                              # longer than clients keep idle pooled connections: a server closing
+                                              # one as a client reuses it fails that request (uvicorn's default: 5 s)
+                                              timeout_keep_alive=75))
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name=f"http-{self.port}")
         while not self._server.started:
             if self._task.done():  # it could not start: its exception (or SystemExit) says why
