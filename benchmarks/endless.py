@@ -63,7 +63,7 @@ async def _run(recipe: Path, rollouts: int, every: int, concurrency: int, trace_
     plan = plan.model_copy(update={"group_size": 1, "eval_environments": [], "max_off_policy_steps": 10**9})
     if trace_heap:
         tracemalloc.start()
-    env = environment_from_spec(spec, seed=0)
+    env = environment_from_spec(spec)
     loaded = (_rss_mb(), tracemalloc.get_traced_memory()[0])
     emitter = Dropping()
     samples = []

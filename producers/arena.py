@@ -331,7 +331,7 @@ class Arena:
         # keyed by the source's name: two sources of one environment (different args, ratios) stay two
         self.env_specs = {spec.display_name: spec for spec in getattr(plan, "environments", []) or []}
         if environments is None:
-            environments = {name: environment_from_spec(spec, seed=seed) for name, spec in self.env_specs.items()}
+            environments = {name: environment_from_spec(spec) for name, spec in self.env_specs.items()}
         self.environments = dict(environments)
         if not self.environments:
             raise ValueError("the arena needs at least one environment")
@@ -364,7 +364,7 @@ class Arena:
         # the plan's evaluation sources (prime-rl's [[orchestrator.eval.source]]): their whole dataset is held out
         # (source, environment) of each: built here unless the caller loaded them
         self.eval_environments = list(eval_environments) if eval_environments is not None else \
-            [(s, environment_from_spec(s, seed=seed)) for s in getattr(plan, "eval_environments", [])] if evaluate \
+            [(s, environment_from_spec(s)) for s in getattr(plan, "eval_environments", [])] if evaluate \
             else []
         self.rng = random.Random(seed)
         self.current_policy = PolicyRef(family=plan.family, revision=base_revision or 0)

@@ -227,11 +227,11 @@ def is_own_environment(env_id: str) -> bool:
         return False
 
 
-def environment_from_spec(spec: Any, *, seed: int = 0) -> Environment:
+def environment_from_spec(spec: Any) -> Environment:
     """An Environment from a plan's EnvSpec: one of ours by short name or module path, else a verifiers
     environment resolved from the source's env table (``producers.verifiers_loader``)."""
     if is_own_environment(spec.id):
         return load_environment(spec.id, **dict(spec.args or {}))
     from producers.verifiers_loader import load_source
 
-    return load_source(spec, seed=seed)
+    return load_source(spec)

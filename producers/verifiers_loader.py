@@ -53,15 +53,16 @@ def _module_of(plugin_id: str) -> str:
     return plugin_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
 
 
-def _installed(plugin_id: str, group: str) -> bool:
+def _installed_module(plugin_id: str, group: str) -> str | None:
+    """The module verifiers would import for ``plugin_id`` (its own group first), or None when none is installed."""
     module = _module_of(plugin_id)
     for name in (f"{group}.{module}", module):
         try:
             if importlib.util.find_spec(name) is not None:
-                return True
+                return name
         except ModuleNotFoundError:
             continue
-    return False
+    return None
 
 
 def _install_hint(plugin_id: str) -> str:
@@ -75,7 +76,7 @@ def _require_installed(table: dict[str, Any], what: str) -> None:
     taskset = table.get("taskset") if isinstance(table.get("taskset"), dict) else {}
     for plugin_id, kind, group in ((taskset.get("id"), "taskset", "verifiers.v1.tasksets"),
                                    (table.get("id"), "environment", "verifiers.v1.envs")):
-        if plugin_id and not _installed(plugin_id, group):
+        if plugin_id and _installed_module(plugin_id, group) is None:
             raise EnvironmentUnavailable(
                 f"{what}: no installed package provides the verifiers {kind} id {plugin_id!r} (module "
                 f"{_module_of(plugin_id)}); {_install_hint(plugin_id)}")
@@ -99,10 +100,9 @@ def _import_failure(table: dict[str, Any]) -> str | None:
     """Why an installed env package does not import (verifiers reports any failed import as "not found")."""
     taskset = table.get("taskset") if isinstance(table.get("taskset"), dict) else {}
     for plugin_id, group in ((taskset.get("id"), "verifiers.v1.tasksets"), (table.get("id"), "verifiers.v1.envs")):
-        if not plugin_id:
+        name = _installed_module(plugin_id, group) if plugin_id else None
+        if name is None:
             continue
-        module = _module_of(plugin_id)
-        name = f"{group}.{module}" if importlib.util.find_spec(f"{group}.{module}") else module
         try:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - the package's own import error, one line
@@ -192,9 +192,9 @@ def _select(taskset: Any, options: dict[str, Any], what: str, *, evaluation: boo
     return view
 
 
-def load_source(spec: Any, *, seed: int = 0, buffer: int = 256) -> Environment:
-    """One plan source as an arena Environment (an evaluation source's tasks are all held out)."""
-    del seed  # draws are seeded by the arena's rng (TaskStream.sample); a taskset's own seed is its config's
+def load_source(spec: Any, *, buffer: int = 256) -> Environment:
+    """One plan source as an arena Environment (an evaluation source's tasks are all held out). Draws are seeded
+    by the arena's rng (``TaskStream.sample``); a taskset's own seed is its config's."""
     what = _what(spec)
     if importlib.util.find_spec("verifiers") is None:
         raise EnvironmentUnavailable(f"{what}: {spec.id!r} is a verifiers environment id and verifiers is not "

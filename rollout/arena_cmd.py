@@ -88,8 +88,8 @@ async def _main(args: argparse.Namespace) -> int:
     require_runnable(plan)
     # environments first: an id no package provides, a harness that cannot run or a taskset that raises stops
     # here, in one line, before anything touches the broker or starts a server
-    environments = {s.display_name: environment_from_spec(s, seed=args.seed) for s in plan.environments}
-    eval_environments = [(s, environment_from_spec(s, seed=args.seed)) for s in plan.eval_environments] \
+    environments = {s.display_name: environment_from_spec(s) for s in plan.environments}
+    eval_environments = [(s, environment_from_spec(s)) for s in plan.eval_environments] \
         if args.evaluate else []
     settings = KafkaSettings.from_env()
     if args.start_local and not settings.external:
