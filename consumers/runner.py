@@ -53,7 +53,7 @@ def tune_gc() -> None:
 def processor(service: Service, factory: Any, settings: ServiceSettings, client_kwargs: dict[str, Any]
               ) -> TransactionalProcessor:
     return TransactionalProcessor(service.name, [t.name for t in service.inputs], service.partitions, factory,
-                                  client_kwargs, instance=settings.instance)
+                                  client_kwargs, instance=settings.instance, max_process_s=service.max_process_s)
 
 
 def metrics_endpoint(service: Service, port: int | None = None) -> tuple[Endpoint, ServiceMetrics | None]:

@@ -33,6 +33,10 @@ class Service:
     options: tuple[str, ...] = ()  # ServiceSettings fields that are this service's own flags
     side_inputs: tuple[topics.Topic, ...] = ()  # read besides the inputs, without a consumer group
     runs_algorithm: bool = False  # refuses a plan whose algorithm nothing here runs
+    # The longest one fetch's processing may take (a trainer step on a CPU: minutes). The group waits this long
+    # for the member, polling or rebalancing, before it takes the partitions away; shorter would abort the work
+    # and hand it to the next member, which would abort it again, forever.
+    max_process_s: float = 120.0
 
     @property
     def partitions(self) -> int:

@@ -109,7 +109,7 @@ class TransactionalProcessor:
                  client_kwargs: dict[str, Any], *, group_id: str | None = None, tick_s: float = 0.5,
                  max_records: int = 2000, instance: str = "", linger_ms: int = 5,
                  on_start: Callable[[], Awaitable[None]] | None = None, session_timeout_ms: int | None = None,
-                 settings: ProcessingSettings | None = None) -> None:
+                 settings: ProcessingSettings | None = None, max_process_s: float = 120.0) -> None:
         self.settings = settings or ProcessingSettings()
         self.service = service
         self.inputs = inputs
@@ -125,6 +125,9 @@ class TransactionalProcessor:
         self.linger_ms = linger_ms
         self.on_start = on_start
         self.session_timeout_ms = session_timeout_ms or self.settings.session_timeout_ms
+        # no fetch while a transaction's input is processed, and a revocation waits for it: the group must wait
+        # as long for both (consumers.service.Service.max_process_s)
+        self.max_process_ms = int(max_process_s * 1000)
         self.tasks: dict[int, PartitionTask] = {}
         self.producer: AIOKafkaProducer | None = None
         self.committed: dict[int, dict[str, int]] = {}
@@ -162,7 +165,8 @@ class TransactionalProcessor:
             **self.kw, group_id=self.group_id, enable_auto_commit=False, isolation_level="read_committed",
             auto_offset_reset="earliest", partition_assignment_strategy=(RangePartitionAssignor,),
             **FETCH_OPTIONS, session_timeout_ms=self.session_timeout_ms, heartbeat_interval_ms=min(1000, self.session_timeout_ms // 3),
-            rebalance_timeout_ms=30000, max_poll_interval_ms=120000, fetch_max_wait_ms=self.settings.fetch_max_wait_ms)
+            rebalance_timeout_ms=max(30000, self.max_process_ms), max_poll_interval_ms=self.max_process_ms,
+            fetch_max_wait_ms=self.settings.fetch_max_wait_ms)
         await self.consumer.start()
         self.consumer.subscribe(self.inputs, listener=_Listener(self))
         if self.on_start:

@@ -258,11 +258,22 @@ def test_endless_taskset_draws_are_seeded_and_memory_is_bounded():
 
 # -- the whole loop from a recipe: `rollout rl` -------------------------------------------------------------
 
-def _rl(recipe: Path, env: dict[str, str], *extra: str, timeout: float = 1400) -> dict:
-    out = _cli("rl", "@", str(recipe), "--no-progress", *extra, env=env, timeout=timeout)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    print(out.stdout[-2500:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _rl(recipe: Path, env: dict[str, str], *extra: str, logs: Path, timeout: float = 1400) -> dict:
+    """`rollout rl` with its output in ``logs`` (stdout, stderr): a run that hangs shows where it stopped."""
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "stdout", "w") as o, open(logs / "stderr", "w") as e:
+        proc = subprocess.Popen([sys.executable, "-m", "rollout.cli", "rl", "@", str(recipe), "--no-progress", *extra],
+                                cwd=ROOT, env=env, stdout=o, stderr=e)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = None
+    out, err = (logs / "stdout").read_text(), (logs / "stderr").read_text()
+    assert rc == 0, f"rc {rc} (None: still running after {timeout:.0f}s)\n" + out[-3000:] + err[-6000:]
+    print(out[-2500:])
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def _replay_and_audit(summary: dict, env: dict[str, str], db: Path):
@@ -281,7 +292,8 @@ def test_recipe_whole_loop_on_vllm(kafka_bootstrap, vllm_server, tmp_path):
     served as is): at least 3 trained revisions, each loaded into vLLM and evaluated on the package's test split."""
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
     env.pop("ROLLOUT_TOPIC_PREFIX", None)
-    s = _rl(RECIPES / "rlt-sum-quiz.toml", env, "--max-steps", "3", "--vllm-url", vllm_server.base_url)
+    s = _rl(RECIPES / "rlt-sum-quiz.toml", env, "--max-steps", "3", "--vllm-url", vllm_server.base_url,
+            logs=tmp_path / "rl")
     assert s["family"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and s["served_model"] is None
     assert s["rollouts"] == s["scored"] == 3 * 32
     # nothing lost: every rollout's step is in a batch, refused as stale, or its rollout is recorded failed with
@@ -318,7 +330,7 @@ def test_multi_agent_whole_loop(kafka_bootstrap, tmp_path, recipe, members, cred
     """Each seat is its own member through credit, the batches, the audit and replay's tables."""
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
     env.pop("ROLLOUT_TOPIC_PREFIX", None)
-    s = _rl(_tiny(recipe, tmp_path), env, "--max-steps", "2")
+    s = _rl(_tiny(recipe, tmp_path), env, "--max-steps", "2", logs=tmp_path / "rl")
     assert s["failed_rollouts"] == 0 and s["revisions"] >= 2 and s["batches"] >= 2
     report, con = _replay_and_audit(s, env, tmp_path / "run.duckdb")
     assert report["checked"]["chain_links"] == s["revisions"]
@@ -359,7 +371,7 @@ def test_train_one_against_a_fixed_seat_on_its_own_endpoint(kafka_bootstrap, tmp
         assert plan.environments[0].seats["player1"].trainable is False
         env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
         env.pop("ROLLOUT_TOPIC_PREFIX", None)
-        s = _rl(path, env, "--max-steps", "2")
+        s = _rl(path, env, "--max-steps", "2", logs=tmp_path / "rl")
         assert s["failed_rollouts"] == 0 and s["revisions"] >= 2
         report, con = _replay_and_audit(s, env, tmp_path / "run.duckdb")
         steps = dict(con.execute("SELECT member_id, bool_or(trainable) FROM steps GROUP BY 1").fetchall())

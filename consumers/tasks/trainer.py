@@ -98,7 +98,9 @@ class TrainerTask(TaskDefaults):
         if batch.family != self.family:
             return [dead_letter(rec, NAME, "CrossFamilyMixError",
                                 f"batch {batch.batch_id} is {batch.family!r}; this trainer trains {self.family!r}")]
-        trainer = self._ensure(batch)
+        # Loading the model and preparing tensors take seconds on a busy CPU: off the event loop, whose heartbeats
+        # keep every service of this process in its consumer group (a load on the loop cost them their membership)
+        trainer = await asyncio.to_thread(self._ensure, batch)
         holds = PolicyRef(family=self.family, revision=trainer.revision)
         keep, outs = [], []
         for r in batch.records:
@@ -116,8 +118,7 @@ class TrainerTask(TaskDefaults):
         from consumers.trainer import to_tensors
 
         step = batch if len(keep) == len(batch.records) else batch.model_copy(update={"records": keep})
-        tensors = to_tensors(step)
-        # in a worker thread: a real model's step takes seconds, and the services' clients must keep running
+        tensors = await asyncio.to_thread(to_tensors, step)
         stats = await asyncio.to_thread(self.user_step or trainer.step, tensors, step)
         stats.update(records=float(len(keep)), refused_records=float(len(outs)))
         rev = await asyncio.to_thread(trainer.publish, run_id=batch.run_id, producer=self.producer, metrics=stats,
