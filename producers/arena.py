@@ -459,20 +459,24 @@ class Arena:
 
     # running ----------------------------------------------------------------------------------------
 
-    def eval_requests(self, revision: int | None = None) -> list[EpisodeRequest]:
+    def eval_due(self, revision: int) -> list[tuple[Environment, Example, int]]:
         """Each training environment's held-out ``eval_dataset``, and every example of the plan's eval sources
         that are due at ``revision`` (prime-rl's cadence: revision 0 unless ``skip_first_step``, then every
-        ``interval``), each answered ``group_size`` times (pass@k)."""
-        revision = self.current_policy.revision if revision is None else revision
+        ``interval``), with how many times each is answered (``group_size``: pass@k)."""
         held_out = [(env, ex, 1) for env in self.environments.values() for ex in env.eval_dataset]
         for spec, env in self.eval_environments:
             opts = spec.options
             if revision % int(opts.get("interval") or 1) or (revision == 0 and opts.get("skip_first_step")):
                 continue
             held_out += [(env, ex, int(opts.get("group_size") or 1)) for ex in env.store]
+        return held_out
+
+    def eval_requests(self, revision: int | None = None) -> list[EpisodeRequest]:
+        """The evaluation rollouts due at ``revision`` (``eval_due``), one group per example."""
+        revision = self.current_policy.revision if revision is None else revision
         return [EpisodeRequest(env=env, example=ex, group_id=gid, root_group_id=gid, group_size=n,
                                sample_seed=self.rng.getrandbits(31), evaluation=True)
-                for env, ex, n in held_out for gid in [new_id()] for _ in range(n)]
+                for env, ex, n in self.eval_due(revision) for gid in [new_id()] for _ in range(n)]
 
     async def run_evaluation(self) -> int:
         """Answer every held-out example once with the current revision and emit the rollouts."""
@@ -490,7 +494,8 @@ class Arena:
         deadline = time.monotonic() + timeout_s
         last = (self.current_policy.revision, len(self.stats.evaluated_revisions), time.monotonic())
         while time.monotonic() < deadline and self._fatal is None:
-            evaluated = not self.evaluate or revision in self.stats.evaluated_revisions
+            # nothing due at this revision (a recipe with no eval source): nothing to wait for
+            evaluated = not self.evaluate or revision in self.stats.evaluated_revisions or not self.eval_due(revision)
             if self.current_policy.revision >= revision and evaluated:
                 return True
             now = (self.current_policy.revision, len(self.stats.evaluated_revisions))

@@ -165,9 +165,16 @@ async def _main(args: argparse.Namespace) -> int:
             except WeightLoadError as e:  # every admitted rollout is on the log (failed ones with the reason)
                 print(f"rollout arena: error: admission stopped: {e}", file=sys.stderr)
                 return 1
+            awaited: dict = {}
             if args.await_final_revision > 0 and follower is not None and not stop.is_set():
-                await arena.wait_for_revision(arena.pacer.final_revision(), args.await_final_revision)
-        print(json.dumps({"run_id": run_id, "plan": args.plan, **stats.as_dict(),
+                final = arena.pacer.final_revision()
+                awaited = {"final_revision": final,
+                           "final_revision_reached": await arena.wait_for_revision(final, args.await_final_revision)}
+                if not awaited["final_revision_reached"]:
+                    print(f"rollout arena: warning: revision {final} (trained on the last admitted batch) was not "
+                          f"{'current and evaluated' if arena.evaluate else 'current'} in time; exiting without it",
+                          file=sys.stderr)
+        print(json.dumps({"run_id": run_id, "plan": args.plan, **stats.as_dict(), **awaited,
                           "reload_s": [round(x, 3) for x in arena.reload_s],
                           "transactions": emitter.stats.transactions, "messages": emitter.stats.messages,
                           "steps_topic": emitter.steps_topic, "rollouts_topic": emitter.rollouts_topic}))

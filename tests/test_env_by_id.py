@@ -331,6 +331,7 @@ def test_multi_agent_whole_loop(kafka_bootstrap, tmp_path, recipe, members, cred
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
     env.pop("ROLLOUT_TOPIC_PREFIX", None)
     s = _rl(_tiny(recipe, tmp_path), env, "--max-steps", "2", logs=tmp_path / "rl")
+    assert s["arena"]["final_revision_reached"] is True
     assert s["failed_rollouts"] == 0 and s["revisions"] >= 2 and s["batches"] >= 2
     report, con = _replay_and_audit(s, env, tmp_path / "run.duckdb")
     assert report["checked"]["chain_links"] == s["revisions"]
@@ -372,6 +373,8 @@ def test_train_one_against_a_fixed_seat_on_its_own_endpoint(kafka_bootstrap, tmp
         env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
         env.pop("ROLLOUT_TOPIC_PREFIX", None)
         s = _rl(path, env, "--max-steps", "2", logs=tmp_path / "rl")
+        # the recipe has no eval source: the arena waits for the last revision, not for an evaluation of it
+        assert s["arena"]["final_revision_reached"] is True
         assert s["failed_rollouts"] == 0 and s["revisions"] >= 2
         report, con = _replay_and_audit(s, env, tmp_path / "run.duckdb")
         steps = dict(con.execute("SELECT member_id, bool_or(trainable) FROM steps GROUP BY 1").fetchall())
