@@ -128,6 +128,8 @@ class TransactionalProcessor:
         # no fetch while a transaction's input is processed, and a revocation waits for it: the group must wait
         # as long for both (consumers.service.Service.max_process_s)
         self.max_process_ms = int(max_process_s * 1000)
+        # a transaction takes no more input after this long, so one more record as slow as the last still fits
+        self.process_budget_s = max_process_s / 2
         self.tasks: dict[int, PartitionTask] = {}
         self.producer: AIOKafkaProducer | None = None
         self.committed: dict[int, dict[str, int]] = {}
@@ -423,14 +425,24 @@ class TransactionalProcessor:
         offsets = {p: dict(self.committed[p]) for p in self.tasks}
         snaps: dict[int, bytes] = {}
         now = time.monotonic()
+        # Input left for the next transaction once this one has processed for its budget: the group hears
+        # nothing from this member while it processes (no fetch; a revocation waits), so work is committed in
+        # pieces that each fit its patience, never lost and redone whole (``Service.max_process_s``).
+        rest: dict[int, list] = {}
+        budget_end, processed = now + self.process_budget_s, 0
         try:
             for p, rs in recs.items():
                 task, out, nxt = self.tasks[p], [], offsets[p]
-                for rec in rs:
+                for i, rec in enumerate(rs):
+                    if processed and time.monotonic() > budget_end:
+                        rest[p], recs[p] = rs[i:], rs[:i]
+                        break
                     out.extend(await task.process(rec))
                     nxt[rec.topic] = rec.offset + 1
-                for t, o in pos[p].items():  # past any transaction markers after the last record
-                    nxt[t] = max(nxt[t], o)
+                    processed += 1
+                if p not in rest:
+                    for t, o in pos[p].items():  # past any transaction markers after the last record
+                        nxt[t] = max(nxt[t], o)
                 if tick:
                     out.extend(task.tick(now))
                 snap = encode_snapshot(task.buffered(), task.state())
@@ -476,6 +488,9 @@ class TransactionalProcessor:
             await self._retake_all()
             return
         self.stats.transactions += 1
+        for p, left in rest.items():  # first in line for the next transaction
+            self.inbox[p][:0] = left
+            self.inbox_pos[p] = {**pos[p], **self.inbox_pos.get(p, {})}
         for p, out in outs.items():
             if p in snaps:
                 self.snap_written[p] = snaps[p]
