@@ -20,6 +20,7 @@ land on the same partition number of the steps and rollouts topics, in call orde
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from schemas.envelope import Event
 from schemas.events import Rollout, Step
 from streams import serde, topics
 from streams.settings import MAX_MESSAGE_BYTES
+
+log = logging.getLogger("rollout.arena")
 
 
 class EmissionError(Exception):
@@ -53,6 +56,7 @@ class EmitterStats:
     bytes: int = 0
     commit_s: float = 0.0
     aborted: int = 0
+    producers: int = 0  # opened: the first, and one after each failed transaction
     by_topic: dict[str, int] = field(default_factory=dict)
 
 
@@ -120,14 +124,34 @@ class KafkaEmitter(Emitter):
             return self.rollouts_topic
         raise TypeError(f"the arena emits Steps and Rollouts only, not {type(event).__name__}")
 
-    async def start(self) -> None:
+    async def _open_producer(self) -> Any:
         from aiokafka import AIOKafkaProducer
 
-        self._producer = AIOKafkaProducer(
+        producer = AIOKafkaProducer(
             **self.client_kwargs, transactional_id=self.transactional_id, enable_idempotence=True, acks="all",
             transaction_timeout_ms=self.transaction_timeout_ms, max_request_size=MAX_MESSAGE_BYTES,
             linger_ms=self.linger_ms)
-        await self._producer.start()  # init_transactions: fences and aborts a predecessor's open transaction
+        await producer.start()  # init_transactions: fences and aborts a predecessor's open transaction
+        self.stats.producers += 1
+        return producer
+
+    async def _replace_producer(self) -> None:
+        """After a failed transaction: a fresh producer with the same transactional id, whose InitProducerId
+        aborts on the broker whatever the failed one left open. aiokafka's own abort after some errors is local
+        only (it forgets the transaction's partitions and sends no EndTxn), and the next commit would then
+        commit the failed episodes' records too; the services discard their producer for the same reason."""
+        old, self._producer = self._producer, None
+        try:
+            await asyncio.wait_for(old.stop(), 10)
+        except BaseException as e:  # noqa: BLE001 - a failed producer may complain on close
+            log.debug("emitter: closing the failed producer: %s", e)
+        try:
+            self._producer = await self._open_producer()
+        except Exception as e:  # noqa: BLE001 - every later emit says why
+            self._failed = e
+
+    async def start(self) -> None:
+        self._producer = await self._open_producer()
         self._queue = asyncio.Queue()
         self._loop_task = asyncio.create_task(self._commit_loop(), name=f"emitter-{self.transactional_id}")
 
@@ -222,12 +246,9 @@ class KafkaEmitter(Emitter):
         except ProducerFenced as e:
             self._failed = e
             raise EmissionError(f"producer {self.transactional_id} was fenced by a newer instance: {e}") from e
-        except BaseException:
+        except Exception:
             self.stats.aborted += 1
-            try:
-                await producer.abort_transaction()
-            except Exception as abort_err:  # noqa: BLE001
-                self._failed = abort_err
+            await self._replace_producer()
             raise
         self.stats.transactions += 1
         self.stats.episodes += len(episodes)

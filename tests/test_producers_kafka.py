@@ -271,3 +271,35 @@ async def test_an_oversized_episode_fails_alone(kafka_settings, pipeline_topics)
     assert isinstance(results[0], EmissionError) and "request limit" in str(results[0]) and results[1] is None
     rollouts = await read_all(kafka_settings.client_kwargs(), pipeline_topics[1], expect=1)
     assert [r.rollout_id for *_, r in rollouts] == [good.rollout.rollout_id]
+
+
+async def test_a_failed_transaction_discards_its_producer(kafka_settings, pipeline_topics):
+    """A transaction that fails after its records were sent: the emitter opens a fresh producer with the same
+    transactional id (its InitProducerId aborts the failed transaction on the broker, whatever aiokafka's local
+    state), the failed episode is never visible, and the next episode commits alone."""
+    from producers.emitter import EmissionError
+    from test_producers import CountdownEpisode, _env, single_plan
+
+    calls = []
+
+    async def fail_first(results):
+        calls.append([r.rollout.rollout_id for r in results])
+        if len(calls) == 1:
+            raise RuntimeError("the first commit fails")
+
+    em = _emitter(kafka_settings, pipeline_topics, before_commit=fail_first)
+    async with EchoServer() as echo, em:
+        arena = await Arena(single_plan(), {"u": _env(CountdownEpisode(max_turns=1))}, emitter=em,
+                            policy_base_url=echo.base_url, manage_emitter=False).start()
+        first = await arena.run_rollout(arena.sample_request_group()[0])
+        second = await arena.run_rollout(arena.sample_request_group()[0])
+        with pytest.raises(EmissionError, match="the first commit fails"):
+            await em.emit(first)
+        await em.emit(second)
+        await arena.stop()
+    assert em.stats.producers == 2 and em.stats.aborted == 1 and em.stats.transactions == 1
+    kw = kafka_settings.client_kwargs()
+    assert [r.rollout_id for *_, r in await read_all(kw, pipeline_topics[1], expect=1)] == [second.rollout.rollout_id]
+    # the failed transaction's records were written, then aborted
+    raw = await read_all(kw, pipeline_topics[1], isolation="read_uncommitted", expect=2)
+    assert {r.rollout_id for *_, r in raw} == {first.rollout.rollout_id, second.rollout.rollout_id}
