@@ -13,9 +13,8 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from schemas.events import DeadLetter
 from streams import serde, topics
-from streams.transactions import Out, PartitionTask
+from streams.transactions import Out, PartitionTask, dead_letter  # noqa: F401 - the tasks' dead letters
 
 TaskFactory = Callable[[int], PartitionTask]
 Wiring = Callable[[Any, dict[str, Any]], AbstractAsyncContextManager[TaskFactory]]
@@ -71,18 +70,6 @@ class TaskDefaults:
 
     def load_state(self, state: dict[str, Any]) -> None:
         pass
-
-
-def dead_letter(rec: Any, service: str, error_type: str, message: str, run_id: str | None = None, *,
-                raw: bytes | None = None) -> Out:
-    """The dead letter for input record ``rec``: its bytes (or ``raw``, the part of it refused: one record of a
-    batch), where it came from and why it was refused."""
-    run = run_id or serde.header(rec.headers, "run_id") or "unknown"
-    return Out(topics.DEAD_LETTERS.name, DeadLetter(
-        run_id=run, producer=service, origin_topic=rec.topic, origin_partition=rec.partition,
-        origin_offset=rec.offset, origin_key=rec.key, raw=(rec.value or b"") if raw is None else raw,
-        error_type=error_type,
-        error_message=message[:4000], service=service))
 
 
 def decode(rec: Any, expect: type) -> Any:

@@ -41,6 +41,7 @@ from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError, ProducerFenced
 
 from schemas.envelope import Event
+from schemas.events import DeadLetter
 from streams import serde, topics
 from streams.batched_send import PartitionBatches
 from streams.changelog import Restorer, changelog_topic, encode_snapshot
@@ -49,6 +50,8 @@ from streams.group_fencing import GroupFenced, GroupMember, fence_by_group, fenc
 from streams.settings import FETCH_OPTIONS, MAX_MESSAGE_BYTES, ProcessingSettings
 
 log = logging.getLogger("rollout.eos")
+
+POISON_ATTEMPTS = 3  # a record a task raises on this many times is dead-lettered (``TransactionalProcessor._process``)
 
 _PROCESS_ID = uuid.uuid4().hex[:8]  # the transactional id of an instance without a name: unique to this process
 
@@ -64,6 +67,17 @@ class Out:
 
     topic: str
     event: Event
+
+
+def dead_letter(rec: Any, service: str, error_type: str, message: str, run_id: str | None = None, *,
+                raw: bytes | None = None) -> Out:
+    """The dead letter for input record ``rec``: its bytes (or ``raw``, the part of it refused: one record of a
+    batch), where it came from and why it was refused."""
+    run = run_id or serde.header(rec.headers, "run_id") or "unknown"
+    return Out(topics.DEAD_LETTERS.name, DeadLetter(
+        run_id=run, producer=service, origin_topic=rec.topic, origin_partition=rec.partition,
+        origin_offset=rec.offset, origin_key=rec.key, raw=(rec.value or b"") if raw is None else raw,
+        error_type=error_type, error_message=message[:4000], service=service))
 
 
 class PartitionTask(Protocol):
@@ -130,6 +144,8 @@ class TransactionalProcessor:
         self.max_process_ms = int(max_process_s * 1000)
         # a transaction takes no more input after this long, so one more record as slow as the last still fits
         self.process_budget_s = max_process_s / 2
+        # input records a task raised on: (topic, partition, offset) -> (times, the last error); ``_process``
+        self.poison: dict[tuple[str, int, int], tuple[int, str]] = {}
         self.tasks: dict[int, PartitionTask] = {}
         self.producer: AIOKafkaProducer | None = None
         self.committed: dict[int, dict[str, int]] = {}
@@ -437,7 +453,7 @@ class TransactionalProcessor:
                     if processed and time.monotonic() > budget_end:
                         rest[p], recs[p] = rs[i:], rs[:i]
                         break
-                    out.extend(await task.process(rec))
+                    out.extend(await self._process(task, rec))
                     nxt[rec.topic] = rec.offset + 1
                     processed += 1
                 if p not in rest:
@@ -502,6 +518,25 @@ class TransactionalProcessor:
                 self.stats.by_type[o.event.EVENT_TYPE] += 1
             if self.on_commit is not None and (recs[p] or out):
                 self.on_commit(p, recs[p], out)
+        if self.poison:  # committed past: forgotten
+            self.poison = {k: v for k, v in self.poison.items() if k[2] >= self.committed.get(k[1], {}).get(k[0], 0)}
+
+    async def _process(self, task: PartitionTask, rec: Any) -> list[Out]:
+        """``task.process(rec)``; a record it raised on ``POISON_ATTEMPTS`` times (each time the transaction was
+        aborted and the partition rebuilt) is dead-lettered with the last error instead, so one poison record
+        cannot hold its instance's partitions for ever."""
+        key = (rec.topic, rec.partition, rec.offset)
+        failed, why = self.poison.get(key, (0, ""))
+        if failed >= POISON_ATTEMPTS:
+            log.error("%s%s: %s[%d]@%d raised %d times (%s): dead-lettered, going on", self.service, self.instance,
+                      rec.topic, rec.partition, rec.offset, failed, why)
+            return [dead_letter(rec, self.service, "PoisonRecordError",
+                                f"processing raised {failed} times; the last: {why}")]
+        try:
+            return await task.process(rec)
+        except Exception as e:
+            self.poison[key] = (failed + 1, f"{type(e).__name__}: {e}")
+            raise
 
     def _offsets(self, offsets: dict[int, dict[str, int]]) -> dict[TopicPartition, int]:
         return {TopicPartition(t, p): o for p, offs in offsets.items() for t, o in offs.items()}
