@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,6 +240,35 @@ class ReferenceTrainer:
         stats["tokens"] = float(t.loss_mask.sum())
         return stats
 
+    # -- the state a take-over resumes from, besides the served weights ---------------------------------------
+    def training_state_path(self, revision: int) -> Path:
+        from policy.checkpoint import checkpoint_stem
+
+        return self.dir / f"{checkpoint_stem(self.family, revision)}.train.pt"
+
+    def _save_training_state(self) -> None:
+        """The float32 weights (an HF checkpoint serves bf16) and the optimizer's moments and step count at this
+        revision, so a trainer that takes over from it trains exactly as this one would have. The two newest are
+        kept: the one written before a commit that fails, and the last committed one."""
+        path = self.training_state_path(self.revision)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        torch.save({"revision": self.revision, "model": {k: v.detach() for k, v in self.model.state_dict().items()},
+                    "optimizer": self.opt.state_dict()}, tmp)
+        os.replace(tmp, path)
+        self.training_state_path(self.revision - 2).unlink(missing_ok=True)
+
+    def load_training_state(self) -> bool:
+        """Resume the weights and optimizer saved at this revision (``_save_training_state``); False when there
+        is none (a checkpoint another trainer wrote, or from before this file existed)."""
+        path = self.training_state_path(self.revision)
+        if not path.exists():
+            return False
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(blob["model"])
+        self.opt.load_state_dict(blob["optimizer"])
+        self._snapshot()
+        return True
+
     def _snapshot(self) -> None:
         self.snapshots[self.revision] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         for old in sorted(self.snapshots)[:-self.keep_revisions]:
@@ -280,6 +310,7 @@ class ReferenceTrainer:
                              metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)})
         self.revision = nxt
         self._snapshot()
+        self._save_training_state()
         self.written[nxt] = ref
         while self.keep_checkpoints and len(self.written) > self.keep_checkpoints:
             self.kind.remove(self.written.pop(min(self.written)))

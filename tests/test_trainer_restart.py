@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from consumers import testing
 from consumers.runner import System
@@ -104,6 +105,21 @@ async def test_trainer_sigkilled_and_restarted_trains_every_batch_once(kafka_set
     assert all(r.batch_digest == next(b.batch_digest for b in batches if b.batch_id == r.batch_id) for r in revs[1:])
     assert Counter(x.record_id for b in batches for x in b.records) == Counter(expected)
     assert before >= 2 and len(revs) - 1 > before  # it went on training after the restart
+    # and it trained exactly as if it had never stopped: the same batches, in revision order, through one trainer
+    # that never restarted, give the last revision's weights (the resumed trainer took the weights and the
+    # optimizer's moments of its revision from its training state, not a fresh optimizer)
+    from consumers.trainer import ReferenceTrainer, TinyPolicy, to_tensors
+    from policy.checkpoint import load_checkpoint
+
+    straight = ReferenceTrainer(load_checkpoint(revs[0].checkpoint), testing.FAMILY, 0, tmp_path / "straight",
+                                lr=1e-3)
+    by_id = {b.batch_id: b for b in batches}
+    for r in revs[1:]:
+        straight.step(to_tensors(by_id[r.batch_id]), by_id[r.batch_id])
+    resumed = load_checkpoint(revs[-1].checkpoint).state_dict()
+    for k, v in straight.model.state_dict().items():
+        torch.testing.assert_close(resumed[k], v, rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    assert straight.kind is TinyPolicy
     # the replayed run: the audit walks the chain from the latest revision back to r0
     db = str(tmp_path / "run.duckdb")
     await Replayer(db, kafka_settings).run()

@@ -88,6 +88,9 @@ class TrainerTask(TaskDefaults):
             self.trainer = ReferenceTrainer(kind.load(ref), self.family, rev, self.dir, lr=self.lr,
                                             epochs=self.epochs, kind=kind, keep_checkpoints=self.keep_checkpoints,
                                             weight_decay=self.weight_decay, served_model=self.served_model)
+            if self.current and not self.trainer.load_training_state():
+                log.warning("resuming from revision %d without its training state (%s missing): fresh optimizer "
+                            "moments, and the served weights' precision", rev, self.trainer.training_state_path(rev))
         return self.trainer
 
     async def process(self, rec: Any) -> list:
