@@ -160,6 +160,10 @@ def _rows(t: TrainerTensors, rows: slice | torch.Tensor) -> TrainerTensors:
                           t.old_logprobs[rows], t.prompt_lens[rows], t.seq_lens[rows])
 
 
+TRAINING_STATE_SUFFIX = ".train.pt"
+"""``<checkpoint stem>.train.pt`` beside the checkpoints: a revision's training state (``ReferenceTrainer``)."""
+
+
 class ReferenceTrainer:
     """Clipped policy gradient (PPO/GRPO objective, token-mean over the loss mask) on the checkpoint's model."""
 
@@ -244,7 +248,7 @@ class ReferenceTrainer:
     def training_state_path(self, revision: int) -> Path:
         from policy.checkpoint import checkpoint_stem
 
-        return self.dir / f"{checkpoint_stem(self.family, revision)}.train.pt"
+        return self.dir / f"{checkpoint_stem(self.family, revision)}{TRAINING_STATE_SUFFIX}"
 
     def _save_training_state(self) -> None:
         """The float32 weights (an HF checkpoint serves bf16) and the optimizer's moments and step count at this

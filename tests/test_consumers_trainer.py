@@ -10,7 +10,7 @@ import torch
 
 from consumers import testing
 from consumers.tasks.trainer import TrainerTask
-from consumers.trainer import ReferenceTrainer, initial_revision, to_tensors
+from consumers.trainer import TRAINING_STATE_SUFFIX, ReferenceTrainer, initial_revision, to_tensors
 from policy.checkpoint import file_sha256, load_checkpoint
 from policy.model import PolicyModel, token_logprobs
 from schemas.batch import assemble_batch
@@ -195,8 +195,12 @@ def test_the_trainer_keeps_only_the_newest_checkpoints_when_asked(tmp_path):
     for _ in range(4):
         trainer.step(to_tensors(b), b)
         revs.append(trainer.publish(run_id="run", batch=b))
-    kept = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    kept = sorted(p.name for p in (tmp_path / "ck").iterdir() if not p.name.endswith(TRAINING_STATE_SUFFIX))
     assert kept == [Path(r.checkpoint.uri.removeprefix("file://")).name for r in revs[-2:]]
+    # the training state a take-over resumes from: the two newest revisions' (the last committed one survives a
+    # commit that fails)
+    assert sorted(p.name for p in (tmp_path / "ck").glob(f"*{TRAINING_STATE_SUFFIX}")) == \
+        ["tiny-r000003.train.pt", "tiny-r000004.train.pt"]
     assert (tmp_path / "r0").exists() and any((tmp_path / "r0").iterdir())  # never one it did not write
 
 
@@ -242,7 +246,8 @@ async def test_an_org_slash_name_family_trains_with_flat_checkpoints_found_verif
     # flat: no folder per org; r0 (not written by this trainer) kept, r1 and r2 pruned, r3 and r4 kept
     assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == [
         "run", "run/checkpoints", "run/checkpoints/org--tiny-byte-lm-r000000.pt",
-        "run/checkpoints/org--tiny-byte-lm-r000003.pt", "run/checkpoints/org--tiny-byte-lm-r000004.pt"]
+        "run/checkpoints/org--tiny-byte-lm-r000003.pt", "run/checkpoints/org--tiny-byte-lm-r000003.train.pt",
+        "run/checkpoints/org--tiny-byte-lm-r000004.pt", "run/checkpoints/org--tiny-byte-lm-r000004.train.pt"]
     for r in revs[-2:]:
         path = checkpoint_path(r.checkpoint)
         assert path.parent == ck.resolve() and file_sha256(path) == r.checkpoint.digest
@@ -299,7 +304,8 @@ def test_an_org_slash_name_family_of_a_transformers_model_writes_one_folder_per_
         rev = trainer.publish(run_id="run", batch=b)
         refs.append(rev.checkpoint)
         assert rev.family == fam
-    assert sorted(p.name for p in ck.iterdir()) == ["org--tiny-llama-r000000", "org--tiny-llama-r000002"]
+    assert sorted(p.name for p in ck.iterdir()) == ["org--tiny-llama-r000000", "org--tiny-llama-r000001.train.pt",
+                                                    "org--tiny-llama-r000002", "org--tiny-llama-r000002.train.pt"]
     folder = hf.checkpoint_folder(refs[-1])
     assert folder == ck.resolve() / "org--tiny-llama-r000002"
     assert json.loads((folder / "revision.json").read_text()) == {"family": fam, "revision": 2}
@@ -350,7 +356,9 @@ async def test_the_services_train_an_org_slash_name_family_from_the_log(kafka_se
             await asyncio.sleep(0.5)
     revs = await revisions()
     assert [r.revision for r in revs] == [0, 1, 2] and {r.family for r in revs} == {HF_FAMILY}
-    assert [p.name for p in sorted(ck.iterdir())] == ["org--tiny-byte-lm-r000000.pt", "org--tiny-byte-lm-r000002.pt"]
+    assert [p.name for p in sorted(ck.iterdir())] == ["org--tiny-byte-lm-r000000.pt", "org--tiny-byte-lm-r000001.train.pt",
+                                                      "org--tiny-byte-lm-r000002.pt",
+                                                      "org--tiny-byte-lm-r000002.train.pt"]
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_dir()) == \
         ["run", "run/checkpoints"]
     for r in (revs[0], revs[2]):
