@@ -44,8 +44,9 @@ class ServiceSettings(BaseSettings):
     flush_after_s: float = Field(10.0, description="emit a partial batch (a smaller step) when no batch filled for "
                                                    "this long: the end of a run, or generation stalled")
     checkpoint_dir: str = Field(".state/checkpoints", description="trainer: where checkpoints are written")
-    keep_checkpoints: int = Field(0, ge=0, description="trainer: keep only the newest N checkpoint files it wrote "
-                                                       "(0: keep all; the arena must still find the one it loads)")
+    keep_checkpoints: int = Field(0, ge=0, description="trainer: keep only the newest N checkpoint files it wrote, "
+                                                       "at least 2: the newest is not committed yet when written (0: "
+                                                       "keep all; the arena must still find the one it loads)")
     lr: float = Field(1e-3, gt=0, description="trainer: learning rate (the plan's trainer.optim.lr)")
     weight_decay: float = Field(0.0, ge=0, description="trainer: AdamW weight decay (the plan's trainer.optim.weight_decay)")
     served_model: str | None = Field(None, description="trainer: the weights standing for the family, stamped on "

@@ -104,10 +104,15 @@ class TinyPolicy:
         return save_checkpoint(model, directory, family, revision)
 
     @staticmethod
-    def remove(ref: CheckpointRef) -> None:
+    def location(ref: CheckpointRef) -> Path:
+        """The checkpoint's file."""
         from policy.checkpoint import checkpoint_path
 
-        checkpoint_path(ref).unlink(missing_ok=True)
+        return checkpoint_path(ref)
+
+    @staticmethod
+    def remove(ref: CheckpointRef) -> None:
+        TinyPolicy.location(ref).unlink(missing_ok=True)
 
     @staticmethod
     def logprobs(model: Any, t: TrainerTensors) -> torch.Tensor:
@@ -134,12 +139,17 @@ class HFPolicy:
         return save_checkpoint(model, directory, family, revision)
 
     @staticmethod
+    def location(ref: CheckpointRef) -> Path:
+        """The checkpoint's folder (what vLLM loads)."""
+        from policy.hf import checkpoint_folder
+
+        return checkpoint_folder(ref)
+
+    @staticmethod
     def remove(ref: CheckpointRef) -> None:
         import shutil
 
-        from policy.hf import checkpoint_folder
-
-        shutil.rmtree(checkpoint_folder(ref), ignore_errors=True)  # the revision's folder
+        shutil.rmtree(HFPolicy.location(ref), ignore_errors=True)  # the revision's folder
 
     @staticmethod
     def logprobs(model: Any, t: TrainerTensors) -> torch.Tensor:
@@ -187,6 +197,7 @@ class ReferenceTrainer:
         # checkpoint files this trainer wrote, by revision: all kept (0), or only the newest keep_checkpoints
         self.keep_checkpoints = keep_checkpoints
         self.written: dict[int, CheckpointRef] = {}
+        self.states: dict[int, Path] = {}  # training states this trainer wrote, by revision (the two newest)
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self._probe: Any = None
         self._snapshot()
@@ -245,26 +256,28 @@ class ReferenceTrainer:
         return stats
 
     # -- the state a take-over resumes from, besides the served weights ---------------------------------------
-    def training_state_path(self, revision: int) -> Path:
-        from policy.checkpoint import checkpoint_stem
+    def training_state_path(self, ref: CheckpointRef) -> Path:
+        """Beside the checkpoint, named after it: the state that produced exactly those weights."""
+        at = self.kind.location(ref)
+        return at.with_name(at.name.removesuffix(".pt") + TRAINING_STATE_SUFFIX)
 
-        return self.dir / f"{checkpoint_stem(self.family, revision)}{TRAINING_STATE_SUFFIX}"
-
-    def _save_training_state(self) -> None:
+    def _save_training_state(self, ref: CheckpointRef) -> None:
         """The float32 weights (an HF checkpoint serves bf16) and the optimizer's moments and step count at this
         revision, so a trainer that takes over from it trains exactly as this one would have. The two newest are
         kept: the one written before a commit that fails, and the last committed one."""
-        path = self.training_state_path(self.revision)
+        path = self.training_state_path(ref)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         torch.save({"revision": self.revision, "model": {k: v.detach() for k, v in self.model.state_dict().items()},
                     "optimizer": self.opt.state_dict()}, tmp)
         os.replace(tmp, path)
-        self.training_state_path(self.revision - 2).unlink(missing_ok=True)
+        self.states[self.revision] = path
+        for old in sorted(self.states)[:-2]:
+            self.states.pop(old).unlink(missing_ok=True)
 
-    def load_training_state(self) -> bool:
-        """Resume the weights and optimizer saved at this revision (``_save_training_state``); False when there
-        is none (a checkpoint another trainer wrote, or from before this file existed)."""
-        path = self.training_state_path(self.revision)
+    def load_training_state(self, ref: CheckpointRef) -> bool:
+        """Resume the weights and optimizer saved with checkpoint ``ref`` (``_save_training_state``); False when
+        there is none (a checkpoint from before training states were written)."""
+        path = self.training_state_path(ref)
         if not path.exists():
             return False
         blob = torch.load(path, map_location="cpu", weights_only=True)
@@ -314,9 +327,11 @@ class ReferenceTrainer:
                              metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)})
         self.revision = nxt
         self._snapshot()
-        self._save_training_state()
+        self._save_training_state(ref)
         self.written[nxt] = ref
-        while self.keep_checkpoints and len(self.written) > self.keep_checkpoints:
+        # never fewer than two: this revision is not committed yet, and if its commit fails the take-over
+        # resumes from the previous one
+        while self.keep_checkpoints and len(self.written) > max(2, self.keep_checkpoints):
             self.kind.remove(self.written.pop(min(self.written)))
         return rev
 

@@ -2,10 +2,10 @@
 
     ref = save_checkpoint(model, "ckpt/", family="tiny", revision=3)   # CheckpointRef(uri, digest)
     model = load_checkpoint(ref)        # refuses a file whose bytes do not hash to ref.digest
-    model = load_checkpoint("ckpt/tiny-r000003.pt")   # a bare path: loaded, not verified
+    model = load_checkpoint(ref.uri)    # a bare path (ckpt/tiny-r000003-<digest[:12]>.pt): loaded, not verified
 
 The file is a ``torch.save`` of ``{"format": 1, "family", "revision", "config", "state_dict"}``;
-the digest is of the file's bytes exactly as written. Its name is ``checkpoint_stem(family, revision)`` + ``.pt``:
+the digest is of the file's bytes exactly as written. Its name is ``checkpoint_filename(family, revision, digest)``:
 the family's ``schemas.policy.family_slug`` (``org/name`` -> ``org--name``), so a family named as Hugging Face
 names models is one file in ``directory``, never a sub-folder; the family inside the file is the family itself.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -36,8 +37,27 @@ def checkpoint_stem(family: str, revision: int) -> str:
     return f"{family_slug(family)}-r{int(revision):06d}"
 
 
-def checkpoint_filename(family: str, revision: int) -> str:
-    return checkpoint_stem(family, revision) + ".pt"
+def checkpoint_name(family: str, revision: int, digest: str) -> str:
+    """``<checkpoint_stem>-<digest[:12]>``: a checkpoint is named by its content, so a name never changes meaning.
+    Two trainers that wrote revision N differently (a fenced one and its successor, sharing a volume) write two
+    names, and neither overwrites the one the committed revision names."""
+    return f"{checkpoint_stem(family, revision)}-{digest[:12]}"
+
+
+def checkpoint_filename(family: str, revision: int, digest: str) -> str:
+    return checkpoint_name(family, revision, digest) + ".pt"
+
+
+def place(tmp: Path, final: Path) -> Path:
+    """Move a fully written checkpoint (file or folder) to its content-addressed name; one already there holds
+    the same bytes (the digest names it), and is kept."""
+    try:
+        if final.exists():
+            raise FileExistsError(final)
+        os.replace(tmp, final)
+    except OSError:  # there already (a folder cannot be replaced): the same content
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+    return final
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -49,16 +69,17 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def save_checkpoint(model: PolicyModel, directory: str | os.PathLike, family: str, revision: int) -> CheckpointRef:
-    """Write atomically (temp file + rename) and return the reference with the file's SHA-256."""
+    """Write atomically (temp file + rename to its content-addressed name) and return the reference with the
+    file's SHA-256."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    path = d / checkpoint_filename(family, revision)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp = d / f"{checkpoint_stem(family, revision)}.tmp{os.getpid()}"
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     torch.save({"format": FORMAT, "family": family, "revision": int(revision),
                 "config": model.config.to_dict(), "state_dict": state}, tmp)
-    os.replace(tmp, path)
-    return CheckpointRef(uri=path.resolve().as_uri(), digest=file_sha256(path))
+    digest = file_sha256(tmp)
+    path = place(tmp, d / checkpoint_filename(family, revision, digest))
+    return CheckpointRef(uri=path.resolve().as_uri(), digest=digest)
 
 
 def checkpoint_path(ref_or_path: CheckpointRef | str | os.PathLike) -> Path:

@@ -5,8 +5,8 @@ from the machines this runs on. ``prepare_model()`` turns it once into an HF saf
 cache outside git (``~/.cache/rollout-log/models/SmolLM2-135M-Instruct``, or ``$ROLLOUT_MODEL_DIR``) that
 vLLM and the trainer both load; the SHA-256 of ``model.safetensors`` is its digest, kept beside it.
 
-Checkpoints are folders ``<family_slug>-r<revision>/`` (``policy.checkpoint.checkpoint_stem``; ``org/name``
-is written ``org--name-r<revision>``) holding ``model.safetensors`` and ``config.json``: the folder is what
+Checkpoints are folders ``<family_slug>-r<revision>-<digest[:12]>/`` (``policy.checkpoint.checkpoint_name``: named
+by their content; ``org/name`` is written ``org--name-r<revision>-...``) holding ``model.safetensors`` and ``config.json``: the folder is what
 vLLM's ``reload_weights`` reads, the safetensors file is what the ``CheckpointRef`` points at and what its
 digest is of.
 """
@@ -131,14 +131,13 @@ def load_model(ref: CheckpointRef | str | os.PathLike, *, config_dir: str | os.P
 
 
 def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revision: int) -> CheckpointRef:
-    """Write ``<family_slug>-r<revision>/`` (bf16 safetensors + config) atomically in ``directory`` (created if
-    missing); the ref's digest is the file's. The family itself is kept in the metadata and ``revision.json``."""
+    """Write ``<family_slug>-r<revision>-<digest[:12]>/`` (bf16 safetensors + config) atomically in ``directory``
+    (created if missing); the ref's digest is the file's. The family itself is kept in the metadata and ``revision.json``."""
     import torch
 
-    from policy.checkpoint import checkpoint_stem, file_sha256
+    from policy.checkpoint import checkpoint_name, checkpoint_stem, file_sha256, place
 
-    folder = Path(directory) / checkpoint_stem(family, revision)
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tmp = Path(directory) / f"{checkpoint_stem(family, revision)}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):
@@ -149,9 +148,9 @@ def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revis
     save_file(state, tmp / WEIGHTS, metadata={"format": "pt", "family": family, "revision": str(revision)})
     model.config.to_json_file(tmp / "config.json")
     (tmp / "revision.json").write_text(json.dumps({"family": family, "revision": revision}) + "\n")
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
-    return CheckpointRef(uri=(folder / WEIGHTS).resolve().as_uri(), digest=file_sha256(folder / WEIGHTS))
+    digest = file_sha256(tmp / WEIGHTS)
+    folder = place(tmp, Path(directory) / checkpoint_name(family, revision, digest))  # never over another's
+    return CheckpointRef(uri=(folder / WEIGHTS).resolve().as_uri(), digest=digest)
 
 
 @functools.cache

@@ -200,7 +200,7 @@ def test_the_trainer_keeps_only_the_newest_checkpoints_when_asked(tmp_path):
     # the training state a take-over resumes from: the two newest revisions' (the last committed one survives a
     # commit that fails)
     assert sorted(p.name for p in (tmp_path / "ck").glob(f"*{TRAINING_STATE_SUFFIX}")) == \
-        ["tiny-r000003.train.pt", "tiny-r000004.train.pt"]
+        [Path(r.checkpoint.uri).name.replace(".pt", TRAINING_STATE_SUFFIX) for r in revs[-2:]]
     assert (tmp_path / "r0").exists() and any((tmp_path / "r0").iterdir())  # never one it did not write
 
 
@@ -217,7 +217,7 @@ class _Rec:
 
 async def test_an_org_slash_name_family_trains_with_flat_checkpoints_found_verified_and_pruned(tmp_path):
     """The trainer service's path with family ``org/tiny-byte-lm``: revision 0 and every trained revision are one
-    file each in the checkpoint directory (``org--tiny-byte-lm-r<N>.pt``, no ``org/`` folder, the directory created
+    file each in the checkpoint directory (``org--tiny-byte-lm-r<N>-<digest[:12]>.pt``, no ``org/`` folder, the directory created
     as in the demo), the first batch's target is found there by name and digest-checked, older ones are pruned
     (keep_checkpoints), a restarted trainer resumes from the newest file, and a file whose bytes changed is
     refused. The family stays ``org/tiny-byte-lm`` in every event and inside every file."""
@@ -228,7 +228,7 @@ async def test_an_org_slash_name_family_trains_with_flat_checkpoints_found_verif
     ck = tmp_path / "run" / "checkpoints"  # not there yet
     rev0 = initial_revision(HF_FAMILY, ck, seed=0)
     p0 = checkpoint_path(rev0.checkpoint)
-    assert rev0.family == HF_FAMILY and p0 == ck.resolve() / "org--tiny-byte-lm-r000000.pt"
+    assert rev0.family == HF_FAMILY and p0 == ck.resolve() / f"org--tiny-byte-lm-r000000-{rev0.checkpoint.digest[:12]}.pt"
     assert file_sha256(p0) == rev0.checkpoint.digest
     assert load_checkpoint_info(rev0.checkpoint)[1]["family"] == HF_FAMILY
 
@@ -244,10 +244,11 @@ async def test_an_org_slash_name_family_trains_with_flat_checkpoints_found_verif
     assert [r.revision for r in revs] == [1, 2, 3, 4] and {r.family for r in revs} == {HF_FAMILY}
     assert all(r.batch_id.startswith(f"{HF_FAMILY}-r{r.revision - 1}-") for r in revs)
     # flat: no folder per org; r0 (not written by this trainer) kept, r1 and r2 pruned, r3 and r4 kept
+    names = [f"org--tiny-byte-lm-r{r.revision:06d}-{r.checkpoint.digest[:12]}" for r in (rev0, *revs)]
     assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == [
-        "run", "run/checkpoints", "run/checkpoints/org--tiny-byte-lm-r000000.pt",
-        "run/checkpoints/org--tiny-byte-lm-r000003.pt", "run/checkpoints/org--tiny-byte-lm-r000003.train.pt",
-        "run/checkpoints/org--tiny-byte-lm-r000004.pt", "run/checkpoints/org--tiny-byte-lm-r000004.train.pt"]
+        "run", "run/checkpoints", f"run/checkpoints/{names[0]}.pt",
+        f"run/checkpoints/{names[3]}.pt", f"run/checkpoints/{names[3]}.train.pt",
+        f"run/checkpoints/{names[4]}.pt", f"run/checkpoints/{names[4]}.train.pt"]
     for r in revs[-2:]:
         path = checkpoint_path(r.checkpoint)
         assert path.parent == ck.resolve() and file_sha256(path) == r.checkpoint.digest
@@ -261,7 +262,7 @@ async def test_an_org_slash_name_family_trains_with_flat_checkpoints_found_verif
     (r5,) = [o.event for o in await task2.process(_Rec(4, codec.encode(batch_of(recs, revs[-1]))))
              if isinstance(o.event, PolicyRevision)]
     assert (r5.revision, r5.parent_revision, r5.family) == (5, 4, HF_FAMILY)
-    assert checkpoint_path(r5.checkpoint).name == "org--tiny-byte-lm-r000005.pt"
+    assert checkpoint_path(r5.checkpoint).name == f"org--tiny-byte-lm-r000005-{r5.checkpoint.digest[:12]}.pt"
 
     # r3's file replaced by other bytes (r4's): a trainer resuming from r3 refuses it
     checkpoint_path(revs[2].checkpoint).write_bytes(checkpoint_path(revs[3].checkpoint).read_bytes())
@@ -291,7 +292,7 @@ def test_an_org_slash_name_family_of_a_transformers_model_writes_one_folder_per_
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True))
     ck = tmp_path / "checkpoints"
     ref0 = hf.save_checkpoint(model, ck, fam, 0)
-    assert hf.checkpoint_folder(ref0) == ck.resolve() / "org--tiny-llama-r000000"
+    assert hf.checkpoint_folder(ref0) == ck.resolve() / f"org--tiny-llama-r000000-{ref0.digest[:12]}"
     assert policy_kind(ref0) is HFPolicy
     rev0 = testing.revision(0, family=fam).model_copy(update={"checkpoint": ref0})
     trainer = ReferenceTrainer(HFPolicy.load(ref0), fam, 0, ck, lr=1e-2, kind=HFPolicy, keep_checkpoints=1)
@@ -304,10 +305,12 @@ def test_an_org_slash_name_family_of_a_transformers_model_writes_one_folder_per_
         rev = trainer.publish(run_id="run", batch=b)
         refs.append(rev.checkpoint)
         assert rev.family == fam
-    assert sorted(p.name for p in ck.iterdir()) == ["org--tiny-llama-r000000", "org--tiny-llama-r000001.train.pt",
-                                                    "org--tiny-llama-r000002", "org--tiny-llama-r000002.train.pt"]
+    # keep_checkpoints=1 keeps two: r2 is not committed yet when written, and r1 is what a take-over resumes from
+    names = [f"org--tiny-llama-r{n:06d}-{ref.digest[:12]}" for n, ref in enumerate((ref0, *refs))]
+    assert sorted(p.name for p in ck.iterdir()) == [names[0], names[1], f"{names[1]}.train.pt", names[2],
+                                                    f"{names[2]}.train.pt"]
     folder = hf.checkpoint_folder(refs[-1])
-    assert folder == ck.resolve() / "org--tiny-llama-r000002"
+    assert folder == ck.resolve() / names[2]
     assert json.loads((folder / "revision.json").read_text()) == {"family": fam, "revision": 2}
     with safe_open(str(folder / hf.WEIGHTS), "pt") as f:
         assert f.metadata()["family"] == fam
@@ -322,8 +325,9 @@ def test_an_org_slash_name_family_of_a_transformers_model_writes_one_folder_per_
 @pytest.mark.integration
 async def test_the_services_train_an_org_slash_name_family_from_the_log(kafka_settings, monkeypatch, tmp_path):
     """Verifier, credit, batcher and trainer on a real broker with family ``org/tiny-byte-lm`` and a checkpoint
-    directory that does not exist yet: the trainer publishes revision 0 itself (``org--tiny-byte-lm-r000000.pt``),
-    trains from the log, keeps only its newest checkpoint, and the replayed run audits clean."""
+    directory that does not exist yet: the trainer publishes revision 0 itself (``org--tiny-byte-lm-r000000-*.pt``),
+    trains from the log, keeps only its newest checkpoints (keep_checkpoints=1 keeps two: the newest is not
+    committed yet when written), and the replayed run audits clean."""
     import asyncio
     import uuid
 
@@ -356,15 +360,14 @@ async def test_the_services_train_an_org_slash_name_family_from_the_log(kafka_se
             await asyncio.sleep(0.5)
     revs = await revisions()
     assert [r.revision for r in revs] == [0, 1, 2] and {r.family for r in revs} == {HF_FAMILY}
-    assert [p.name for p in sorted(ck.iterdir())] == ["org--tiny-byte-lm-r000000.pt", "org--tiny-byte-lm-r000001.train.pt",
-                                                      "org--tiny-byte-lm-r000002.pt",
-                                                      "org--tiny-byte-lm-r000002.train.pt"]
+    names = [checkpoint_path(r.checkpoint).name for r in revs]
+    assert [p.name for p in sorted(ck.iterdir())] == [names[0], names[1], names[1].replace(".pt", ".train.pt"),
+                                                      names[2], names[2].replace(".pt", ".train.pt")]
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_dir()) == \
         ["run", "run/checkpoints"]
-    for r in (revs[0], revs[2]):
+    for r in revs:
         assert checkpoint_path(r.checkpoint).parent == ck.resolve()
         assert file_sha256(checkpoint_path(r.checkpoint)) == r.checkpoint.digest
-    assert not checkpoint_path(revs[1].checkpoint).exists()  # pruned: keep_checkpoints=1
     db = str(tmp_path / "run.duckdb")
     await Replayer(db, kafka_settings).run()
     report = run_audit(db)

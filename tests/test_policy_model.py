@@ -43,8 +43,39 @@ def test_generate_logprobs_are_the_models(temperature):
 def test_checkpoint_round_trip_and_digest_check(tmp_path):
     model = PolicyModel.from_seed(1)
     ref = save_checkpoint(model, tmp_path, "tiny", 2)
-    assert ref.uri.endswith("tiny-r000002.pt")
+    assert ref.uri.endswith(f"tiny-r000002-{ref.digest[:12]}.pt")
     loaded = load_checkpoint(ref)
     assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), loaded.state_dict().values()))
     with pytest.raises(CheckpointDigestError):
         load_checkpoint(CheckpointRef(uri=ref.uri, digest="0" * 64))
+
+
+def test_two_trainers_writing_one_revision_never_overwrite_each_other(tmp_path):
+    """A fenced trainer and its successor sharing a volume both write revision 2: checkpoints are named by their
+    content, so the committed one's file still matches its digest, whatever the other wrote after it (issue 24,
+    hole 2); the same tiny-model weights written twice are one file (safetensors orders its metadata as a hash map
+    does, so two HF saves of the same weights may differ in bytes, and are then two folders)."""
+    from policy import hf
+    from policy.checkpoint import checkpoint_path, file_sha256
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    committed = save_checkpoint(PolicyModel.from_seed(1), tmp_path, "tiny", 2)
+    zombie = save_checkpoint(PolicyModel.from_seed(2), tmp_path, "tiny", 2)  # after the commit, other weights
+    assert checkpoint_path(committed) != checkpoint_path(zombie)
+    assert file_sha256(checkpoint_path(committed)) == committed.digest
+    load_checkpoint(committed)  # digest-checked
+    assert save_checkpoint(PolicyModel.from_seed(1), tmp_path, "tiny", 2) == committed
+    assert len(list(tmp_path.glob("tiny-r000002-*.pt"))) == 2 and not list(tmp_path.glob("*.tmp*"))
+
+    def llama(seed: int):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, max_position_embeddings=64))
+
+    a = hf.save_checkpoint(llama(0), tmp_path / "hf", "org/m", 2)
+    b = hf.save_checkpoint(llama(1), tmp_path / "hf", "org/m", 2)
+    assert hf.checkpoint_folder(a) != hf.checkpoint_folder(b)
+    assert file_sha256(checkpoint_path(a)) == a.digest and file_sha256(checkpoint_path(b)) == b.digest
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == sorted(
+        hf.checkpoint_folder(r).name for r in (a, b))

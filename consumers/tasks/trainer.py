@@ -81,16 +81,17 @@ class TrainerTask(TaskDefaults):
                 from policy.checkpoint import checkpoint_filename
 
                 ck = batch.target
-                ref = CheckpointRef(uri=(self.dir / checkpoint_filename(ck.family, ck.revision)).resolve().as_uri(),
-                                    digest=ck.checkpoint_digest or "0" * 64)
+                digest = ck.checkpoint_digest or "0" * 64
+                ref = CheckpointRef(uri=(self.dir / checkpoint_filename(ck.family, ck.revision, digest)).resolve()
+                                    .as_uri(), digest=digest)
                 rev = ck.revision
             kind = policy_kind(ref)
             self.trainer = ReferenceTrainer(kind.load(ref), self.family, rev, self.dir, lr=self.lr,
                                             epochs=self.epochs, kind=kind, keep_checkpoints=self.keep_checkpoints,
                                             weight_decay=self.weight_decay, served_model=self.served_model)
-            if self.current and not self.trainer.load_training_state():
+            if self.current and not self.trainer.load_training_state(ref):
                 log.warning("resuming from revision %d without its training state (%s missing): fresh optimizer "
-                            "moments, and the served weights' precision", rev, self.trainer.training_state_path(rev))
+                            "moments, and the served weights' precision", rev, self.trainer.training_state_path(ref))
         return self.trainer
 
     async def process(self, rec: Any) -> list:
