@@ -63,6 +63,7 @@ cannot track.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from contextlib import asynccontextmanager
@@ -84,6 +85,8 @@ from schemas.policy import PolicyRef, PolicyRevision
 from schemas.scoring import SCORING_ARTIFACT, ScoringSpec
 from streams.admissions import MemoryLedger
 from streams.revisions import RevisionFollower
+
+log = logging.getLogger("rollout.arena")
 
 
 # -- pacing -------------------------------------------------------------------------------------
@@ -394,7 +397,8 @@ class Arena:
         await self.pacer.start()
         if self.revisions is not None:
             await self.revisions.start()
-            self._follow_task = asyncio.create_task(self.revisions.follow(self._on_revision), name="revisions")
+            self._follow_task = asyncio.create_task(self.revisions.follow(self._on_revision, newest_only=True),
+                                                    name="revisions")
             self._follow_task.add_done_callback(self._follow_done)
         return self
 
@@ -422,6 +426,11 @@ class Arena:
     async def __aexit__(self, *exc: Any) -> None:
         await self.stop()
 
+    @property
+    def follow_error(self) -> str | None:
+        """Why the arena stopped following revisions (a checkpoint the policy server refused...), if it did."""
+        return f"{type(self._fatal).__name__}: {self._fatal}" if self._fatal is not None else None
+
     def _follow_done(self, task: asyncio.Task) -> None:
         if task.cancelled():
             return
@@ -443,9 +452,19 @@ class Arena:
             return
         if rev.revision > self.current_policy.revision or (rev.checkpoint and not self.current_policy.checkpoint_digest):
             if self.weights is not None and rev.checkpoint is not None and self._http is not None:
-                async with self.gate.swap():  # a failed load leaves the gate shut: nothing is stamped with it
-                    figures = await self.weights.load(self._http, rev)
-                    self.current_policy = rev.ref()
+                try:
+                    async with self.gate.swap():  # a failed load leaves the gate shut: nothing is stamped with it
+                        figures = await self.weights.load(self._http, rev)
+                        self.current_policy = rev.ref()
+                except WeightLoadError as e:
+                    # a trainer keeping only its newest checkpoints may have pruned this one while the arena was
+                    # behind (evaluating): a newer revision replaces it; with none, the arena stops, loudly
+                    newer = await self.revisions.scan() if self.revisions is not None else None
+                    if newer is None or newer.revision <= rev.revision:
+                        raise
+                    log.warning("revision %d could not be loaded (%s); loading revision %d, the newest, instead",
+                                rev.revision, e, newer.revision)
+                    return await self._on_revision(newer)
                 self.reload_s.append(figures.get("reload_s", 0.0))
             self.current_policy = rev.ref()
             self.revision_log.append((time.monotonic(), rev.revision))
@@ -494,8 +513,10 @@ class Arena:
         deadline = time.monotonic() + timeout_s
         last = (self.current_policy.revision, len(self.stats.evaluated_revisions), time.monotonic())
         while time.monotonic() < deadline and self._fatal is None:
-            # nothing due at this revision (a recipe with no eval source): nothing to wait for
-            evaluated = not self.evaluate or revision in self.stats.evaluated_revisions or not self.eval_due(revision)
+            # evaluated at it or later (a revision superseded before the arena loaded it is skipped), or nothing
+            # due at it (a recipe with no eval source): nothing to wait for
+            evaluated = not self.evaluate or any(r >= revision for r in self.stats.evaluated_revisions) \
+                or not self.eval_due(revision)
             if self.current_policy.revision >= revision and evaluated:
                 return True
             now = (self.current_policy.revision, len(self.stats.evaluated_revisions))

@@ -64,6 +64,7 @@ class RevisionGate:
             await self._cond.wait_for(lambda: self._active == 0)
         try:
             yield
+            self.broken = None  # a swap that succeeds makes the weights known again
         except BaseException as e:
             self.broken = e
             raise

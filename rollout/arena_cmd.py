@@ -171,9 +171,10 @@ async def _main(args: argparse.Namespace) -> int:
                 awaited = {"final_revision": final,
                            "final_revision_reached": await arena.wait_for_revision(final, args.await_final_revision)}
                 if not awaited["final_revision_reached"]:
+                    why = f" (following revisions stopped: {arena.follow_error})" if arena.follow_error else ""
                     print(f"rollout arena: warning: revision {final} (trained on the last admitted batch) was not "
-                          f"{'current and evaluated' if arena.evaluate else 'current'} in time; exiting without it",
-                          file=sys.stderr)
+                          f"{'current and evaluated' if arena.evaluate else 'current'} in time{why}; exiting "
+                          "without it", file=sys.stderr)
         print(json.dumps({"run_id": run_id, "plan": args.plan, **stats.as_dict(), **awaited,
                           "reload_s": [round(x, 3) for x in arena.reload_s],
                           "transactions": emitter.stats.transactions, "messages": emitter.stats.messages,

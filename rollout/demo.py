@@ -360,6 +360,9 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
             await asyncio.gather(tail, return_exceptions=True)
     arena_out = out.decode(errors="replace")
     arena_stats = next((json.loads(l) for l in reversed(arena_out.splitlines()) if l.startswith("{")), None)
+    for line in arena_out.splitlines():  # what the arena warned of (a final revision it did not see, and why)
+        if line.startswith("rollout arena: warning:"):
+            print(line, file=sys.stderr)
     if arena.returncode not in (0, None) or arena_stats is None:
         print(arena_out[-3000:], file=sys.stderr)
         rc = 1

@@ -82,10 +82,20 @@ class RevisionFollower:
                 revs.append(rev)
         return revs, bool(got)
 
-    async def follow(self, on_revision: Callable[[PolicyRevision], Any]) -> None:
-        """Call ``on_revision`` (a function or a coroutine function) with every revision, forever."""
+    async def follow(self, on_revision: Callable[[PolicyRevision], Any], *, newest_only: bool = False) -> None:
+        """Call ``on_revision`` (a function or a coroutine function) with every revision, forever; with
+        ``newest_only``, with the newest of each family in each poll: a reader that fell behind (an arena
+        evaluating while a fast trainer publishes several) skips the superseded ones, whose checkpoints a trainer
+        keeping only its newest may have pruned already."""
         while True:
-            for rev in (await self.poll())[0]:
+            revs = (await self.poll())[0]
+            if newest_only:
+                newest: dict[str, PolicyRevision] = {}
+                for rev in revs:
+                    if rev.family not in newest or rev.revision >= newest[rev.family].revision:
+                        newest[rev.family] = rev
+                revs = list(newest.values())
+            for rev in revs:
                 res = on_revision(rev)
                 if asyncio.iscoroutine(res):
                     await res
