@@ -63,7 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vllm-port", type=int, default=0, help="vLLM's port (default: a free one)")
     p.add_argument("--vllm-url", help="use this running vLLM server (http://host:port/v1, started with "
                                       "VLLM_SERVER_DEV_MODE=1 on the packaged model) instead of starting one")
-    p.add_argument("--timeout", type=float, default=1200.0, help="give up on the arena after this many seconds")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="give up on the arena after this many seconds (default 3600: the default run took 22 min "
+                        "on 2 AVX2-only cores, where the trainer runs in float32)")
     add_model_flag(p)
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     p.set_defaults(func=cmd_demo)
