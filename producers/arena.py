@@ -512,11 +512,11 @@ class Arena:
         minutes after its batch."""
         deadline = time.monotonic() + timeout_s
         last = (self.current_policy.revision, len(self.stats.evaluated_revisions), time.monotonic())
+        due = self.evaluate and bool(self.eval_due(revision))  # fixed by the revision: asked once, not each poll
         while time.monotonic() < deadline and self._fatal is None:
             # evaluated at it or later (a revision superseded before the arena loaded it is skipped), or nothing
             # due at it (a recipe with no eval source): nothing to wait for
-            evaluated = not self.evaluate or any(r >= revision for r in self.stats.evaluated_revisions) \
-                or not self.eval_due(revision)
+            evaluated = not due or any(r >= revision for r in self.stats.evaluated_revisions)
             if self.current_policy.revision >= revision and evaluated:
                 return True
             now = (self.current_policy.revision, len(self.stats.evaluated_revisions))
