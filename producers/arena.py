@@ -397,8 +397,9 @@ class Arena:
         await self.pacer.start()
         if self.revisions is not None:
             await self.revisions.start()
-            self._follow_task = asyncio.create_task(self.revisions.follow(self._on_revision, newest_only=True),
-                                                    name="revisions")
+            self._follow_task = asyncio.create_task(
+                self.revisions.follow(self._on_revision, skippable=lambda rev: not self._evaluates(rev.revision)),
+                name="revisions")
             self._follow_task.add_done_callback(self._follow_done)
         return self
 
@@ -478,6 +479,11 @@ class Arena:
 
     # running ----------------------------------------------------------------------------------------
 
+    def _evaluates(self, revision: int) -> bool:
+        """Whether the arena evaluates ``revision``: a revision it evaluates is loaded even when superseded, so
+        the eval curve has every point the recipe's ``interval`` asks for."""
+        return self.evaluate and bool(self.eval_due(revision))
+
     def eval_due(self, revision: int) -> list[tuple[Environment, Example, int]]:
         """Each training environment's held-out ``eval_dataset``, and every example of the plan's eval sources
         that are due at ``revision`` (prime-rl's cadence: revision 0 unless ``skip_first_step``, then every
@@ -512,7 +518,7 @@ class Arena:
         minutes after its batch."""
         deadline = time.monotonic() + timeout_s
         last = (self.current_policy.revision, len(self.stats.evaluated_revisions), time.monotonic())
-        due = self.evaluate and bool(self.eval_due(revision))  # fixed by the revision: asked once, not each poll
+        due = self._evaluates(revision)  # fixed by the revision: asked once, not each poll
         while time.monotonic() < deadline and self._fatal is None:
             # evaluated at it or later (a revision superseded before the arena loaded it is skipped), or nothing
             # due at it (a recipe with no eval source): nothing to wait for

@@ -26,6 +26,16 @@ from streams.serde import from_message
 POLL_MS = 200
 
 
+def without_superseded(revs: list[PolicyRevision], skippable: Callable[[PolicyRevision], bool]
+                       ) -> list[PolicyRevision]:
+    """``revs`` in order, less each one that a newer revision of its family in ``revs`` supersedes and that
+    ``skippable`` lets go."""
+    newest: dict[str, int] = {}
+    for rev in revs:
+        newest[rev.family] = max(newest.get(rev.family, rev.revision), rev.revision)
+    return [r for r in revs if r.revision >= newest[r.family] or not skippable(r)]
+
+
 class RevisionFollower:
     """The revisions on the topic (default: the policy-revisions topic), of ``family`` only when given."""
 
@@ -82,19 +92,17 @@ class RevisionFollower:
                 revs.append(rev)
         return revs, bool(got)
 
-    async def follow(self, on_revision: Callable[[PolicyRevision], Any], *, newest_only: bool = False) -> None:
-        """Call ``on_revision`` (a function or a coroutine function) with every revision, forever; with
-        ``newest_only``, with the newest of each family in each poll: a reader that fell behind (an arena
-        evaluating while a fast trainer publishes several) skips the superseded ones, whose checkpoints a trainer
-        keeping only its newest may have pruned already."""
+    async def follow(self, on_revision: Callable[[PolicyRevision], Any], *,
+                     skippable: Callable[[PolicyRevision], bool] | None = None) -> None:
+        """Call ``on_revision`` (a function or a coroutine function) with every revision, forever. A revision
+        followed in the same poll by a newer one of its family is left out when ``skippable`` says so: a reader
+        that fell behind (an arena evaluating while a fast trainer publishes several) skips superseded revisions
+        it has no use for (no evaluation due), whose checkpoints a trainer keeping only its newest may have
+        pruned already."""
         while True:
             revs = (await self.poll())[0]
-            if newest_only:
-                newest: dict[str, PolicyRevision] = {}
-                for rev in revs:
-                    if rev.family not in newest or rev.revision >= newest[rev.family].revision:
-                        newest[rev.family] = rev
-                revs = list(newest.values())
+            if skippable is not None:
+                revs = without_superseded(revs, skippable)
             for rev in revs:
                 res = on_revision(rev)
                 if asyncio.iscoroutine(res):

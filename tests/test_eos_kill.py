@@ -39,10 +39,11 @@ class Fleet:
     """Service processes: two instances per service, each restartable."""
 
     def __init__(self, bootstrap: str, prefix: str, logdir: Path, services=("verifier", "credit", "batcher"),
-                 named: bool = True):
+                 named: bool = True, env: dict[str, str] | None = None):
         self.env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix,
                     "ROLLOUT_SESSION_TIMEOUT_MS": "6000", "PYTHONPATH": str(ROOT),
-                    "ROLLOUT_FAMILY": testing.FAMILY}  # a setting from the environment, as a deployment would
+                    "ROLLOUT_FAMILY": testing.FAMILY,  # a setting from the environment, as a deployment would
+                    **(env or {})}
         self.logdir = logdir
         self.named = named  # False: no --instance, so every process has a transactional id of its own
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
@@ -101,8 +102,8 @@ def check_exactly_once(expected: set[str], recs: list, **shown) -> None:
     assert set(got) == expected
 
 
-async def start_fleet(bootstrap: str, kafka_settings, monkeypatch, tmp_path: Path, *, named: bool = True
-                      ) -> tuple[dict, Fleet]:
+async def start_fleet(bootstrap: str, kafka_settings, monkeypatch, tmp_path: Path, *, named: bool = True,
+                      env: dict[str, str] | None = None) -> tuple[dict, Fleet]:
     """Fresh topics (their own prefix), revision 0 published, and two instances of each service running."""
     prefix = f"k{uuid.uuid4().hex[:8]}."
     monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
@@ -110,7 +111,7 @@ async def start_fleet(bootstrap: str, kafka_settings, monkeypatch, tmp_path: Pat
     for svc in ("verifier", "credit", "batcher"):
         await ensure_topics(SERVICES[svc], kw)
     await publish_revision(kw, 0)
-    fleet = Fleet(bootstrap, prefix, tmp_path, named=named)
+    fleet = Fleet(bootstrap, prefix, tmp_path, named=named, env=env)
     fleet.start_all()
     return kw, fleet
 
@@ -164,23 +165,35 @@ async def test_sigkill_two_instances_exactly_once(kafka_bootstrap, kafka_setting
     check_exactly_once(expected, recs, kills=dict(fleet.kills), zombie_transactions_fenced=fenced)
 
 
-async def freeze_in_a_transaction(kw, topic: topics.Topic, procs: list[subprocess.Popen], tries: int = 2000) -> float:
-    """SIGSTOP ``procs`` at a moment one of them holds an open transaction on ``topic`` (records written, not
-    committed: a partition's high watermark is past its last stable offset, and stays so while they are frozen);
-    returns how many seconds it took, or raises if no transaction was caught. Otherwise they are resumed."""
+async def freeze_in_a_transaction(kw, topic: topics.Topic, procs: list[subprocess.Popen], group_id: str,
+                                  tries: int = 4000) -> float:
+    """SIGSTOP ``procs`` at a moment one of them holds an open transaction on ``topic`` that has sent offsets of
+    ``group_id`` (records written, not committed: a partition's high watermark is past its last stable offset;
+    offsets pending: an OffsetFetch with require_stable answers UNSTABLE_OFFSET_COMMIT), and both stay so while
+    they are frozen; returns how many seconds it took, or raises if no such transaction was caught. Otherwise
+    they are resumed. (Frozen before its offsets were sent, a transaction holds nothing a new owner waits for.)"""
     from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from streams.group_offsets import Unstable, committed as group_committed
 
     committed = AIOKafkaConsumer(**kw, group_id=None, isolation_level="read_committed")
     written = AIOKafkaConsumer(**kw, group_id=None, isolation_level="read_uncommitted")
-    await committed.start()
-    await written.start()
+    group = AIOKafkaConsumer(**kw, group_id=group_id, enable_auto_commit=False)  # never joins: asks only
+    await asyncio.gather(committed.start(), written.start(), group.start())
     t0 = asyncio.get_running_loop().time()
     try:
         tps = [TopicPartition(topic.name, p) for p in range(topic.partitions)]
+        inputs = [TopicPartition(t.name, p) for t in SERVICES["verifier"].inputs for p in range(t.partitions)]
 
         async def open_() -> bool:
             lso, hw = await asyncio.gather(committed.end_offsets(tps), written.end_offsets(tps))
-            return any(hw[tp] > lso[tp] for tp in tps)
+            if not any(hw[tp] > lso[tp] for tp in tps):
+                return False
+            try:
+                await group_committed(group, inputs, timeout_s=0)
+            except Unstable:
+                return True
+            return False
 
         for _ in range(tries):
             if await open_():
@@ -191,22 +204,23 @@ async def freeze_in_a_transaction(kw, topic: topics.Topic, procs: list[subproces
                     return asyncio.get_running_loop().time() - t0
                 for p in procs:
                     p.send_signal(signal.SIGCONT)
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.002)
     finally:
-        await committed.stop()
-        await written.stop()
-    raise AssertionError(f"no open transaction on {topic.name} caught in {tries} tries")
+        await asyncio.gather(committed.stop(), written.stop(), group.stop())
+    raise AssertionError(f"no open transaction with offsets pending on {topic.name} caught in {tries} tries")
 
 
 async def test_an_unnamed_instance_killed_in_a_transaction_is_taken_over_exactly_once(kafka_bootstrap, kafka_settings,
                                                                                     monkeypatch, tmp_path):
     """Instances started without --instance: a restarted one has a new transactional id, so it cannot abort the
     transaction its killed predecessor left open. Both verifiers are frozen while one of them has a transaction
-    open (written, not committed), then killed, and two new unnamed ones start: the broker aborts the orphan
-    after ROLLOUT_TRANSACTION_TIMEOUT_MS (10 s, checked every 10 s), and until then the partitions' new owner
-    waits for the pending offsets (OffsetFetch require_stable, streams.group_offsets). Nothing may be lost or
-    doubled, only delayed."""
-    kw, fleet = await start_fleet(kafka_bootstrap, kafka_settings, monkeypatch, tmp_path, named=False)
+    open (written, offsets sent, not committed), then killed, and two new unnamed ones start: the broker aborts
+    the orphan after ROLLOUT_TRANSACTION_TIMEOUT_MS (20 s here, checked every 10 s), and until then the
+    partitions' new owner waits for the pending offsets (OffsetFetch require_stable, streams.group_offsets).
+    Nothing may be lost or doubled, only delayed. (With the default 10 s a take-over on a loaded CI machine came
+    after the abort once, and had nothing to wait for.)"""
+    kw, fleet = await start_fleet(kafka_bootstrap, kafka_settings, monkeypatch, tmp_path, named=False,
+                                  env={"ROLLOUT_TRANSACTION_TIMEOUT_MS": "20000"})
     expected: set[str] = set()
     groups, per_chunk = 200, 5  # 800 rollouts, arriving all along, so the verifiers keep committing
 
@@ -218,8 +232,8 @@ async def test_an_unnamed_instance_killed_in_a_transaction_is_taken_over_exactly
     try:
         seeding = asyncio.create_task(seed())
         await asyncio.sleep(3)  # the fleet has joined and is working
-        waited = await freeze_in_a_transaction(kw, topics.SCORES,
-                                               [fleet.procs[("verifier", i)] for i in "ab"])
+        waited = await freeze_in_a_transaction(kw, topics.SCORES, [fleet.procs[("verifier", i)] for i in "ab"],
+                                               SERVICES["verifier"].group_id)
         for inst in "ab":
             fleet.kill("verifier", inst)
             fleet.start("verifier", inst)

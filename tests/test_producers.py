@@ -506,3 +506,15 @@ async def test_two_sources_of_one_environment_stay_two(policy_server):
 
     with pytest.raises(ValueError, match="only 72 distinct questions"):  # 6 x 6 operands x 2 ops: never a hang
         load_environment("arithmetic", max_operand=5, num_examples=100)
+
+
+def test_a_reader_behind_skips_superseded_revisions_it_has_no_use_for():
+    """The arena follows revisions with ``skippable`` = no evaluation due: with r1..r4 in one poll and an eval
+    every 2 revisions, it loads r2 (evaluated, though superseded) and r4 (the newest), never r1 or r3."""
+    from streams.revisions import without_superseded
+    from tests._contract_factories import revision
+
+    revs = [revision(r) for r in (1, 2, 3, 4)] + [revision(1, "other")]
+    kept = without_superseded(revs, skippable=lambda rev: rev.revision % 2 == 1)
+    assert [(r.family, r.revision) for r in kept] == [(revs[1].family, 2), (revs[3].family, 4), ("other", 1)]
+    assert without_superseded(revs, skippable=lambda rev: False) == revs
