@@ -102,9 +102,21 @@ class CommitWatch:
         for md in written:
             self.unconfirmed[TopicPartition(md.topic, md.partition)] = (md.offset, now)
 
-    def forget(self) -> None:
-        self.unconfirmed.clear()
+    def partitions_dropped(self) -> None:
+        """The processor dropped its partitions (a failed transaction, a fence, a new member id). What its
+        commits wrote stays watched: a hanging transaction belongs to the transactional id, not to the
+        partitions, and only this producer's id can close it (a new owner waits on its offsets for good)."""
         self._offsets_behind.since.clear()
+
+    async def hidden(self, consumer: AIOKafkaConsumer) -> list[TopicPartition]:
+        """The output partitions where what was committed is still not visible, asked now (a take-over's check:
+        a commit that only was in flight is visible by the time its partitions are taken over)."""
+        if self.unconfirmed:
+            lso = await asyncio.wait_for(consumer.end_offsets(list(self.unconfirmed)), 10)
+            for tp, (off, _) in list(self.unconfirmed.items()):
+                if lso.get(tp, 0) > off:
+                    del self.unconfirmed[tp]
+        return sorted(self.unconfirmed, key=str)
 
     async def overdue(self, consumer: AIOKafkaConsumer, committed: dict[int, dict[str, int]]
                       ) -> list[TopicPartition] | None:
@@ -142,13 +154,18 @@ class CommitWatch:
 
 async def commit_again(prod: AIOKafkaProducer, group_id: str, tps: list[TopicPartition],
                        offsets: dict[TopicPartition, int]) -> None:
-    """A transaction with no records over ``tps`` and the given committed input offsets: the coordinator
-    adds the partitions and writes commit markers there (aiokafka adds a partition only when a record is
-    sent, hence its transaction manager's own hook)."""
+    """A transaction with no records over ``tps``, the group's offsets partition and the given committed input
+    offsets: the coordinator adds the partitions and writes commit markers there, which also close a hanging
+    transaction's records and offsets of the same producer id under an older epoch (a producer opened again
+    after a drop). aiokafka adds a partition only when a record is sent, and the group only with offsets to
+    send, hence its transaction manager's and sender's own hooks when a processor owns nothing (yet)."""
     await prod.begin_transaction()
     for tp in tps:
         prod._txn_manager.maybe_add_partition_to_txn(tp)
-    await prod.send_offsets_to_transaction(offsets, group_id)
+    if offsets:
+        await prod.send_offsets_to_transaction(offsets, group_id)
+    else:
+        await prod._sender._do_add_offsets_to_txn(group_id)  # AddOffsetsToTxn alone: a marker, no offsets
     await prod.commit_transaction()
 
 

@@ -298,6 +298,12 @@ class TransactionalProcessor:
         t0 = time.monotonic()
         if self.producer is None:
             self.producer = await self._open_producer()
+        hidden = await self.commits.hidden(self.consumer)
+        if hidden:
+            # a commit of ours still not visible may hang and hold these partitions' offsets and snapshots: close
+            # it first, or the restore below waits on it for good (at worst an empty transaction, when another
+            # producer's open transaction was what held the last stable offset)
+            await self._commit_again(hidden)
         await self._rebuild(ps)
         self.pending.difference_update(ps)
         self.consumer.resume(*[TopicPartition(t, p) for p in ps for t in self.inputs])
@@ -317,7 +323,7 @@ class TransactionalProcessor:
     def _drop_all(self) -> None:
         for p in list(self.tasks):
             self._drop(p)
-        self.commits.forget()
+        self.commits.partitions_dropped()
 
     async def _retake_all(self) -> None:
         """After a failed transaction: every owned partition's task ran ahead of what committed; rebuild them
@@ -560,8 +566,9 @@ class TransactionalProcessor:
 
     async def confirm_commits(self) -> list[TopicPartition]:
         """Re-commit when committed transactions are not visible after ``confirm_s``
-        (``streams.commits.CommitWatch``). Returns the output partitions re-committed."""
-        if self.consumer is None or not self.tasks:
+        (``streams.commits.CommitWatch``), owning partitions or not (a new owner of ours may be waiting on a
+        hanging commit of ours). Returns the output partitions re-committed."""
+        if self.consumer is None or not (self.tasks or self.commits.unconfirmed):
             return []
         due = await self.commits.overdue(self.consumer, self.committed)
         if due is not None:
@@ -570,22 +577,31 @@ class TransactionalProcessor:
 
     async def _recommit(self, tps: list[TopicPartition]) -> None:
         async with self.lock:
-            prod = self.producer
-            if prod is None or self.member is None or not self.tasks or self.pending:
+            if self.producer is None or self.member is None or self.pending:  # a take-over re-commits first
                 return
             log.warning("%s%s: committed transactions not visible after %.0fs (outputs %s); committing again over "
                         "the same partitions and offsets", self.service, self.instance, self.commits.confirm_s,
                         [f"{tp.topic}-{tp.partition}" for tp in tps])
             try:
-                await asyncio.wait_for(commit_again(prod, self.group_id, tps, self._offsets(self.committed)),
-                                       self.txn_timeout_s)
-            except Exception as e:  # noqa: BLE001 - a fence or a dead broker: take everything over again
-                log.warning("%s%s: re-commit failed (%s: %s)", self.service, self.instance, type(e).__name__, e)
-                fence_error_seen(prod)
+                await self._commit_again(tps)
+            except Exception:  # noqa: BLE001 - a fence or a dead broker: take everything over again
                 await self._retake_all()
-                return
-            self.stats.recommitted += 1
-            self.commits.recommitted(tps)
+
+    async def _commit_again(self, tps: list[TopicPartition]) -> None:
+        """``commit_again`` with this instance's producer, over ``tps`` and the owned partitions' committed
+        offsets; a failure leaves the producer closed (it may be fenced or stuck) and is raised."""
+        prod = self.producer
+        assert prod is not None
+        try:
+            await asyncio.wait_for(commit_again(prod, self.group_id, tps, self._offsets(self.committed)),
+                                   self.txn_timeout_s)
+        except Exception as e:
+            log.warning("%s%s: re-commit failed (%s: %s)", self.service, self.instance, type(e).__name__, e)
+            fence_error_seen(prod)
+            await self._close_producer(broken=True)
+            raise
+        self.stats.recommitted += 1
+        self.commits.recommitted(tps)
 
 
 class _Listener(ConsumerRebalanceListener):

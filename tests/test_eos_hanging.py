@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from contextlib import asynccontextmanager
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -45,32 +46,57 @@ async def _visible(kw, isolation: str) -> int:
         await c.stop()
 
 
-def _hide_scores_from_coordinator(prod) -> None:
-    """Records this producer sends to the scores topic skip AddPartitionsToTxn: the coordinator never hears of
-    those partitions, so its commit writes no marker there (the hanging transaction of a broker restart)."""
+def _hide_from_coordinator(prod, hidden_topics: set[str], *, group: bool = False) -> None:
+    """Records this producer sends to ``hidden_topics`` skip AddPartitionsToTxn, and with ``group`` its offsets
+    skip AddOffsetsToTxn (TxnOffsetCommit still reaches the group coordinator): the transaction coordinator never
+    hears of those partitions, so its commit writes no marker there (the hanging transaction of a broker
+    restart)."""
     mgr = prod._txn_manager
     real = mgr.maybe_add_partition_to_txn
+    real_group = mgr.consumer_group_to_add
 
     def add(tp: TopicPartition) -> None:
-        if tp.topic == topics.SCORES.name:
+        if tp.topic in hidden_topics:
             mgr._txn_partitions.add(tp)
         else:
             real(tp)
 
+    def group_to_add():
+        g = real_group()
+        if g is not None:
+            mgr.consumer_group_added(g)  # as if AddOffsetsToTxn had been answered
+        return None
+
     mgr.maybe_add_partition_to_txn = add
+    if group:
+        mgr.consumer_group_to_add = group_to_add
 
 
 def _restore(prod) -> None:
-    prod._txn_manager.__dict__.pop("maybe_add_partition_to_txn", None)
+    for name in ("maybe_add_partition_to_txn", "consumer_group_to_add"):
+        prod._txn_manager.__dict__.pop(name, None)
 
 
-async def test_hanging_transaction_is_committed_again(monkeypatch, tmp_path):
+async def _until(cond, timeout_s: float, every_s: float = 0.25) -> bool:
+    """Poll the coroutine function ``cond`` until true; False after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        if await cond():
+            return True
+        await asyncio.sleep(every_s)
+    return await cond()
+
+
+@asynccontextmanager
+async def _verifier_on_a_broker_without_verification(monkeypatch, tmp_path, confirm_s: int):
+    """A broker of its own with ``transaction.partition.verification.enable=false``, fresh topics, revision 0
+    and one verifier (``System``); yields (client kwargs, its processor), 40 rollouts scored and visible."""
     from streams.config import KafkaSettings
     from streams.local_broker import LocalBroker, free_port
 
     monkeypatch.delenv("ROLLOUT_BOOTSTRAP_SERVERS", raising=False)
     monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", f"h{uuid.uuid4().hex[:8]}.")
-    monkeypatch.setenv("ROLLOUT_CONFIRM_S", "8")  # long enough to see it hang first
+    monkeypatch.setenv("ROLLOUT_CONFIRM_S", str(confirm_s))
     broker = LocalBroker(state_dir=tmp_path / "kafka", port=free_port(), controller_port=free_port(),
                          overrides={"transaction.partition.verification.enable": "false"})
     await asyncio.to_thread(broker.up, 180)
@@ -82,37 +108,77 @@ async def test_hanging_transaction_is_committed_again(monkeypatch, tmp_path):
         await system.__aenter__()
         proc = system.processors["verifier"]
         await seed_groups(kw, 10)  # 40 rollouts
-        for _ in range(120):
-            if await _visible(kw, "read_committed") >= 40 and proc.producer is not None:
-                break
-            await asyncio.sleep(0.25)
+        await _until(lambda: _committed_scores(kw, 40, proc), 30)
         assert await _visible(kw, "read_committed") == 40
+        yield kw, proc
+        await asyncio.wait_for(system.__aexit__(None, None, None), 30)
+    finally:
+        await asyncio.to_thread(broker.down)
 
-        async with proc.lock:  # between two transactions
-            hidden = [proc.producer]
-            for prod in hidden:
-                _hide_scores_from_coordinator(prod)
-        await seed_groups(kw, 10, start=10)  # 40 more, scored into transactions the coordinator half-knows
-        for _ in range(120):
-            if await _visible(kw, "read_uncommitted") >= 80:
-                break
-            await asyncio.sleep(0.25)
-        async with proc.lock:
-            for prod in hidden:
-                _restore(prod)
-            recommitted_before = proc.stats.recommitted
+
+async def _committed_scores(kw, n: int, proc) -> bool:
+    return proc.producer is not None and await _visible(kw, "read_committed") >= n
+
+
+async def _hang_next_commits(kw, proc, hidden_topics: set[str], *, group: bool = False) -> None:
+    """Score 40 more rollouts in commits whose ``hidden_topics`` (and with ``group``, offsets) hang."""
+    async with proc.lock:  # between two transactions
+        _hide_from_coordinator(proc.producer, hidden_topics, group=group)
+        hidden = proc.producer
+    await seed_groups(kw, 10, start=10)
+    await _until(lambda: _visible_at_least(kw, "read_uncommitted", 80), 30)
+    async with proc.lock:
+        _restore(hidden)
+
+
+async def _visible_at_least(kw, isolation: str, n: int) -> bool:
+    return await _visible(kw, isolation) >= n
+
+
+async def test_hanging_transaction_is_committed_again(monkeypatch, tmp_path):
+    async with _verifier_on_a_broker_without_verification(monkeypatch, tmp_path, confirm_s=8) as (kw, proc):
+        await _hang_next_commits(kw, proc, {topics.SCORES.name})
+        recommitted_before = proc.stats.recommitted
         # the commits succeeded, yet the new scores are not there for read_committed readers: hanging
         assert await _visible(kw, "read_uncommitted") == 80
         assert await _visible(kw, "read_committed") < 80
         assert recommitted_before == 0
 
-        for _ in range(120):  # confirm_commits: every ROLLOUT_CONFIRM_S, re-commit what stays invisible
-            if await _visible(kw, "read_committed") >= 80:
-                break
-            await asyncio.sleep(0.5)
+        # confirm_commits: every ROLLOUT_CONFIRM_S, re-commit what stays invisible
+        await _until(lambda: _visible_at_least(kw, "read_committed", 80), 60, every_s=0.5)
         assert await _visible(kw, "read_committed") == 80  # all of them, none twice
         assert proc.stats.recommitted >= 1
         assert proc.stats.aborted == 0
-        await asyncio.wait_for(system.__aexit__(None, None, None), 30)
-    finally:
-        await asyncio.to_thread(broker.down)
+
+
+async def test_a_hanging_commit_is_closed_after_the_processor_drops_its_partitions(monkeypatch, tmp_path):
+    """Issue 24, hole 1: a commit whose scores, snapshots and offsets all hang, then a forced drop (what a failed
+    transaction, a fence or a new member id does). The take-over of the instance's own partitions must not wait
+    for good on the offsets its hanging commit holds: it commits again first, with a fresh producer of the same
+    transactional id, whose markers close the older epoch's transaction. ROLLOUT_CONFIRM_S is 300 here, so the
+    periodic check cannot be what closes it."""
+    from streams import group_offsets
+
+    async with _verifier_on_a_broker_without_verification(monkeypatch, tmp_path, confirm_s=300) as (kw, proc):
+        await _hang_next_commits(kw, proc, {topics.SCORES.name, proc.changelog}, group=True)
+        assert await _visible(kw, "read_committed") < 80
+        inputs = [TopicPartition(t, p) for p in proc.tasks for t in proc.inputs]
+        with pytest.raises(group_offsets.Unstable):  # the offsets are pending: a new owner would wait on them
+            await group_offsets.committed(proc.consumer, inputs, timeout_s=0)
+
+        t0 = asyncio.get_running_loop().time()
+        async with proc.lock:
+            owned = set(proc.tasks)
+            await proc._retake_all()
+        assert await _until(lambda: _owned_again(proc, owned), 60), "the partitions were not taken over again"
+        took = asyncio.get_running_loop().time() - t0
+        assert await _visible(kw, "read_committed") == 80  # the hanging commit closed, as committed
+        await seed_groups(kw, 10, start=20)  # and the instance commits again
+        assert await _until(lambda: _visible_at_least(kw, "read_committed", 120), 60)
+        assert await _visible(kw, "read_committed") == 120  # nothing scored twice
+        print(f"owned again after {took:.1f}s; recommitted={proc.stats.recommitted}")
+        assert proc.stats.recommitted >= 1
+
+
+async def _owned_again(proc, owned: set[int]) -> bool:
+    return not proc.pending and set(proc.tasks) == owned
