@@ -126,9 +126,19 @@ class _Handler(TxnOffsetCommitHandler):
 def fence_by_group(producer: AIOKafkaProducer, member: Callable[[], GroupMember]) -> None:
     """Make ``producer.send_offsets_to_transaction`` send TxnOffsetCommit v3 with ``member()``'s generation.
 
-    aiokafka's sender builds its v0 request in ``_do_txn_offset_commit``; this replaces that one method on
-    this producer's sender (retries and coordinator lookup stay aiokafka's)."""
-    sender = producer._sender
+    The member is read once per transaction, when its offsets are queued (under the processor's lock), not when
+    the sender (re)sends them: a producer stuck retrying (a stalled coordinator) and discarded meanwhile must
+    not commit its stale offsets under the generation of a later rebalance (a broker without KIP-890 would
+    take them). aiokafka's sender builds its v0 request in ``_do_txn_offset_commit``; this replaces that one
+    method on this producer's sender (retries and coordinator lookup stay aiokafka's)."""
+    sender, txn = producer._sender, producer._txn_manager
+    queue_offsets = txn.add_offsets_to_txn
+    fixed: dict[int, GroupMember] = {}  # id(offsets) -> the member when they were queued
+
+    def add_offsets_to_txn(offsets: Any, group_id: str) -> Any:
+        fixed.clear()  # one transaction's offsets at a time
+        fixed[id(offsets)] = member()
+        return queue_offsets(offsets, group_id)
 
     async def _do_txn_offset_commit(self: Any, offsets: Any, group_id: str) -> None:
         if not offsets:
@@ -138,8 +148,9 @@ def fence_by_group(producer: AIOKafkaProducer, member: Callable[[], GroupMember]
         except Errors.GroupAuthorizationFailedError as exc:
             self._txn_manager.error_transaction(exc)
             return
-        await _Handler(self, offsets, group_id, member()).do(node_id)
+        await _Handler(self, offsets, group_id, fixed[id(offsets)]).do(node_id)
 
+    txn.add_offsets_to_txn = add_offsets_to_txn
     sender._do_txn_offset_commit = types.MethodType(_do_txn_offset_commit, sender)
 
 

@@ -56,6 +56,18 @@ async def test_a_stale_generation_or_unknown_member_cannot_commit(kafka_settings
             await p.abort_transaction()
             assert await group_offsets.committed(c, [tp]) == {tp: 5}, stale
 
+        # the generation is fixed when the offsets are queued: one that changes while the sender is still at
+        # AddOffsetsToTxn (a stuck producer retrying through a rebalance) is not picked up
+        member = GroupMember(now.generation_id - 1, now.member_id)
+        await p.begin_transaction()
+        queued = asyncio.ensure_future(p.send_offsets_to_transaction({tp: 13}, group))
+        await asyncio.sleep(0)
+        member = now
+        with pytest.raises(GroupFenced):
+            await queued
+        await p.abort_transaction()
+        assert await group_offsets.committed(c, [tp]) == {tp: 5}
+
         member = now  # the producer is still usable after an aborted, fenced transaction
         await p.begin_transaction()
         await p.send_offsets_to_transaction({tp: 11}, group)
