@@ -4,7 +4,8 @@
   a partial batch is flushed once its oldest record waited ``flush_after_s``.
 * off-policy bound: a record more than ``max_off_policy_steps`` revisions behind the target is
   refused with its reason and counted (never silently dropped); a record *ahead* of the known target
-  waits until its revision is announced.
+  waits until its revision is announced, for ``ahead_timeout_s`` at most (then it is refused: a revision
+  that never comes must not grow the buffer, and the snapshot of its offsets, without bound).
 * a record of another family is refused on arrival (``CrossFamilyMixError``); an empty batch is never
   emitted (counted as ``empty_batch``). Batches are built by ``schemas.batch.assemble_batch``.
 """
@@ -43,6 +44,7 @@ class BatchPolicy:
     batch_records: int | None = 64
     batch_tokens: int | None = None
     flush_after_s: float = 5.0
+    ahead_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -86,19 +88,26 @@ class Batcher(Generic[T]):
     def poll(self, target: PolicyRevision | None, now: float, *, flush: bool = False
              ) -> tuple[list[tuple[TrainerBatch, list[Item[T]]]], list[Refusal[T]]]:
         """Batches ready for ``target`` and records refused as stale. ``flush`` empties what is eligible."""
-        if target is None:
-            return [], []
         refusals: list[Refusal[T]] = []
         keep: list[Item[T]] = []
         for it in self.items:
-            lag = staleness(it.record, target)
-            if lag > self.policy.max_off_policy_steps:
+            lag = staleness(it.record, target) if target is not None else None
+            if lag is not None and lag > self.policy.max_off_policy_steps:
                 self.refused["stale"] += 1
                 refusals.append(Refusal(it, "StaleRecordError",
                                         stale_reason(it.record, target, self.policy.max_off_policy_steps) or "stale"))
+            elif (lag is None or lag < 0) and now - it.arrived >= self.policy.ahead_timeout_s:
+                self.refused["ahead"] += 1
+                known = f"r{target.revision}" if target is not None else "none"
+                refusals.append(Refusal(it, "AheadOfTargetError",
+                                        f"record {it.record.record_id} from r{it.record.policy.revision} waited "
+                                        f"{now - it.arrived:.0f}s for its revision to be announced (target: {known}; "
+                                        f"ahead_timeout_s={self.policy.ahead_timeout_s:g})"))
             else:
                 keep.append(it)
         self.items = keep
+        if target is None:
+            return [], refusals
         eligible = [it for it in self.items if staleness(it.record, target) >= 0]
         batches: list[tuple[TrainerBatch, list[Item[T]]]] = []
         while eligible:

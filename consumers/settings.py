@@ -43,6 +43,10 @@ class ServiceSettings(BaseSettings):
     batch_tokens: int | None = Field(None, ge=1, description="completion tokens per TrainerBatch (instead of records)")
     flush_after_s: float = Field(10.0, description="emit a partial batch (a smaller step) when no batch filled for "
                                                    "this long: the end of a run, or generation stalled")
+    ahead_timeout_s: float = Field(1800.0, gt=0, description="batcher: refuse a record whose revision is still not "
+                                   "announced after this long (its trainer never published it, or another run's)")
+    children_timeout_s: float = Field(1800.0, gt=0, description="verifier: forget children's outcomes whose parent "
+                                      "rollout is still missing after this long (it timed out, or never came)")
     checkpoint_dir: str = Field(".state/checkpoints", description="trainer: where checkpoints are written")
     keep_checkpoints: int = Field(0, ge=0, description="trainer: keep only the newest N checkpoint files it wrote, "
                                                        "at least 2: the newest is not committed yet when written (0: "

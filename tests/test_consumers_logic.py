@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import asyncio
 import math
 import sys
@@ -253,6 +255,22 @@ def test_batcher_refuses_stale_and_cross_family_with_reasons_waits_for_future():
     assert batches[0][0].target.revision == 3
 
 
+def test_batcher_refuses_a_record_whose_revision_is_never_announced():
+    """Issue 24, hole 5: records ahead of the target (or with no target at all) wait ``ahead_timeout_s`` at most,
+    then are refused with the reason: the buffer, and the snapshot of its offsets, cannot grow without bound."""
+    b = Batcher(BatchPolicy(family="tiny", batch_records=2, flush_after_s=0, ahead_timeout_s=60))
+    b.add(testing.training_record(0, revision_=5), 0)   # ahead of r2, for good
+    b.add(testing.training_record(1, revision_=7), 30)  # arrives before any revision is known
+    assert b.poll(None, now=59) == ([], [])
+    _, refused = b.poll(None, now=61)
+    assert [(r.error_type, r.item.record.record_id) for r in refused] == [("AheadOfTargetError", "rec-000000")]
+    assert "target: none" in refused[0].reason and "waited 61s" in refused[0].reason
+    assert b.poll(testing.revision(2), now=89) == ([], [])
+    _, refused = b.poll(testing.revision(2), now=90)
+    assert [r.item.record.record_id for r in refused] == ["rec-000001"] and "target: r2" in refused[0].reason
+    assert b.items == [] and b.refused == {"ahead": 2}
+
+
 def test_batcher_never_emits_empty_or_without_target():
     b = Batcher(BatchPolicy(family="tiny", batch_records=2, flush_after_s=0))
     assert b.poll(testing.revision(0), now=1.0, flush=True) == ([], [])
@@ -356,3 +374,22 @@ async def test_verifier_task_scores_parent_after_children_and_dead_letters_bad_i
     assert scored["p"].rewards == {"proposer": 1.0}  # pass rate 0.5 hits the target
     assert [o.event.EVENT_TYPE for o in outs][-1] == "dead_letter" and outs[-1].event.origin_offset == 99
     assert task.buffered() == {topics.STEPS.name: [], topics.ROLLOUTS.name: []} and task.state() == {}
+
+    # Issue 24, hole 5: children whose parent never comes are forgotten after children_timeout_s; a parent that
+    # times out takes its children's outcomes with it. Neither stays in the state (and its snapshots) for good.
+    task = VerifierTask(0, ServiceSettings(children_timeout_s=60, step_timeout_s=30))
+    await task.process(Rec(topics.STEPS.name, 0, codec.encode(kids[0][0])))
+    await task.process(Rec(topics.ROLLOUTS.name, 1, codec.encode(kids[0][1])))
+    assert task.state() == {"children": {"p": {"c0": 1.0}}}
+    t0 = task.children_seen["p"]
+    assert task.tick(t0 + 59) == [] and task.state() != {}
+    assert task.tick(t0 + 60) == [] and task.state() == {}
+    await task.process(Rec(topics.ROLLOUTS.name, 2, codec.encode(parent)))  # too late: waits, then times out
+    await task.process(Rec(topics.STEPS.name, 3, codec.encode(pstep)))
+    await task.process(Rec(topics.STEPS.name, 4, codec.encode(kids[1][0])))
+    await task.process(Rec(topics.ROLLOUTS.name, 5, codec.encode(kids[1][1])))
+    assert task.state() == {"children": {"p": {"c1": 0.0}}}
+    outs = task.tick(time.monotonic() + 31)
+    assert [(o.event.EVENT_TYPE, o.event.error_type) for o in outs] == [("dead_letter", "Timeout")]
+    assert "1 children unscored" in outs[0].event.error_message
+    assert task.state() == {} and task.buffered() == {topics.STEPS.name: [], topics.ROLLOUTS.name: []}

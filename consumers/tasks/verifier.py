@@ -29,6 +29,7 @@ class VerifierTask:
         self.steps: dict[str, tuple[Any, Step, float]] = {}  # step_id -> (rec, step, arrived)
         self.rollouts: dict[str, tuple[Any, Rollout, float]] = {}
         self.children: dict[str, dict[str, float]] = {}  # parent id -> child id -> outcome (state)
+        self.children_seen: dict[str, float] = {}  # parent id -> when its last child was scored (since restore)
         self.scored = 0
 
     def _buffer(self, rec: Any) -> str:
@@ -81,6 +82,7 @@ class VerifierTask:
             member = scoring.child_member(parent[1]) if parent is not None else None
             outcome = scoring.child_outcome(scored, member) if scored is not None else 0.0
             self.children.setdefault(ro.parent_rollout_id, {})[ro.rollout_id] = outcome
+            self.children_seen[ro.parent_rollout_id] = time.monotonic()
             outs.extend(await self._try(ro.parent_rollout_id))
         return outs
 
@@ -89,6 +91,7 @@ class VerifierTask:
         for s in ro.step_ids:
             self.steps.pop(s, None)
         self.children.pop(ro.rollout_id, None)
+        self.children_seen.pop(ro.rollout_id, None)
 
     def tick(self, now: float) -> list[Out]:
         outs: list[Out] = []
@@ -100,14 +103,19 @@ class VerifierTask:
                 outs.append(dead_letter(rec, NAME, "Timeout",
                                         f"rollout {rid} incomplete after {t:g}s: {len(missing)} steps missing, "
                                         f"{len(waiting)} children unscored", ro.run_id))
-                del self.rollouts[rid]
-                for s in ro.step_ids:
-                    self.steps.pop(s, None)
+                self._forget(ro)
         for sid, (rec, st, arrived) in list(self.steps.items()):
             if now - arrived >= t and st.rollout_id not in self.rollouts:
                 outs.append(dead_letter(rec, NAME, "OrphanStep",
                                         f"step {sid}: no rollout {st.rollout_id} within {t:g}s", st.run_id))
                 del self.steps[sid]
+        # Children's outcomes whose parent never came (or timed out before they were scored): the state, and
+        # every snapshot of it, would grow without bound. A parent arriving later times out with its children
+        # unscored, dead-lettered, so nothing goes unaccounted for.
+        for parent, seen in list(self.children_seen.items()):
+            if parent not in self.rollouts and now - seen >= self.cfg.children_timeout_s:
+                self.children.pop(parent, None)
+                del self.children_seen[parent]
         return outs
 
     def buffered(self) -> dict[str, list[int]]:
@@ -119,6 +127,8 @@ class VerifierTask:
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.children = {k: dict(v) for k, v in state.get("children", {}).items()}
+        now = time.monotonic()  # a restore restarts their clock: the snapshot holds no monotonic time
+        self.children_seen = {k: now for k in self.children}
 
 
 @asynccontextmanager
