@@ -91,6 +91,14 @@ log = logging.getLogger("rollout.arena")
 
 # -- pacing -------------------------------------------------------------------------------------
 
+def default_arena_id(run_id: str) -> str:
+    """An arena's id when none is given: the run's, plus a part of its own. Two arenas started without one must
+    not share it: each would release the other's open claims as its own predecessor's, and their emitters
+    (transactional id ``arena-<id>``) would fence each other. A restart gets a new one; the claims its
+    predecessor left open expire after their lease."""
+    return f"{run_id}-{new_id()[:8]}"
+
+
 class AdmissionPacer:
     """The admission rule of the module docstring: one claim per group on the admissions ledger (shared by
     every arena that folds the same ledger), waiting while the ledger would deny it."""
@@ -328,8 +336,8 @@ class Arena:
                  admissions: MemoryLedger | None = None, admission_lease_s: float = 600.0,
                  arena_id: str | None = None, eval_environments: Sequence[tuple[Any, Environment]] | None = None
                  ) -> None:
-        """``arena_id``: this arena among the run's many (its claims on the admissions ledger; default the run id,
-        for a run with one arena). ``producer_name`` is what its events say produced them."""
+        """``arena_id``: this arena among the run's many (its claims on the admissions ledger; default
+        ``default_arena_id``). ``producer_name`` is what its events say produced them."""
         self.plan = plan
         # keyed by the source's name: two sources of one environment (different args, ratios) stay two
         self.env_specs = {spec.display_name: spec for spec in getattr(plan, "environments", []) or []}
@@ -374,7 +382,7 @@ class Arena:
         # admissions: the ledger shared with every other arena of the run (streams.admissions.KafkaLedger); an
         # arena alone in its process and without one folds its own claims in memory, by the same rule
         self.pacer = AdmissionPacer(plan.batch_size, plan.max_off_policy_steps, base_revision or 0,
-                                    ledger=admissions, family=plan.family, arena_id=arena_id or self.run_id,
+                                    ledger=admissions, family=plan.family, arena_id=arena_id or default_arena_id(self.run_id),
                                     run_id=self.run_id,
                                     lease_s=admission_lease_s)
         self.stats = ArenaStats()

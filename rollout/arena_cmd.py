@@ -56,8 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(longer than a group takes; default 600)")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     p.add_argument("--run-id", help="run id stamped on every event (default: random); every arena of a run shares it")
-    p.add_argument("--arena-id", help="this arena among the run's (default: the run id): its admission claims and "
-                                      "transactional id; restart a killed arena under the same id")
+    p.add_argument("--arena-id", help="this arena among the run's (default: the run id and a random part, a new one "
+                                      "each start): its admission claims and transactional id; restart a killed "
+                                      "arena under the same id to release its open claims at once")
     p.add_argument("--seed", type=int, default=0, help="arena sampling seed")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (default: ROLLOUT_METRICS_PORT + 0; 0: off): the "
@@ -73,7 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 async def _main(args: argparse.Namespace) -> int:
     import json
 
-    from producers.arena import Arena
+    from producers.arena import Arena, default_arena_id
     from streams.admissions import KafkaLedger
     from streams.revisions import RevisionFollower
     from producers.emitter import KafkaEmitter
@@ -140,7 +141,8 @@ async def _main(args: argparse.Namespace) -> int:
         url = server.base_url
         print(f"local policy server: {url} serving {server.policy}")
     try:
-        arena_id = args.arena_id or run_id
+        arena_id = args.arena_id or default_arena_id(run_id)
+        print(f"arena id: {arena_id}")
         emitter = KafkaEmitter(settings.client_kwargs(), f"arena-{arena_id}")
         follower = RevisionFollower(settings.client_kwargs(), plan.family) if args.follow_revisions else None
         arena = Arena(plan, environments, eval_environments=eval_environments, emitter=emitter,

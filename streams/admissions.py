@@ -22,6 +22,13 @@ from streams import topics
 from streams.serde import to_message
 
 
+LOG_APPEND_TIME = 1  # a record's timestamp type when the broker stamped it (RecordMetadata.timestamp_type)
+
+
+class NotBrokerTimed(RuntimeError):
+    """The admissions topic does not stamp records with the broker's time: leases cannot be trusted."""
+
+
 class MemoryLedger:
     """The book over an in-process list (its clock: this process's)."""
 
@@ -92,6 +99,12 @@ class KafkaLedger(MemoryLedger):
     async def append(self, event: Event) -> None:
         key, value, headers = to_message(event)
         meta = await self._producer.send_and_wait(self.topic, value, key=key, headers=headers)
+        if meta.timestamp_type != LOG_APPEND_TIME:
+            raise NotBrokerTimed(
+                f"topic {self.topic} keeps the producers' timestamps (message.timestamp.type=CreateTime): leases "
+                "would be timed by each arena's own clock. It was created before rollout-log set LogAppendTime, or "
+                "by hand. Fix it once: kafka-configs.sh --bootstrap-server HOST:PORT --alter --entity-type topics "
+                f"--entity-name {self.topic} --add-config message.timestamp.type=LogAppendTime")
         if isinstance(event, AdmissionClaim):
             await self.sync(through=meta.offset)
 

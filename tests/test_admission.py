@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from producers.arena import AdmissionPacer
 from schemas.admission import AdmissionBook, AdmissionClaim, AdmissionDone, AdmissionRelease
 from streams.admissions import MemoryLedger
@@ -87,3 +89,34 @@ async def test_a_restarted_arena_releases_its_earlier_claims_and_joins_in():
     await asyncio.wait_for(waiter, 2)
     assert ledger.book.admitted("default") == 4 and other.admitted == 4 and other.pauses == 1
     assert {s.released for s in ledger.book.claims.values()} >= {"restarted: the arena's earlier process left it open"}
+
+
+def test_arenas_started_without_an_id_never_share_one():
+    """Issue 24, hole 7: with the run id as the default, two arenas started without --arena-id released each
+    other's open claims as their own predecessor's, and their emitters fenced each other."""
+    from producers.arena import default_arena_id
+
+    ids = {default_arena_id("run7") for _ in range(5)}
+    assert len(ids) == 5 and all(i.startswith("run7-") for i in ids)
+
+
+@pytest.mark.integration
+async def test_an_admissions_topic_without_broker_timestamps_is_refused_loudly(kafka_settings, make_topic):
+    """Issue 24, hole 7: leases are timed by the log's timestamps, which must be the broker's. A topic made
+    before LogAppendTime was set (or by hand) is refused at the first append, with the command that fixes it;
+    one with LogAppendTime is accepted."""
+    from streams.admissions import KafkaLedger, NotBrokerTimed
+
+    kw = kafka_settings.client_kwargs()
+    for configs, ok in (({}, False), ({"message.timestamp.type": "LogAppendTime"}, True)):
+        ledger = KafkaLedger(kw, await make_topic(configs=configs))
+        await ledger.start()
+        try:
+            if ok:
+                await ledger.append(claim("c1"))
+                assert ledger.book.granted("c1")
+            else:
+                with pytest.raises(NotBrokerTimed, match="message.timestamp.type=LogAppendTime"):
+                    await ledger.append(claim("c1"))
+        finally:
+            await ledger.stop()
