@@ -29,7 +29,7 @@ from typing import Any
 from producers.episodes import GenerateResult
 from schemas.envelope import Event
 from schemas.events import Rollout, Step
-from streams import serde, topics
+from streams import aiokafka_internals, serde, topics
 from streams.settings import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("rollout.arena")
@@ -151,6 +151,7 @@ class KafkaEmitter(Emitter):
             self._failed = e
 
     async def start(self) -> None:
+        aiokafka_internals.check()
         self._producer = await self._open_producer()
         self._queue = asyncio.Queue()
         self._loop_task = asyncio.create_task(self._commit_loop(), name=f"emitter-{self.transactional_id}")

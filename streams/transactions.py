@@ -42,7 +42,7 @@ from aiokafka.errors import KafkaError, ProducerFenced
 
 from schemas.envelope import Event
 from schemas.events import DeadLetter
-from streams import serde, topics
+from streams import aiokafka_internals, serde, topics
 from streams.batched_send import PartitionBatches
 from streams.changelog import Restorer, changelog_topic, encode_snapshot
 from streams.commits import CommitWatch, StallWatch, commit_again
@@ -178,6 +178,7 @@ class TransactionalProcessor:
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
+        aiokafka_internals.check()  # before anything is committed: a fence that silently went away is no fence
         await self.restorer.start()
         self.consumer = AIOKafkaConsumer(
             **self.kw, group_id=self.group_id, enable_auto_commit=False, isolation_level="read_committed",

@@ -109,3 +109,27 @@ async def test_a_processor_that_missed_a_rebalance_is_fenced_and_recovers(kafka_
         assert verifier.member is not None and verifier.member.generation_id >= 2  # it rejoined
     got = batch_record_ids(recs)
     assert set(got) == expected and max(got.values()) == 1
+
+
+def test_the_aiokafka_internals_the_fence_needs_are_checked_at_start(monkeypatch):
+    """Issue 24, "Also": the private aiokafka names the exactly-once code uses are all in the installed release,
+    and one gone (the method the fence replaces, or the sender no longer calling it) stops a processor loudly."""
+    from aiokafka.producer.sender import Sender
+
+    from streams import aiokafka_internals
+
+    assert aiokafka_internals.missing() == []
+    aiokafka_internals.check()
+    monkeypatch.delattr(Sender, "_do_txn_offset_commit")
+    assert aiokafka_internals.missing() == ["Sender._do_txn_offset_commit"]
+    monkeypatch.undo()
+
+    def renamed(self):  # a release whose sender commits offsets through another method
+        return self._do_offsets_commit()
+
+    monkeypatch.setattr(Sender, "_maybe_do_transactional_request", renamed)
+    aiokafka_internals.check.cache_clear()
+    with pytest.raises(aiokafka_internals.AiokafkaInternalsChanged, match="calling self._do_txn_offset_commit"):
+        aiokafka_internals.check()
+    monkeypatch.undo()
+    aiokafka_internals.check.cache_clear()
