@@ -78,7 +78,7 @@ from producers.environment import Environment, Example, environment_from_spec
 from producers.episodes import Episode, EpisodeState, GenerateResult
 from producers.inference import Completion, InferenceClient, InferenceError
 from producers.weights import LocalPolicyWeights, RevisionGate, WeightLoader, WeightLoadError
-from schemas.admission import AdmissionBook, AdmissionClaim, AdmissionDone, AdmissionRelease
+from schemas.admission import AdmissionBook, AdmissionClaim, AdmissionDone, AdmissionRelease, AdmissionRenew
 from schemas.envelope import new_id
 from schemas.events import ChatMessage, Rollout, Step
 from schemas.policy import PolicyRef, PolicyRevision
@@ -120,6 +120,9 @@ class AdmissionPacer:
         self.pauses = 0
         self.error: BaseException | None = None
         self._woken = asyncio.Event()
+        self._renewed: dict[str, float] = {}  # this arena's open claims -> when last claimed or renewed (monotonic)
+        self._renewing: asyncio.Task | None = None
+        self.lost = 0  # claims found released while still running (this arena was frozen past their lease)
 
     @property
     def book(self) -> AdmissionBook:
@@ -145,6 +148,41 @@ class AdmissionPacer:
         for claim in self.book.expired(self.family, float("inf")):
             if claim.arena_id == self.arena_id:
                 await self.release(claim.claim_id, "restarted: the arena's earlier process left it open")
+        self._renewing = asyncio.create_task(self._renew_forever(), name="admission-renew")
+
+    async def stop(self) -> None:
+        if self._renewing is not None:
+            self._renewing.cancel()
+            await asyncio.gather(self._renewing, return_exceptions=True)
+        await self.ledger.stop()
+
+    async def _renew_forever(self) -> None:
+        """Renew this arena's open claims every third of a lease: a slow group keeps its claim while the arena
+        lives; a frozen or dead arena stops renewing, and after one lease any arena may release its claims."""
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            for claim_id in list(self._renewed):
+                try:
+                    await self.ledger.append(AdmissionRenew(run_id=self.run_id, producer=self.arena_id,
+                                                            claim_id=claim_id, arena_id=self.arena_id))
+                except Exception as e:  # noqa: BLE001 - the ledger is away: held() finds out before emitting
+                    log.warning("renewing admission claim %s: %s", claim_id, e)
+                    break
+                if claim_id in self._renewed:
+                    self._renewed[claim_id] = time.monotonic()
+
+    async def held(self, claim_id: str) -> bool:
+        """Whether the claim is still this arena's, so its group may be emitted. Asked of the ledger only when
+        the last renewal is half a lease old (this arena was frozen, or the ledger away): then another arena may
+        have released it, and emitting the group would exceed the bound it was admitted under."""
+        last = self._renewed.get(claim_id)
+        if last is not None and time.monotonic() - last < self.lease_s / 2:
+            return True
+        await self.ledger.sync()
+        if self.book.held(claim_id):
+            return True
+        self.lost += 1
+        return False
 
     async def admit(self, n: int, group_id: str | None = None) -> str:
         """Wait until a group of ``n`` rollouts is granted on the ledger; its claim id."""
@@ -163,6 +201,7 @@ class AdmissionPacer:
                         max_off_policy_steps=self.bound, lease_s=self.lease_s)
                     if await self._claim(claim):
                         self.admitted += n
+                        self._renewed[claim.claim_id] = time.monotonic()
                         return claim.claim_id
                     continue  # another arena's claim came first: look again
                 for claim in self.book.expired(self.family, self.ledger.now()):
@@ -188,10 +227,12 @@ class AdmissionPacer:
         return bool(self.book.granted(claim.claim_id))
 
     async def done(self, claim_id: str) -> None:
+        self._renewed.pop(claim_id, None)
         await self.ledger.append(AdmissionDone(run_id=self.run_id, producer=self.arena_id, claim_id=claim_id,
                                                arena_id=self.arena_id))
 
     async def release(self, claim_id: str, reason: str) -> None:
+        self._renewed.pop(claim_id, None)
         await self.ledger.append(AdmissionRelease(run_id=self.run_id, producer=self.arena_id, claim_id=claim_id,
                                                   arena_id=self.arena_id, reason=reason))
 
@@ -421,7 +462,7 @@ class Arena:
             await self.revisions.stop()
         if self.manage_emitter:
             await self.emitter.stop()
-        await self.pacer.ledger.stop()
+        await self.pacer.stop()
         if self._http is not None:
             await self._http.aclose()
         for env in self.environments.values():  # episodes holding serving resources (verifiers.v1 envs)
@@ -606,10 +647,16 @@ class Arena:
         return GenerateResult(rollout=rollout, steps=ctx.steps, children=list(state.children))
 
     async def _run_and_emit(self, req: EpisodeRequest, sem: asyncio.Semaphore,
-                            results: list[GenerateResult] | None) -> bool:
-        """Whether the rollout is on the log."""
+                            results: list[GenerateResult] | None, claim_id: str | None = None) -> bool:
+        """Whether the rollout is on the log. A rollout of a claim another arena released meanwhile (this one
+        was frozen past its lease) is not emitted: its capacity went to another group."""
         try:
             result = await self.run_rollout(req)
+            if claim_id is not None and not await self.pacer.held(claim_id):
+                log.warning("rollout %s not emitted: its group's admission claim %s was released while this arena "
+                            "was not renewing it (frozen or cut off for over %gs)", req.rollout_id, claim_id,
+                            self.pacer.lease_s)
+                return False
             await self.emitter.emit(result)
             if results is not None:
                 results.append(result)
@@ -626,7 +673,7 @@ class Arena:
         emitted = await asyncio.gather(*rollouts)
         if all(emitted):
             await self.pacer.done(claim_id)
-        else:
+        elif self.pacer.book.held(claim_id):
             await self.pacer.release(claim_id, f"abandoned: {sum(not e for e in emitted)} rollouts not emitted")
 
     async def generate(self, requests: Sequence[EpisodeRequest]) -> list[GenerateResult]:
@@ -681,7 +728,7 @@ class Arena:
                 rollouts = []
                 for req in group:
                     await sem.acquire()
-                    rollouts.append(asyncio.create_task(self._run_and_emit(req, sem, results)))
+                    rollouts.append(asyncio.create_task(self._run_and_emit(req, sem, results, claim_id)))
                 t = asyncio.create_task(self._close_claim(claim_id, rollouts))
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)

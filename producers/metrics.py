@@ -37,6 +37,8 @@ def arena_samples(arena: Any, emitter: Any) -> Iterator[Sample]:
     yield ("rollout_admission_pauses", "counter", "times admission waited for the trainer (off-policy bound)", {},
            pacer.pauses)
     yield "rollout_admission_paused_seconds", "counter", "time admission waited for the trainer", {}, pacer.paused_s
+    yield ("rollout_admission_claims_lost", "counter", "admitted groups not emitted: their claim was released while "
+           "this arena was frozen past its lease", {}, pacer.lost)
     yield "rollout_transactions", "counter", "committed transactions", {}, e.transactions
     yield "rollout_aborts", "counter", "transactions aborted", {}, e.aborted
     for topic, n in list(e.by_topic.items()):

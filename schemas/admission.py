@@ -5,8 +5,10 @@ Events (one partition, so one total order every reader folds the same way):
 * ``AdmissionClaim``: an arena asks to admit a group of ``rollouts`` top-level rollouts, having seen trainer
   revision ``seen_revision``; it carries the plan's ``batch_size`` and bound, so the fold needs nothing else.
 * ``AdmissionDone``: the claimer emitted every rollout of the group.
+* ``AdmissionRenew``: the claimer is alive and still running the group: its lease starts again (a slow group
+  keeps its claim as long as its arena renews; a dead or frozen arena stops renewing).
 * ``AdmissionRelease``: a granted claim gives its capacity back: written by the claimer when it abandons the
-  group, or by any arena once the claim's lease ran out (its arena died).
+  group, or by any arena once the claim's lease ran out (its arena died, or stopped renewing).
 
 ``AdmissionBook`` is the fold: pure, deterministic from the records and their log timestamps, so every arena
 computes the same grants. Per family, with ``A`` the rollouts of the granted, not released claims before it
@@ -18,8 +20,9 @@ i.e. its last rollout lands in a batch at most ``max_off_policy_steps`` revision
 claimer had seen (the rollouts numbered ``[kB, (k+1)B)`` fill the batch that trains revision ``R0 + k``).
 ``seen_revision`` never exceeds the trainer's revision, so the bound holds whoever appends. A denied claim
 costs nothing. A release by anyone but the claimer counts only when its timestamp is at least ``lease_s``
-after the claim's: a dead arena's claims block the others for one lease at most, and a release written
-early by a fast clock is ignored, identically by every reader.
+after the claim's or its last renewal's: a dead arena's claims block the others for one lease at most, and a
+release written early by a fast clock is ignored, identically by every reader. A claimer whose claim was
+released (it was frozen past its lease) must not emit the group: ``AdmissionPacer.held`` tells it.
 """
 
 from __future__ import annotations
@@ -57,6 +60,15 @@ class AdmissionDone(Event):
     arena_id: str = Field(min_length=1)
 
 
+class AdmissionRenew(Event):
+    """The claimer still runs the group: the claim's lease starts again at this record's timestamp."""
+
+    EVENT_TYPE: ClassVar[str] = "admission_renew"
+
+    claim_id: str = Field(min_length=1)
+    arena_id: str = Field(min_length=1)
+
+
 class AdmissionRelease(Event):
     """A granted claim's capacity returns to the pool (abandoned by its claimer, or its lease expired)."""
 
@@ -67,7 +79,7 @@ class AdmissionRelease(Event):
     reason: str
 
 
-ADMISSION_EVENTS = (AdmissionClaim, AdmissionDone, AdmissionRelease)
+ADMISSION_EVENTS = (AdmissionClaim, AdmissionDone, AdmissionRenew, AdmissionRelease)
 
 
 @dataclass
@@ -77,6 +89,14 @@ class ClaimState:
     granted: bool
     done: bool = False
     released: str | None = None  # the reason, once released
+    lease_from: float = -1.0  # the claim's or its last renewal's log timestamp
+
+    def __post_init__(self) -> None:
+        if self.lease_from < 0:
+            self.lease_from = self.at
+
+    def expired(self, now: float) -> bool:
+        return now >= self.lease_from + self.claim.lease_s
 
     @property
     def open(self) -> bool:
@@ -113,8 +133,10 @@ class AdmissionBook:
             return
         if isinstance(event, AdmissionDone):
             state.done = True
+        elif isinstance(event, AdmissionRenew) and event.arena_id == state.claim.arena_id:
+            state.lease_from = max(state.lease_from, at)
         elif isinstance(event, AdmissionRelease) and (
-                event.arena_id == state.claim.arena_id or at >= state.at + state.claim.lease_s):
+                event.arena_id == state.claim.arena_id or state.expired(at)):
             state.released = event.reason
             self.families[state.claim.family].admitted -= state.claim.rollouts
 
@@ -134,8 +156,12 @@ class AdmissionBook:
 
     def expired(self, family: str, now: float) -> list[AdmissionClaim]:
         """Open claims of ``family`` whose lease ran out by ``now``: anyone may release them."""
-        return [s.claim for s in self.claims.values()
-                if s.open and s.claim.family == family and now >= s.at + s.claim.lease_s]
+        return [s.claim for s in self.claims.values() if s.open and s.claim.family == family and s.expired(now)]
+
+    def held(self, claim_id: str) -> bool:
+        """Whether the claim is granted and not released: its group may still be emitted."""
+        state = self.claims.get(claim_id)
+        return state is not None and state.granted and state.released is None
 
     def granted(self, claim_id: str) -> bool | None:
         """None while the claim is not in the book yet."""

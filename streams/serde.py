@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas import codec
-from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRelease
+from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRelease, AdmissionRenew
 from schemas.envelope import Event
 from schemas.errors import EventDecodeError
 from schemas.events import DeadLetter, Rollout, RolloutScored, Step, TrainerBatch, TrainingRecord
@@ -39,7 +39,7 @@ def key_for(event: Event) -> bytes:
             key = event.family
         case DeadLetter():
             key = event.origin_topic
-        case AdmissionClaim() | AdmissionDone() | AdmissionRelease():
+        case AdmissionClaim() | AdmissionDone() | AdmissionRenew() | AdmissionRelease():
             key = event.claim_id
         case _:
             raise TypeError(f"no partitioning key defined for {type(event).__name__}")

@@ -120,3 +120,30 @@ async def test_an_admissions_topic_without_broker_timestamps_is_refused_loudly(k
                     await ledger.append(claim("c1"))
         finally:
             await ledger.stop()
+
+
+async def test_a_slow_live_arena_keeps_its_claim_and_a_paused_one_loses_it():
+    """Issue 24, hole 7: a live arena renews its open claims every third of a lease, so a group slower than the
+    lease is not released under it; a paused (not killed) arena stops renewing, another arena releases its
+    claim after one lease, and once resumed it finds the claim gone (``held``) and must not emit the group."""
+    lease = 0.6
+    ledger = MemoryLedger()
+    slow = AdmissionPacer(B, BOUND, ledger=ledger, arena_id="slow", lease_s=lease)
+    other = AdmissionPacer(B, BOUND, ledger=ledger, arena_id="other", lease_s=lease)
+    await slow.start()
+    await other.start()
+    try:
+        cid = await slow.admit(4)
+        await slow.admit(4)  # the bound is full now
+        await asyncio.sleep(3 * lease)  # the groups take three leases, their arena alive
+        assert ledger.book.expired("default", ledger.now()) == []  # renewed: nobody may release them
+        assert await slow.held(cid) and slow.lost == 0
+
+        slow._renewing.cancel()  # paused: a frozen process renews nothing
+        waiter = asyncio.create_task(other.admit(4))
+        await asyncio.wait_for(waiter, 5 * lease)  # released by the other arena after one lease
+        assert ledger.book.claims[cid].released.startswith("lease of")
+        assert not await slow.held(cid) and slow.lost == 1  # resumed: the group must not be emitted
+    finally:
+        await slow.stop()
+        await other.stop()
