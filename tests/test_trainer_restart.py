@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,11 +34,11 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _trainer(bootstrap: str, prefix: str, ckdir: Path, log: Path) -> subprocess.Popen:
+def _trainer(bootstrap: str, prefix: str, ckdir: Path, log: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix,
            "ROLLOUT_SESSION_TIMEOUT_MS": "6000", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "consumers", "serve", "trainer", "--family", testing.FAMILY,
-                             "--checkpoint-dir", str(ckdir), "--lr", "1e-3"], cwd=ROOT, env=env,
+                             "--checkpoint-dir", str(ckdir), "--lr", "1e-3", *args], cwd=ROOT, env=env,
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 
 
@@ -126,3 +127,75 @@ async def test_trainer_sigkilled_and_restarted_trains_every_batch_once(kafka_set
     report = run_audit(db)
     assert report.ok, [f.message for f in report.violations][:5]
     assert report.checked["chain_links"] == len(revs) - 1
+
+
+_CHECKPOINT = re.compile(r"-r(\d{6})-[0-9a-f]{12}\.pt$")
+
+
+async def test_a_frozen_trainer_woken_after_a_take_over_leaves_every_committed_checkpoint_intact(
+        kafka_settings, kafka_bootstrap, monkeypatch, tmp_path):
+    """Issue 24, hole 2: two trainer processes share one checkpoint directory. The active one is frozen (SIGSTOP)
+    right after writing a checkpoint whose revision it has not committed (the file is there, the revision is not
+    on the log half a second later), the other takes over and trains on, then the frozen one is woken (SIGCONT):
+    its commit is fenced. Every committed revision's checkpoint must still match its digest (with one reused
+    path per revision, the zombie's late write replaced a committed file), and the chain is unbroken."""
+    from policy.checkpoint import file_sha256
+
+    prefix = f"tz{uuid.uuid4().hex[:8]}."
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
+    kw = kafka_settings.client_kwargs()
+    await topics.create_topics(kw)
+    await publish(kw, initial_revision(testing.FAMILY, tmp_path, seed=0))
+    settings = ServiceSettings(family=testing.FAMILY, batch_records=16, flush_after_s=1.0)
+    procs = {i: _trainer(kafka_bootstrap, prefix, tmp_path, tmp_path / f"trainer-{i}.log", "--instance", i)
+             for i in "ab"}
+    frozen: str | None = None
+    try:
+        async with System(("verifier", "credit", "batcher"), settings, kw):
+            expected = await seed_groups(kw, 4)  # one batch: r1
+            await _wait_revision(kw, 1)
+            for attempt in range(20):  # a batch at a time, until a freeze lands between checkpoint and commit
+                seen = {p.name for p in tmp_path.glob("*.pt")}
+                before = max(r.revision for r in await _revisions(kw))
+                expected |= await seed_groups(kw, 4, start=100 * (attempt + 1), revision=before)
+                new: Path | None = None
+                for _ in range(5000):
+                    new = next((p for p in tmp_path.glob("*.pt") if p.name not in seen and _CHECKPOINT.search(p.name)
+                                and int(_CHECKPOINT.search(p.name)[1]) > before), None)
+                    if new is not None:
+                        break
+                    await asyncio.sleep(0.002)
+                assert new is not None, "no checkpoint written for the batch"
+                active = max("ab", key=lambda i: (tmp_path / f"trainer-{i}.log").read_text().rfind("took over [0]"))
+                procs[active].send_signal(signal.SIGSTOP)
+                await asyncio.sleep(0.5)
+                if max(r.revision for r in await _revisions(kw)) < int(_CHECKPOINT.search(new.name)[1]):
+                    frozen = active
+                    break
+                procs[active].send_signal(signal.SIGCONT)
+                await _wait_revision(kw, before + 1)
+            assert frozen is not None, "never caught a trainer between its checkpoint and its commit"
+            await _wait_revision(kw, before + 1, timeout_s=120)  # the other took over and trained that batch
+            procs[frozen].send_signal(signal.SIGCONT)  # the zombie wakes: its commit must be fenced
+            expected |= await seed_groups(kw, 4, start=9000, revision=before + 1)
+            await _wait_revision(kw, before + 2, timeout_s=120)  # and training goes on
+            await asyncio.sleep(3)  # time for the woken one to finish, or try to, what it was doing
+    finally:
+        for p in procs.values():
+            p.send_signal(signal.SIGCONT)
+            p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    revs = await _revisions(kw)
+    assert [r.revision for r in revs] == list(range(len(revs)))
+    assert all(r.parent_revision == r.revision - 1 for r in revs[1:])
+    for r in revs:
+        path = Path(r.checkpoint.uri.removeprefix("file://"))
+        assert file_sha256(path) == r.checkpoint.digest, f"r{r.revision}'s checkpoint {path.name} changed"
+    batches = [codec.decode(x.value, TrainerBatch) for x in
+               await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=0.5, timeout_s=10)]
+    assert Counter(x.record_id for b in batches for x in b.records) == Counter(expected)
+    print(f"froze trainer {frozen} after {attempt + 1} tries; revisions={len(revs)}")
