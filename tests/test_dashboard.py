@@ -29,6 +29,7 @@ from streams import topics
 from schemas import codec
 from schemas.policy import PolicyRevision
 from streams import metrics
+from tests._processes import stop
 from tests.test_eos_pipeline import prefix, read_all  # noqa: F401 - fixture
 from tests.test_metrics import free_base, scrape, total
 
@@ -293,10 +294,4 @@ async def test_dashboard_in_chromium_follows_a_running_pipeline(kafka_settings, 
     finally:
         if driver is not None:
             await asyncio.to_thread(driver.quit)
-        for p in procs.values():
-            p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(*procs.values())

@@ -28,6 +28,7 @@ from schemas.events import DeadLetter, TrainerBatch
 from schemas.policy import PolicyRevision
 from streams import topics
 from streams.revisions import publish
+from tests._processes import stop
 from tests.test_eos_pipeline import read_all, seed_groups
 
 pytestmark = pytest.mark.integration
@@ -40,6 +41,15 @@ def _trainer(bootstrap: str, prefix: str, ckdir: Path, log: Path, *args: str) ->
     return subprocess.Popen([sys.executable, "-m", "consumers", "serve", "trainer", "--family", testing.FAMILY,
                              "--checkpoint-dir", str(ckdir), "--lr", "1e-3", *args], cwd=ROOT, env=env,
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+
+
+async def _fresh_run(kw, monkeypatch, tmp_path: Path, tag: str) -> str:
+    """Topics of their own (prefix ``<tag>...``) and revision 0 published; the prefix."""
+    prefix = f"{tag}{uuid.uuid4().hex[:8]}."
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
+    await topics.create_topics(kw)
+    await publish(kw, initial_revision(testing.FAMILY, tmp_path, seed=0))
+    return prefix
 
 
 async def _revisions(kw) -> list[PolicyRevision]:
@@ -57,11 +67,8 @@ async def _wait_revision(kw, at_least: int, timeout_s: float = 90) -> None:
 
 async def test_trainer_sigkilled_and_restarted_trains_every_batch_once(kafka_settings, kafka_bootstrap, monkeypatch,
                                                                          tmp_path):
-    prefix = f"tr{uuid.uuid4().hex[:8]}."
-    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
     kw = kafka_settings.client_kwargs()
-    await topics.create_topics(kw)
-    await publish(kw, initial_revision(testing.FAMILY, tmp_path, seed=0))
+    prefix = await _fresh_run(kw, monkeypatch, tmp_path, "tr")
     settings = ServiceSettings(family=testing.FAMILY, batch_records=16, flush_after_s=2.0)
     trainer = _trainer(kafka_bootstrap, prefix, tmp_path, tmp_path / "trainer.log")
     try:
@@ -87,11 +94,7 @@ async def test_trainer_sigkilled_and_restarted_trains_every_batch_once(kafka_set
                     break
                 await asyncio.sleep(1.0)
     finally:
-        trainer.send_signal(signal.SIGTERM)
-        try:
-            trainer.wait(30)
-        except subprocess.TimeoutExpired:
-            trainer.kill()
+        stop(trainer)
     batches = [codec.decode(r.value, TrainerBatch) for r in batches_raw]
     letters = [codec.decode(r.value, DeadLetter) for r in
                await read_all(kw, topics.DEAD_LETTERS.name, idle_s=0.5, timeout_s=10)]
@@ -141,11 +144,8 @@ async def test_a_frozen_trainer_woken_after_a_take_over_leaves_every_committed_c
     path per revision, the zombie's late write replaced a committed file), and the chain is unbroken."""
     from policy.checkpoint import file_sha256
 
-    prefix = f"tz{uuid.uuid4().hex[:8]}."
-    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
     kw = kafka_settings.client_kwargs()
-    await topics.create_topics(kw)
-    await publish(kw, initial_revision(testing.FAMILY, tmp_path, seed=0))
+    prefix = await _fresh_run(kw, monkeypatch, tmp_path, "tz")
     settings = ServiceSettings(family=testing.FAMILY, batch_records=16, flush_after_s=1.0)
     procs = {i: _trainer(kafka_bootstrap, prefix, tmp_path, tmp_path / f"trainer-{i}.log", "--instance", i)
              for i in "ab"}
@@ -181,14 +181,7 @@ async def test_a_frozen_trainer_woken_after_a_take_over_leaves_every_committed_c
             await _wait_revision(kw, before + 2, timeout_s=120)  # and training goes on
             await asyncio.sleep(3)  # time for the woken one to finish, or try to, what it was doing
     finally:
-        for p in procs.values():
-            p.send_signal(signal.SIGCONT)
-            p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(*procs.values())
     revs = await _revisions(kw)
     assert [r.revision for r in revs] == list(range(len(revs)))
     assert all(r.parent_revision == r.revision - 1 for r in revs[1:])
