@@ -44,14 +44,18 @@ async def test_scoring_longer_than_the_groups_patience_commits_in_pieces_through
     cfg = ServiceSettings(family=testing.FAMILY, batch_records=16, flush_after_s=1.0)
     async with System(THREE, cfg, kw) as first:
         await publish_revision(kw, 0)
+        t0 = asyncio.get_running_loop().time()
         expected = await seed_groups(kw, GROUPS, spec=spec)
         await asyncio.sleep(3.0)  # the first instance is scoring its first fetch: now a second one joins
         async with System(THREE, cfg.model_copy(update={"instance": "-b"}), kw) as second:
             recs = await read_all(kw, topics.TRAINER_BATCHES.name,
                                   until=lambda rs: sum(batch_record_ids(rs).values()) >= len(expected), timeout_s=150)
+            took = asyncio.get_running_loop().time() - t0
             verifiers = [first.processors["verifier"], second.processors["verifier"]]
             fenced = [v.stats.fenced for v in verifiers]
     got = batch_record_ids(recs)
+    print(f"rollouts={len(expected)} lost={len(expected - set(got))} doubled={sum(n > 1 for n in got.values())} "
+          f"fenced={fenced} all_batched_after_s={took:.1f} (scoring alone: {len(expected) * SLOW_S:.0f}s)")
     assert set(got) == expected and max(got.values()) == 1  # nothing lost, nothing doubled
     assert fenced == [0, 0], f"a verifier lost its partitions mid-work and redid it: fenced {fenced}"
     assert await read_all(kw, topics.DEAD_LETTERS.name, idle_s=1.0) == []

@@ -170,12 +170,13 @@ async def test_a_frozen_trainer_woken_after_a_take_over_leaves_every_committed_c
                 procs[active].send_signal(signal.SIGSTOP)
                 await asyncio.sleep(0.5)
                 if max(r.revision for r in await _revisions(kw)) < int(_CHECKPOINT.search(new.name)[1]):
-                    frozen = active
+                    frozen, frozen_at = active, asyncio.get_running_loop().time() - 0.5
                     break
                 procs[active].send_signal(signal.SIGCONT)
                 await _wait_revision(kw, before + 1)
             assert frozen is not None, "never caught a trainer between its checkpoint and its commit"
             await _wait_revision(kw, before + 1, timeout_s=120)  # the other took over and trained that batch
+            taken_over_s = asyncio.get_running_loop().time() - frozen_at
             procs[frozen].send_signal(signal.SIGCONT)  # the zombie wakes: its commit must be fenced
             expected |= await seed_groups(kw, 4, start=9000, revision=before + 1)
             await _wait_revision(kw, before + 2, timeout_s=120)  # and training goes on
@@ -190,5 +191,7 @@ async def test_a_frozen_trainer_woken_after_a_take_over_leaves_every_committed_c
         assert file_sha256(path) == r.checkpoint.digest, f"r{r.revision}'s checkpoint {path.name} changed"
     batches = [codec.decode(x.value, TrainerBatch) for x in
                await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=0.5, timeout_s=10)]
-    assert Counter(x.record_id for b in batches for x in b.records) == Counter(expected)
-    print(f"froze trainer {frozen} after {attempt + 1} tries; revisions={len(revs)}")
+    got = Counter(x.record_id for b in batches for x in b.records)
+    print(f"froze trainer {frozen} after {attempt + 1} tries: records={len(expected)} lost={len(set(expected) - set(got))} "
+          f"doubled={sum(n > 1 for n in got.values())} revisions={len(revs)} next_revision_after_s={taken_over_s:.1f}")
+    assert got == Counter(expected)
