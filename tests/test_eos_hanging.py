@@ -87,33 +87,41 @@ async def _until(cond, timeout_s: float, every_s: float = 0.25) -> bool:
     return await cond()
 
 
-@asynccontextmanager
-async def _verifier_on_a_broker_without_verification(monkeypatch, tmp_path, confirm_s: int):
-    """A broker of its own with ``transaction.partition.verification.enable=false``, fresh topics, revision 0
-    and one verifier (``System``); yields (client kwargs, its processor), 40 rollouts scored and visible."""
-    from streams.config import KafkaSettings
+@pytest.fixture(scope="module")
+def unverified_broker(tmp_path_factory):
+    """One broker for this module with ``transaction.partition.verification.enable=false``; each test has its
+    own topics (prefix)."""
     from streams.local_broker import LocalBroker, free_port
+
+    broker = LocalBroker(state_dir=tmp_path_factory.mktemp("kafka"), port=free_port(), controller_port=free_port(),
+                         overrides={"transaction.partition.verification.enable": "false"})
+    broker.up(180)
+    try:
+        yield broker
+    finally:
+        broker.down()
+
+
+@asynccontextmanager
+async def _verifier_on_a_broker_without_verification(broker, monkeypatch, confirm_s: int):
+    """Fresh topics on ``broker``, revision 0 and one verifier (``System``); yields (client kwargs, its
+    processor), 40 rollouts scored and visible."""
+    from streams.config import KafkaSettings
 
     monkeypatch.delenv("ROLLOUT_BOOTSTRAP_SERVERS", raising=False)
     monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", f"h{uuid.uuid4().hex[:8]}.")
     monkeypatch.setenv("ROLLOUT_CONFIRM_S", str(confirm_s))
-    broker = LocalBroker(state_dir=tmp_path / "kafka", port=free_port(), controller_port=free_port(),
-                         overrides={"transaction.partition.verification.enable": "false"})
-    await asyncio.to_thread(broker.up, 180)
     kw = KafkaSettings().with_bootstrap(broker.bootstrap).client_kwargs()
-    try:
-        await topics.create_topics(kw)
-        await publish_revision(kw, 0)
-        system = System(["verifier"], ServiceSettings(family=testing.FAMILY), kw)
-        await system.__aenter__()
-        proc = system.processors["verifier"]
-        await seed_groups(kw, 10)  # 40 rollouts
-        await _until(lambda: _committed_scores(kw, 40, proc), 30)
-        assert await _visible(kw, "read_committed") == 40
-        yield kw, proc
-        await asyncio.wait_for(system.__aexit__(None, None, None), 30)
-    finally:
-        await asyncio.to_thread(broker.down)
+    await topics.create_topics(kw)
+    await publish_revision(kw, 0)
+    system = System(["verifier"], ServiceSettings(family=testing.FAMILY), kw)
+    await system.__aenter__()
+    proc = system.processors["verifier"]
+    await seed_groups(kw, 10)  # 40 rollouts
+    await _until(lambda: _committed_scores(kw, 40, proc), 30)
+    assert await _visible(kw, "read_committed") == 40
+    yield kw, proc
+    await asyncio.wait_for(system.__aexit__(None, None, None), 30)
 
 
 async def _committed_scores(kw, n: int, proc) -> bool:
@@ -135,8 +143,8 @@ async def _visible_at_least(kw, isolation: str, n: int) -> bool:
     return await _visible(kw, isolation) >= n
 
 
-async def test_hanging_transaction_is_committed_again(monkeypatch, tmp_path):
-    async with _verifier_on_a_broker_without_verification(monkeypatch, tmp_path, confirm_s=8) as (kw, proc):
+async def test_hanging_transaction_is_committed_again(unverified_broker, monkeypatch):
+    async with _verifier_on_a_broker_without_verification(unverified_broker, monkeypatch, confirm_s=8) as (kw, proc):
         await _hang_next_commits(kw, proc, {topics.SCORES.name})
         recommitted_before = proc.stats.recommitted
         # the commits succeeded, yet the new scores are not there for read_committed readers: hanging
@@ -151,7 +159,7 @@ async def test_hanging_transaction_is_committed_again(monkeypatch, tmp_path):
         assert proc.stats.aborted == 0
 
 
-async def test_a_hanging_commit_is_closed_after_the_processor_drops_its_partitions(monkeypatch, tmp_path):
+async def test_a_hanging_commit_is_closed_after_the_processor_drops_its_partitions(unverified_broker, monkeypatch):
     """Issue 24, hole 1: a commit whose scores, snapshots and offsets all hang, then a forced drop (what a failed
     transaction, a fence or a new member id does). The take-over of the instance's own partitions must not wait
     for good on the offsets its hanging commit holds: it commits again first, with a fresh producer of the same
@@ -159,7 +167,8 @@ async def test_a_hanging_commit_is_closed_after_the_processor_drops_its_partitio
     periodic check cannot be what closes it."""
     from streams import group_offsets
 
-    async with _verifier_on_a_broker_without_verification(monkeypatch, tmp_path, confirm_s=300) as (kw, proc):
+    async with _verifier_on_a_broker_without_verification(unverified_broker, monkeypatch, confirm_s=300) as (kw,
+                                                                                                      proc):
         await _hang_next_commits(kw, proc, {topics.SCORES.name, proc.changelog}, group=True)
         assert await _visible(kw, "read_committed") < 80
         inputs = [TopicPartition(t, p) for p in proc.tasks for t in proc.inputs]
