@@ -182,10 +182,14 @@ async def test_a_hanging_commit_is_closed_after_the_processor_drops_its_partitio
         assert await _until(lambda: _owned_again(proc, owned), 60), "the partitions were not taken over again"
         took = asyncio.get_running_loop().time() - t0
         assert await _visible(kw, "read_committed") == 80  # the hanging commit closed, as committed
+        t1 = asyncio.get_running_loop().time()
         await seed_groups(kw, 10, start=20)  # and the instance commits again
         assert await _until(lambda: _visible_at_least(kw, "read_committed", 120), 60)
+        caught_up = asyncio.get_running_loop().time() - t1
         assert await _visible(kw, "read_committed") == 120  # nothing scored twice
-        print(f"owned again after {took:.1f}s; recommitted={proc.stats.recommitted}")
+        print(f"rollouts=120 scores_readable={await _visible(kw, 'read_committed')} stall_s={took:.1f} (forced drop to "
+              f"owned again, the 40 hanging scores readable) catch_up_s={caught_up:.1f} (40 more, seeded then "
+              f"readable) recommitted={proc.stats.recommitted}")
         assert proc.stats.recommitted >= 1
 
 
