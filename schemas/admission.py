@@ -85,15 +85,10 @@ ADMISSION_EVENTS = (AdmissionClaim, AdmissionDone, AdmissionRenew, AdmissionRele
 @dataclass
 class ClaimState:
     claim: AdmissionClaim
-    at: float  # the claim record's log timestamp (seconds)
+    lease_from: float  # the claim record's log timestamp (seconds), moved on by each renewal
     granted: bool
     done: bool = False
     released: str | None = None  # the reason, once released
-    lease_from: float = -1.0  # the claim's or its last renewal's log timestamp
-
-    def __post_init__(self) -> None:
-        if self.lease_from < 0:
-            self.lease_from = self.at
 
     def expired(self, now: float) -> bool:
         return now >= self.lease_from + self.claim.lease_s

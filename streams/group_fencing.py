@@ -133,11 +133,11 @@ def fence_by_group(producer: AIOKafkaProducer, member: Callable[[], GroupMember]
     method on this producer's sender (retries and coordinator lookup stay aiokafka's)."""
     sender, txn = producer._sender, producer._txn_manager
     queue_offsets = txn.add_offsets_to_txn
-    fixed: dict[int, GroupMember] = {}  # id(offsets) -> the member when they were queued
+    queued_by: GroupMember | None = None  # the member when this transaction's offsets were queued
 
     def add_offsets_to_txn(offsets: Any, group_id: str) -> Any:
-        fixed.clear()  # one transaction's offsets at a time
-        fixed[id(offsets)] = member()
+        nonlocal queued_by
+        queued_by = member()
         return queue_offsets(offsets, group_id)
 
     async def _do_txn_offset_commit(self: Any, offsets: Any, group_id: str) -> None:
@@ -148,7 +148,8 @@ def fence_by_group(producer: AIOKafkaProducer, member: Callable[[], GroupMember]
         except Errors.GroupAuthorizationFailedError as exc:
             self._txn_manager.error_transaction(exc)
             return
-        await _Handler(self, offsets, group_id, fixed[id(offsets)]).do(node_id)
+        assert queued_by is not None
+        await _Handler(self, offsets, group_id, queued_by).do(node_id)
 
     txn.add_offsets_to_txn = add_offsets_to_txn
     sender._do_txn_offset_commit = types.MethodType(_do_txn_offset_commit, sender)
