@@ -35,10 +35,11 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _trainer(bootstrap: str, prefix: str, ckdir: Path, log: Path, *args: str) -> subprocess.Popen:
+def _trainer(bootstrap: str, prefix: str, ckdir: Path, log: Path, *args: str,
+             main: tuple[str, str] = ("-m", "consumers")) -> subprocess.Popen:
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix,
            "ROLLOUT_SESSION_TIMEOUT_MS": "6000", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "consumers", "serve", "trainer", "--family", testing.FAMILY,
+    return subprocess.Popen([sys.executable, *main, "serve", "trainer", "--family", testing.FAMILY,
                              "--checkpoint-dir", str(ckdir), "--lr", "1e-3", *args], cwd=ROOT, env=env,
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 
@@ -135,46 +136,66 @@ async def test_trainer_sigkilled_and_restarted_trains_every_batch_once(kafka_set
 _CHECKPOINT = re.compile(r"-r(\d{6})-[0-9a-f]{12}\.pt$")
 
 
+# The trainer with one fault point: right after a checkpoint is written, and before the revision naming it is
+# committed, it stops itself (SIGSTOP) if the flag file exists, removing the flag. A freeze from outside lands in
+# that window only by luck (it is milliseconds wide on a fast machine).
+_FREEZE_AFTER_CHECKPOINT = """
+import os, runpy, signal, sys
+from pathlib import Path
+import policy.checkpoint as checkpoint
+save = checkpoint.save_checkpoint
+def save_then_freeze(*args, **kwargs):
+    ref = save(*args, **kwargs)
+    flag = Path(os.environ["FREEZE_FLAG"])
+    try:
+        flag.unlink()
+    except FileNotFoundError:
+        return ref
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return ref
+checkpoint.save_checkpoint = save_then_freeze
+sys.argv[0] = "consumers"
+runpy.run_module("consumers", run_name="__main__")
+"""
+
+
+def _stopped(proc: subprocess.Popen) -> bool:
+    return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
 async def test_a_frozen_trainer_woken_after_a_take_over_leaves_every_committed_checkpoint_intact(
         kafka_settings, kafka_bootstrap, monkeypatch, tmp_path):
-    """Issue 24, hole 2: two trainer processes share one checkpoint directory. The active one is frozen (SIGSTOP)
-    right after writing a checkpoint whose revision it has not committed (the file is there, the revision is not
-    on the log half a second later), the other takes over and trains on, then the frozen one is woken (SIGCONT):
-    its commit is fenced. Every committed revision's checkpoint must still match its digest (with one reused
-    path per revision, the zombie's late write replaced a committed file), and the chain is unbroken."""
+    """Issue 24, hole 2: two trainer processes share one checkpoint directory. The active one freezes (SIGSTOP)
+    right after writing a checkpoint whose revision it has not committed, the other takes over and trains on,
+    then the frozen one is woken (SIGCONT): its commit is fenced. Every committed revision's checkpoint must still
+    match its digest (with one reused path per revision, the zombie's late write replaced a committed file), and
+    the chain is unbroken."""
     from policy.checkpoint import file_sha256
 
     kw = kafka_settings.client_kwargs()
     prefix = await _fresh_run(kw, monkeypatch, tmp_path, "tz")
     settings = ServiceSettings(family=testing.FAMILY, batch_records=16, flush_after_s=1.0)
-    procs = {i: _trainer(kafka_bootstrap, prefix, tmp_path, tmp_path / f"trainer-{i}.log", "--instance", i)
-             for i in "ab"}
-    frozen: str | None = None
+    flag = tmp_path / "freeze"
+    monkeypatch.setenv("FREEZE_FLAG", str(flag))
+    procs = {i: _trainer(kafka_bootstrap, prefix, tmp_path, tmp_path / f"trainer-{i}.log", "--instance", i,
+                         main=("-c", _FREEZE_AFTER_CHECKPOINT)) for i in "ab"}
     try:
         async with System(("verifier", "credit", "batcher"), settings, kw):
             expected = await seed_groups(kw, 4)  # one batch: r1
             await _wait_revision(kw, 1)
-            for attempt in range(20):  # a batch at a time, until a freeze lands between checkpoint and commit
-                seen = {p.name for p in tmp_path.glob("*.pt")}
-                before = max(r.revision for r in await _revisions(kw))
-                expected |= await seed_groups(kw, 4, start=100 * (attempt + 1), revision=before)
-                new: Path | None = None
-                for _ in range(5000):
-                    new = next((p for p in tmp_path.glob("*.pt") if p.name not in seen and _CHECKPOINT.search(p.name)
-                                and int(_CHECKPOINT.search(p.name)[1]) > before), None)
-                    if new is not None:
-                        break
-                    await asyncio.sleep(0.002)
-                assert new is not None, "no checkpoint written for the batch"
-                active = max("ab", key=lambda i: (tmp_path / f"trainer-{i}.log").read_text().rfind("took over [0]"))
-                procs[active].send_signal(signal.SIGSTOP)
-                await asyncio.sleep(0.5)
-                if max(r.revision for r in await _revisions(kw)) < int(_CHECKPOINT.search(new.name)[1]):
-                    frozen, frozen_at = active, asyncio.get_running_loop().time() - 0.5
+            before = max(r.revision for r in await _revisions(kw))
+            flag.touch()
+            expected |= await seed_groups(kw, 4, start=100, revision=before)
+            for _ in range(600):
+                frozen = next((i for i, p in procs.items() if _stopped(p)), None)
+                if frozen is not None:
                     break
-                procs[active].send_signal(signal.SIGCONT)
-                await _wait_revision(kw, before + 1)
-            assert frozen is not None, "never caught a trainer between its checkpoint and its commit"
+                await asyncio.sleep(0.1)
+            assert frozen is not None, "no trainer froze after its checkpoint"
+            frozen_at = asyncio.get_running_loop().time()
+            await asyncio.sleep(0.5)
+            assert max(r.revision for r in await _revisions(kw)) == before  # its revision is not committed
+            assert any(int(m[1]) == before + 1 for p in tmp_path.glob("*.pt") if (m := _CHECKPOINT.search(p.name)))
             await _wait_revision(kw, before + 1, timeout_s=120)  # the other took over and trained that batch
             taken_over_s = asyncio.get_running_loop().time() - frozen_at
             procs[frozen].send_signal(signal.SIGCONT)  # the zombie wakes: its commit must be fenced
@@ -192,6 +213,6 @@ async def test_a_frozen_trainer_woken_after_a_take_over_leaves_every_committed_c
     batches = [codec.decode(x.value, TrainerBatch) for x in
                await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=0.5, timeout_s=10)]
     got = Counter(x.record_id for b in batches for x in b.records)
-    print(f"froze trainer {frozen} after {attempt + 1} tries: records={len(expected)} lost={len(set(expected) - set(got))} "
+    print(f"froze trainer {frozen}: records={len(expected)} lost={len(set(expected) - set(got))} "
           f"doubled={sum(n > 1 for n in got.values())} revisions={len(revs)} next_revision_after_s={taken_over_s:.1f}")
     assert got == Counter(expected)
