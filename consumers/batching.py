@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 
 from schemas.batch import assemble_batch, staleness, stale_reason
 from schemas.events import TrainerBatch, TrainingRecord
+from schemas.history import HistoryRule
 from schemas.policy import PolicyRevision
 
 T = TypeVar("T")
@@ -45,6 +46,7 @@ class BatchPolicy:
     batch_tokens: int | None = None
     flush_after_s: float = 5.0
     ahead_timeout_s: float = 1800.0
+    history: HistoryRule | None = None  # a derived run: records of the fork's family, bounded through the fork
 
 
 @dataclass
@@ -58,7 +60,7 @@ class Batcher(Generic[T]):
 
     def add(self, record: TrainingRecord, now: float, tag: T = None) -> Refusal[T] | None:
         item = Item(record, now, tag)
-        if record.policy.family != self.policy.family:
+        if record.policy.family != (self.policy.history.fork.family if self.policy.history else self.policy.family):
             self.refused["cross_family"] += 1
             return Refusal(item, "CrossFamilyMixError",
                            f"record {record.record_id} is from family {record.policy.family!r}; this batcher "
@@ -91,11 +93,11 @@ class Batcher(Generic[T]):
         refusals: list[Refusal[T]] = []
         keep: list[Item[T]] = []
         for it in self.items:
-            lag = staleness(it.record, target) if target is not None else None
+            lag = staleness(it.record, target, self.policy.history) if target is not None else None
             if lag is not None and lag > self.policy.max_off_policy_steps:
                 self.refused["stale"] += 1
-                refusals.append(Refusal(it, "StaleRecordError",
-                                        stale_reason(it.record, target, self.policy.max_off_policy_steps) or "stale"))
+                refusals.append(Refusal(it, "StaleRecordError", stale_reason(
+                    it.record, target, self.policy.max_off_policy_steps, self.policy.history) or "stale"))
             elif (lag is None or lag < 0) and now - it.arrived >= self.policy.ahead_timeout_s:
                 self.refused["ahead"] += 1
                 known = f"r{target.revision}" if target is not None else "none"
@@ -108,7 +110,7 @@ class Batcher(Generic[T]):
         self.items = keep
         if target is None:
             return [], refusals
-        eligible = [it for it in self.items if staleness(it.record, target) >= 0]
+        eligible = [it for it in self.items if staleness(it.record, target, self.policy.history) >= 0]
         batches: list[tuple[TrainerBatch, list[Item[T]]]] = []
         while eligible:
             n = self._full(eligible)
@@ -129,7 +131,7 @@ class Batcher(Generic[T]):
 
     def _assemble(self, records: list[TrainingRecord], target: PolicyRevision) -> TrainerBatch:
         return assemble_batch(records, target, self.policy.max_off_policy_steps, run_id=self.run_id,
-                              producer=self.producer, causation_id=records[0].event_id)
+                              producer=self.producer, causation_id=records[0].event_id, history=self.policy.history)
 
     def stats(self) -> dict[str, Any]:
         return {"buffered": len(self.items), "emitted_records": self.emitted_records, "refused": dict(self.refused)}

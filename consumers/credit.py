@@ -20,8 +20,11 @@ import numpy as np
 
 from schemas.events import RolloutScored, TrainingRecord
 
-def record_id(rollout_id: str, step_id: str) -> str:
-    return hashlib.sha256(f"{rollout_id}\x00{step_id}".encode()).hexdigest()[:32]
+def record_id(rollout_id: str, step_id: str, derived_run: str | None = None) -> str:
+    """A derived run's records differ from the source run's own for the same step (both replay into one
+    database), hence its run id in the hash."""
+    key = f"{rollout_id}\x00{step_id}" + (f"\x00{derived_run}" if derived_run else "")
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def records_for(scored: RolloutScored, advantages: Mapping[str, float], credit: str, *, producer: str,
@@ -33,12 +36,13 @@ def records_for(scored: RolloutScored, advantages: Mapping[str, float], credit: 
             continue
         out.append(TrainingRecord(
             run_id=scored.run_id, producer=producer, causation_id=causation_id or scored.event_id,
-            record_id=record_id(scored.rollout_id, st.step_id), rollout_id=scored.rollout_id, step_ids=[st.step_id],
+            record_id=record_id(scored.rollout_id, st.step_id, scored.run_id if scored.source else None),
+            rollout_id=scored.rollout_id, step_ids=[st.step_id],
             member_id=st.member_id, group_id=scored.group_id, environment=scored.environment, policy=st.policy,
             prompt_token_ids=st.prompt_token_ids, completion_token_ids=st.completion_token_ids,
             completion_logprobs=st.completion_logprobs, loss_mask=np.ones(n, dtype=np.uint8),
             reward=float(scored.rewards.get(st.member_id, 0.0)),
-            advantage=float(advantages.get(st.member_id, 0.0)), credit=credit))
+            advantage=float(advantages.get(st.member_id, 0.0)), credit=credit, source=scored.source))
     return out
 
 

@@ -52,7 +52,7 @@ def tune_gc() -> None:
 
 def processor(service: Service, factory: Any, settings: ServiceSettings, client_kwargs: dict[str, Any]
               ) -> TransactionalProcessor:
-    return TransactionalProcessor(service.name, [t.name for t in service.inputs], service.partitions, factory,
+    return TransactionalProcessor(service.name, [settings.reads(t) for t in service.inputs], service.partitions, factory,
                                   client_kwargs, instance=settings.instance, max_process_s=service.max_process_s)
 
 

@@ -21,7 +21,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, ClassVar, Mapping, Sequence
 
+from schemas.envelope import SourceEvent
 from schemas.events import Rollout, RolloutScored, Step, StepTokens
+from schemas.history import Rescore
 from schemas.scoring import SCORING_ARTIFACT, ScoringSpec, WeightedFunc
 
 VERIFIER_VERSION = "1"
@@ -438,11 +440,12 @@ class MonteCarlo(Verifier):
 
 
 async def score(rollout: Rollout, steps: Sequence[Step], *, judge: Judge | None = None,
-                child_outcomes: Sequence[float] | None = None) -> Verdict:
-    """Score a rollout with the spec it carries. Failed rollouts score 0 for every member, without scoring."""
+                child_outcomes: Sequence[float] | None = None, rescore: Rescore | None = None) -> Verdict:
+    """Score a rollout with the spec it carries (a derived run's ``rescore`` replacing parts of it). Failed
+    rollouts score 0 for every member, without scoring."""
     if rollout.status == "failed":
         return Verdict({m: 0.0 for m in rollout.members}, {"failed": 1.0}, "failed")
-    spec = spec_of(rollout)
+    spec = spec_of(rollout) if rescore is None else rescore.apply(spec_of(rollout))
     v = verifier_of(spec)
     v.check(spec)
     if v.needs_children and child_outcomes is None:
@@ -459,13 +462,17 @@ def trainable_steps(steps: Sequence[Step]) -> list[StepTokens]:
 
 
 def to_scored(rollout: Rollout, steps: Sequence[Step], verdict: Verdict, *, producer: str,
-              causation_id: str | None = None) -> RolloutScored:
+              causation_id: str | None = None, derived: tuple[str, SourceEvent, Rescore | None] | None = None
+              ) -> RolloutScored:
+    """``derived``: a derived run's (own run id, the source Rollout's place on the log, its re-scoring)."""
+    run_id, source, rescore = derived if derived is not None else (rollout.run_id, None, None)
     return RolloutScored(
-        run_id=rollout.run_id, producer=producer, causation_id=causation_id or rollout.event_id,
+        run_id=run_id, producer=producer, source=source, causation_id=causation_id or rollout.event_id,
         rollout_id=rollout.rollout_id, group_id=rollout.group_id, root_group_id=rollout.root_group_id,
         group_size=rollout.group_size, environment=rollout.environment, example_id=rollout.example_id,
         parent_rollout_id=rollout.parent_rollout_id, status=rollout.status, rewards=verdict.rewards,
-        metrics=verdict.metrics, verifier=verdict.verifier or "verifier", verifier_version=VERIFIER_VERSION,
+        metrics=verdict.metrics, verifier=verdict.verifier or "verifier",
+        verifier_version=VERIFIER_VERSION + (f"+{rescore.version()}" if rescore is not None else ""),
         trainable_steps=trainable_steps(steps) if rollout.status != "failed" else [], evaluation=rollout.evaluation)
 
 

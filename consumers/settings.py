@@ -15,8 +15,10 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from schemas.history import Derivation
 from schemas.plan import DEFAULT_BATCH_SIZE, DEFAULT_MAX_OFF_POLICY_STEPS, GenerationPlan
 from schemas.policy import TINY_FAMILY
+from streams import topics
 
 
 class PlanRefused(Exception):
@@ -56,6 +58,15 @@ class ServiceSettings(BaseSettings):
     served_model: str | None = Field(None, description="trainer: the weights standing for the family, stamped on "
                                                        "every revision (the plan's served_model)")
     epochs: int = Field(1, ge=1, description="trainer: optimizer passes over each batch (PPO epochs)")
+    derivation: Derivation | None = Field(None, description="a derived run (rollout derive): the source run whose "
+                                          "Steps and Rollouts it reads, its range, re-scoring and fork revision")
+
+    def reads(self, topic: topics.Topic) -> str:
+        """The name a service reads ``topic`` under: a derived run reads what arenas wrote from its source run's
+        topics (it never writes there), everything else under its own prefix."""
+        if self.derivation is not None and topic in topics.ARENA_WRITES:
+            return self.derivation.source_prefix + topic.key
+        return topic.name
 
     @property
     def strategy_params(self) -> dict[str, Any]:
@@ -101,7 +112,7 @@ def build(flags: dict[str, Any] | None = None, plan: GenerationPlan | None = Non
 
 
 # -- flags -------------------------------------------------------------------------------------------------
-_NOT_FLAGS = {"credit_params", "judge_targets"}  # structured: from the plan only
+_NOT_FLAGS = {"credit_params", "judge_targets", "derivation"}  # structured: from the plan only
 
 
 def add_flags(p: argparse.ArgumentParser, fields: tuple[str, ...]) -> None:

@@ -11,7 +11,9 @@ import json
 import time
 from typing import Any
 
-async def service_lag(client_kwargs: dict[str, Any], *, sample_s: float = 1.0) -> list[dict[str, Any]]:
+async def service_lag(client_kwargs: dict[str, Any], *, sample_s: float = 1.0, settings: Any = None
+                      ) -> list[dict[str, Any]]:
+    """``settings`` (``ServiceSettings``): where the services read their inputs (a derived run: its source's)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
     from aiokafka.admin import AIOKafkaAdminClient
 
@@ -29,8 +31,9 @@ async def service_lag(client_kwargs: dict[str, Any], *, sample_s: float = 1.0) -
             out = {}
             for svc, service in SERVICES.items():
                 group = service.group_id
-                tps = [TopicPartition(t.name, p) for t in service.inputs for p in range(t.partitions)
-                       if t.name in existing]
+                names = [settings.reads(t) if settings is not None else t.name for t in service.inputs]
+                tps = [TopicPartition(n, p) for n, t in zip(names, service.inputs) for p in range(t.partitions)
+                       if n in existing]
                 if not tps:
                     continue
                 ends = await cons.end_offsets(tps)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from schemas.events import TrainerBatch
+from schemas.history import DEFAULT_CLIP
 from schemas.policy import CheckpointRef, PolicyRevision
 
 log = logging.getLogger("rollout.trainer")
@@ -178,7 +179,7 @@ class ReferenceTrainer:
     """Clipped policy gradient (PPO/GRPO objective, token-mean over the loss mask) on the checkpoint's model."""
 
     def __init__(self, model: Any, family: str, revision: int, checkpoint_dir: str | Path, *, lr: float = 1e-3,
-                 clip: float = 0.2, max_grad_norm: float = 1.0, epochs: int = 1,
+                 clip: float = DEFAULT_CLIP, max_grad_norm: float = 1.0, epochs: int = 1,
                  kind: type[TinyPolicy] | type[HFPolicy] = TinyPolicy, keep_revisions: int = 3,
                  keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None) -> None:
         self.model = model

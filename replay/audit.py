@@ -48,6 +48,7 @@ import pyarrow as pa
 from replay.tables import open_read_only
 from schemas.digests import batch_digest, lineage_digest, record_digest
 from schemas.events import TrainingRecord
+from schemas.history import HistoryRule, history_lag
 from schemas.policy import PolicyRef
 
 VIOLATIONS = ("record_digest", "record_conflict", "batch_digest", "lineage_digest", "batch_sources", "record_mismatch",
@@ -160,12 +161,17 @@ def replayed_records(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[TrainingR
             yield rec, py["record_digest"][i], py["_partition"][i], py["_offset"][i]
 
 
-def _stale(fam: str, rev: int, target_fam: str, target_rev: int, bound: int) -> str | None:
-    if fam != target_fam:
+def _stale(fam: str, rev: int, target_fam: str, target_rev: int, bound: int, history: HistoryRule | None
+           ) -> str | None:
+    """The batcher's rule (``schemas.batch.stale_reason``), on replayed values; ``history``: a derived run's."""
+    derived = history is not None and fam == history.fork.family and fam != target_fam
+    if fam != target_fam and not derived:
         return f"from family {fam!r}, target is {target_fam!r}"
-    lag = target_rev - rev
+    lag = history_lag(PolicyRef(family=fam, revision=rev), PolicyRef(family=target_fam, revision=target_rev),
+                      history) if derived else target_rev - rev
     if lag > bound:
-        return f"from r{rev} is {lag} revisions behind target r{target_rev} (max_off_policy_steps={bound})"
+        return (f"from r{rev} is {lag} revisions behind target r{target_rev}"
+                f"{' through the fork ' + str(history.fork) if derived else ''} (max_off_policy_steps={bound})")
     if lag < 0:
         return f"from r{rev} is ahead of target r{target_rev}"
     return None
@@ -200,7 +206,8 @@ def audit(con: duckdb.DuckDBPyConnection) -> AuditReport:
     # -- batches: digests from embedded records and from replayed records, lineage, off-policy bound
     batches = con.execute(
         "SELECT batch_id, _offset, family, target_revision, target_checkpoint_digest, max_off_policy_steps, "
-        "batch_digest, lineage_digest FROM trainer_batches ORDER BY _partition, _offset").fetchall()
+        "batch_digest, lineage_digest, history_source_run_id, history_fork_family, history_fork_revision "
+        "FROM trainer_batches ORDER BY _partition, _offset").fetchall()
     embedded: dict[tuple[str, int], list[tuple]] = defaultdict(list)
     for r in con.execute("SELECT batch_id, batch_offset, record_id, record_digest, policy_family, policy_revision, "
                          "policy_checkpoint_digest FROM batch_records ORDER BY batch_offset, position").fetchall():
@@ -211,8 +218,10 @@ def audit(con: duckdb.DuckDBPyConnection) -> AuditReport:
         declared[(r[0], r[1])][(r[2], r[3], r[4])] += r[5]
     seen_batches: dict[str, str] = {}
     n_bound = 0
-    for batch_id, offset, family, target_rev, target_ckpt, bound, b_digest, l_digest in batches:
+    for batch_id, offset, family, target_rev, target_ckpt, bound, b_digest, l_digest, *hist in batches:
         target = PolicyRef.model_construct(family=family, revision=int(target_rev), checkpoint_digest=target_ckpt)
+        history = HistoryRule(source_run_id=hist[0], fork=PolicyRef(family=hist[1], revision=hist[2])) \
+            if hist[0] is not None else None
         if batch_id in seen_batches and seen_batches[batch_id] != b_digest:
             report.add("batch_conflict", batch_id, f"batch {batch_id} appears again (offset {offset}) with another digest")
         seen_batches.setdefault(batch_id, b_digest)
@@ -263,7 +272,7 @@ def audit(con: duckdb.DuckDBPyConnection) -> AuditReport:
             n_bound += 1
             revs = {(fam, rev)} | {(v[1], v[2]) for v in records.get(record_id, ())}
             for f, r in sorted(revs):
-                why = _stale(f, r, family, target_rev, bound)
+                why = _stale(f, r, family, target_rev, bound, history)
                 if why:
                     report.add("off_policy", batch_id, f"batch {batch_id} (target r{target_rev}): record {record_id} {why}")
     report.checked["batch_digests"] = len(batches)
@@ -353,15 +362,21 @@ def _revision_chain(con: duckdb.DuckDBPyConnection, report: AuditReport) -> None
             "SELECT family, revision, list(DISTINCT batch_id) FROM policy_revisions WHERE batch_id IS NOT NULL "
             "GROUP BY ALL HAVING count(DISTINCT batch_id) > 1").fetchall():
         report.add("revision_chain", f"{fam}@r{rev}", f"revision {fam}@r{rev} published naming different batches {batches}")
+    # a derived run's chain starts at its fork: the source revision whose checkpoint it holds (rollout derive)
+    forks = {fam: (rev, ffam, frev, fdigest, digest) for fam, rev, ffam, frev, fdigest, digest in con.execute(
+        "SELECT family, revision, fork_family, fork_revision, fork_checkpoint_digest, checkpoint_digest "
+        "FROM policy_revisions WHERE fork_family IS NOT NULL").fetchall()}
     links = 0
     for fam, revs in sorted(chains.items()):
         latest = max(revs)
-        if latest > 0 and all(revs[n][3] is None for n in revs if n > 0):
+        start, fork_family = (forks[fam][0], forks[fam][1]) if fam in forks else (0, None)
+        if latest > start and all(revs[n][3] is None for n in revs if n > start):
             report.add("unnamed_batches", fam, f"{fam}: revisions r1..r{latest} name no batch (published before "
                        "revisions named their batches): the chain stops at the batches")
             continue
         trained_by: dict[str, list[int]] = defaultdict(list)
-        for n in range(latest, 0, -1):
+        generating = chains.get(fork_family, {}) if fork_family else revs
+        for n in range(latest, start, -1):
             subject = f"{fam}@r{n}"
             if n not in revs:
                 report.add("revision_chain", subject, f"revision {subject} is not on the log: the chain from r{latest} "
@@ -387,8 +402,8 @@ def _revision_chain(con: duckdb.DuckDBPyConnection, report: AuditReport) -> None
             if not records or not rollouts:
                 report.add("revision_chain", subject, f"batch {batch_id} of revision {subject} leads to {records} "
                            f"records and {rollouts} rollouts on the log")
-            unknown = [g for g in generated if g not in revs]
-            late = [g for g in generated if g >= n]
+            unknown = [g for g in generated if g not in generating]
+            late = [g for g in generated if g >= n and fork_family is None]  # history: other weights, any age
             if unknown or late:
                 report.add("revision_chain", subject, f"batch {batch_id} of revision {subject} holds tokens generated "
                            f"by revisions {sorted(set(unknown) | set(late))}, "
@@ -397,8 +412,20 @@ def _revision_chain(con: duckdb.DuckDBPyConnection, report: AuditReport) -> None
             if len(ns) > 1:
                 report.add("revision_chain", batch_id, f"batch {batch_id} is named by revisions {sorted(ns)}: one "
                            "batch, one optimizer step")
-        if 0 not in revs:
-            report.add("revision_chain", f"{fam}@r0", f"revision {fam}@r0, where the chain starts, is not on the log")
+        if start not in revs:
+            report.add("revision_chain", f"{fam}@r{start}", f"revision {fam}@r{start}, where the chain starts, is "
+                       "not on the log")
+        elif fork_family is not None:  # and on, into the source run's chain
+            _, ffam, frev, fdigest, digest = forks[fam]
+            published = con.execute("SELECT checkpoint_digest FROM policy_revisions WHERE family = ? AND revision = ? "
+                                    "LIMIT 1", [ffam, frev]).fetchone()
+            if published is None:
+                report.add("revision_chain", f"{fam}@r{start}", f"revision {fam}@r{start} forks from {ffam}@r{frev}, "
+                           "which is not on the log (replay the derived run: its source run comes with it)")
+            elif not fdigest == digest == published[0]:
+                report.add("revision_chain", f"{fam}@r{start}", f"revision {fam}@r{start} holds checkpoint "
+                           f"{(digest or 'none')[:12]}, its fork {ffam}@r{frev} was published with "
+                           f"{(published[0] or 'none')[:12]}")
     report.checked["chain_links"] = links
 
 

@@ -97,6 +97,16 @@ def _policy(refs: Sequence[Any], prefix: str = "policy") -> dict[str, Any]:
     }
 
 
+def _source(sources: Sequence[Any]) -> dict[str, Any]:
+    return {
+        "source_run_id": [s.run_id if s is not None else None for s in sources],
+        "source_topic": [s.topic if s is not None else None for s in sources],
+        "source_partition": pa.array([s.partition if s is not None else None for s in sources], type=T.I32),
+        "source_offset": pa.array([s.offset if s is not None else None for s in sources], type=T.I64),
+        "source_digest": [s.digest if s is not None else None for s in sources],
+    }
+
+
 def _table(table: T.Table, cols: dict[str, Any]) -> pa.Table:
     return pa.Table.from_pydict(cols, schema=table.schema)
 
@@ -107,6 +117,7 @@ def policy_revisions(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, 
         "checkpoint_digest": [e.checkpoint.digest if e.checkpoint else None for e in events],
         "metrics": [list(e.metrics.items()) for e in events],
         **{name: [e.metrics.get(name) for e in events] for name in T.REVISION_METRIC_COLUMNS},
+        **_policy([e.fork for e in events], "fork"), **_source([e.source for e in events]),
     } | _kafka(metas)
     return {"policy_revisions": _table(T.POLICY_REVISIONS, cols)}
 
@@ -150,6 +161,7 @@ def scores(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
         "rewards": [list(e.rewards.items()) for e in events],
         "metrics": [list(e.metrics.items()) for e in events],
         "trainable_step_ids": _str_lists([[s.step_id for s in e.trainable_steps] for e in events]),
+        **_source([e.source for e in events]),
     } | _kafka(metas)
     rewards = [(e.event_id, e.rollout_id, m, r) for e in events for m, r in e.rewards.items()]
     long = dict(zip(("score_event_id", "rollout_id", "member_id", "reward"), map(list, zip(*rewards)))) if rewards else {
@@ -171,6 +183,7 @@ def training_records(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, 
         "n_completion_tokens": pa.array([a.shape[0] for a in completion_ids], type=T.I32),
         "n_trained_tokens": pa.array([int(np.count_nonzero(m)) for m in masks], type=T.I32),
         "record_digest": [record_digest(e) for e in events],
+        **_source([e.source for e in events]),
     } | _kafka(metas)
     return {"training_records": _table(T.TRAINING_RECORDS, cols)}
 
@@ -188,6 +201,12 @@ def trainer_batches(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, p
         "advantage_mean": [e.advantage.mean for e in events],
         "advantage_std": [e.advantage.std for e in events],
         "proof_refs": _str_lists([e.proof_refs for e in events]),
+        "history_source_run_id": [e.history.source_run_id if e.history else None for e in events],
+        "history_fork_family": [e.history.fork.family if e.history else None for e in events],
+        "history_fork_revision": pa.array([e.history.fork.revision if e.history else None for e in events],
+                                          type=T.I64),
+        "history_importance": [e.history.importance if e.history else None for e in events],
+        "history_clip": [e.history.clip if e.history else None for e in events],
     } | _kafka(metas)
     recs = [(e, m, i, r) for e, m in zip(events, metas) for i, r in enumerate(e.records)]
     records = {

@@ -114,6 +114,34 @@ def topics_for(prefix: str) -> dict[str, str]:
     return {key: prefix + key for key in topics.TOPICS}
 
 
+async def sources_of(consumer: Any, run_id: str, prefix: str) -> list[tuple[str, str]]:
+    """(run id, topic prefix) of the run and of every run it derives from (``rollout derive``), whose events
+    its lineage walks back into: a derived run's fork revision names the source revision it started from."""
+    from schemas import codec
+    from schemas.policy import PolicyRevision
+    from streams import topics
+
+    out = [(run_id, prefix)]
+    while True:
+        run, at = out[-1]
+        tps = await _assign(consumer, [at + topics.POLICY_REVISIONS.key])
+        fork = None
+        if tps:
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            end = await consumer.end_offsets(tps)
+            idle = 0  # a trailing transaction marker can keep the position short of the end
+            while fork is None and idle < 2 and any([await consumer.position(tp) < end[tp] for tp in tps]):
+                got = await consumer.getmany(*tps, timeout_ms=500)
+                idle = 0 if got else idle + 1
+                for rec in (r for recs in got.values() for r in recs):
+                    if fork is None and dict(rec.headers).get("run_id") == run.encode():
+                        fork = codec.decode(rec.value, PolicyRevision).source
+        if fork is None or any(r == fork.run_id for r, _ in out):
+            return out
+        out.append((fork.run_id, fork.topic.removesuffix(topics.POLICY_REVISIONS.key)))
+
+
 def default_topics() -> dict[str, str]:
     """topic key -> topic name under the current ROLLOUT_TOPIC_PREFIX (streams.topics' default when unset)."""
     from streams import topics
@@ -389,8 +417,6 @@ class Replayer:
 
         t0 = time.perf_counter()
         run_id, prefix = await self._resolve_run(con)
-        topic_names = topics_for(prefix)
-        run_b = run_id.encode()
         if self.until and self.until.timestamp_ms is not None:
             newest = _max_ts_ms(con)
             if newest is not None and newest > self.until.timestamp_ms:
@@ -400,6 +426,13 @@ class Replayer:
         tm = result.timings
         consumer = AIOKafkaConsumer(**consumer_kwargs(self.settings))
         await consumer.start()
+        try:  # the run's topics, and those of the runs it derives from, each read for its own run's events
+            runs = await sources_of(consumer, run_id, prefix)
+        except BaseException:
+            await consumer.stop()
+            raise
+        accept = {name: (r, r.encode()) for r, p in runs for name in topics_for(p).values()}
+        topic_names = list(accept)
         # DuckDB inserts run on one writer thread (DuckDB releases the GIL), one flush at a time and in order,
         # while this loop fetches, decodes and builds the Arrow tables of the next flush (building on the
         # writer thread left this loop waiting for it: 0.41 s of a 1.36 s replay, benchmarks/RESULTS.md).
@@ -412,10 +445,10 @@ class Replayer:
         if self.writer_thread:
             sys.setswitchinterval(WRITER_SWITCH_INTERVAL_S)
         try:
-            tps = await _assign(consumer, topic_names.values())
+            tps = await _assign(consumer, topic_names)
             result.partitions = len(tps)
             if not tps:
-                raise ReplayError(f"none of the topics {sorted(topic_names.values())} exists")
+                raise ReplayError(f"none of the topics {sorted(topic_names)} exists")
             stored = stored_offsets(con)
             consumer.assign(tps)  # before the offset lookups: they need the topics in the client's metadata
             begin = await consumer.beginning_offsets(tps)
@@ -426,7 +459,7 @@ class Replayer:
                 unknown = sorted(f"{t}:{p}" for t, p in self.until.offsets if (t, p) not in by_name)
                 if unknown:
                     raise ReplayError(f"--until names partitions that are not part of the run's topics: "
-                                      f"{', '.join(unknown)} (topics: {', '.join(sorted(topic_names.values()))})")
+                                      f"{', '.join(unknown)} (topics: {', '.join(sorted(topic_names))})")
                 for key, off in self.until.offsets.items():
                     end[by_name[key]] = min(end[by_name[key]], off)
             next_off: dict[Any, int] = {}
@@ -485,6 +518,7 @@ class Replayer:
                         continue
                     stop = end[tp]
                     topic, partition = tp.topic, tp.partition
+                    want, want_b = accept[topic]
                     for r in records:
                         off = r.offset
                         if off >= stop:
@@ -500,7 +534,7 @@ class Replayer:
                             if k == "run_id":
                                 hrun = v
                                 break
-                        if hrun is not None and hrun != run_b:
+                        if hrun is not None and hrun != want_b:
                             result.other_runs += 1
                             continue
                         value = r.value
@@ -511,12 +545,12 @@ class Replayer:
                             if value is None:
                                 raise EventDecodeError("message has no value (a tombstone?)")
                             event = decode(value)
-                            if event.run_id != run_id:
+                            if event.run_id != want:
                                 if hrun is None:  # no header: the envelope decides
                                     buf.count -= 1
                                     result.other_runs += 1
                                     continue
-                                raise EventDecodeError(f"header run_id {run_id!r} but envelope run_id {event.run_id!r}")
+                                raise EventDecodeError(f"header run_id {want!r} but envelope run_id {event.run_id!r}")
                         except EventDecodeError as exc:
                             buf.bad.append(C.BadMessage(meta, r.key, value, headers, f"{type(exc).__name__}: {exc}"))
                             continue

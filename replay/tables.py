@@ -44,6 +44,13 @@ def policy_fields(prefix: str = "policy") -> list[pa.Field]:
             pa.field(f"{prefix}_checkpoint_digest", STR)]
 
 
+def source_fields() -> list[pa.Field]:
+    """A derived run's event: the source run's event it was computed from (``schemas.envelope.SourceEvent``)."""
+    return [column("source_run_id", STR, "NULL"), column("source_topic", STR, "NULL"),
+            column("source_partition", I32, "NULL"), column("source_offset", I64, "NULL"),
+            column("source_digest", STR, "NULL")]
+
+
 @dataclass(frozen=True)
 class Table:
     name: str
@@ -64,8 +71,11 @@ POLICY_REVISIONS = _table("policy_revisions", [
     column("batch_id", STR, "NULL"), column("batch_digest", STR, "NULL"),
     column("metrics", pa.map_(STR, F64), "NULL"),
     *(column(name, F64, "NULL") for name in REVISION_METRIC_COLUMNS),
+    column("fork_family", STR, "NULL"), column("fork_revision", I64, "NULL"),
+    column("fork_checkpoint_digest", STR, "NULL"), *source_fields(),
 ], "PolicyRevision events: which weights exist (family, revision, checkpoint) and the trainer's statistics "
-   "for the step that made them (metrics; mismatch_* copied out of it)")
+   "for the step that made them (metrics; mismatch_* copied out of it); a derived run's first revision names "
+   "the source revision it forked from (fork_*, source_*)")
 
 STEPS = _table("steps", [
     pa.field("step_id", STR), pa.field("rollout_id", STR), pa.field("root_group_id", STR),
@@ -94,8 +104,9 @@ SCORES = _table("scores", [
     pa.field("parent_rollout_id", STR), pa.field("status", STR),
     pa.field("rewards", pa.map_(STR, F64)), pa.field("metrics", pa.map_(STR, F64)),
     pa.field("verifier", STR), pa.field("verifier_version", STR),
-    pa.field("trainable_step_ids", STR_LIST), column("evaluation", pa.bool_(), "false"),
-], "RolloutScored events: the verifier's rewards (member -> reward) and metrics per rollout")
+    pa.field("trainable_step_ids", STR_LIST), column("evaluation", pa.bool_(), "false"), *source_fields(),
+], "RolloutScored events: the verifier's rewards (member -> reward) and metrics per rollout; a derived run's "
+   "name the source run's Rollout they re-scored (source_*)")
 
 SCORE_REWARDS = _table("score_rewards", [
     pa.field("score_event_id", STR), pa.field("rollout_id", STR), pa.field("member_id", STR),
@@ -109,8 +120,9 @@ TRAINING_RECORDS = _table("training_records", [
     pa.field("completion_logprobs", pa.list_(pa.float32())), pa.field("loss_mask", pa.list_(pa.uint8())),
     pa.field("n_completion_tokens", I32), pa.field("n_trained_tokens", I32),
     pa.field("reward", F64), pa.field("advantage", F64), pa.field("credit", STR),
-    pa.field("record_digest", STR),
-], "TrainingRecord events; record_digest is schemas.digests.record_digest of the event as read")
+    pa.field("record_digest", STR), *source_fields(),
+], "TrainingRecord events; record_digest is schemas.digests.record_digest of the event as read; a derived "
+   "run's name the source run's Rollout their tokens come from (source_*)")
 
 TRAINER_BATCHES = _table("trainer_batches", [
     pa.field("batch_id", STR), pa.field("family", STR), pa.field("target_revision", I64),
@@ -119,7 +131,10 @@ TRAINER_BATCHES = _table("trainer_batches", [
     pa.field("advantage_mean", F64), pa.field("advantage_std", F64),
     pa.field("completion_tokens", I64), pa.field("proof_refs", STR_LIST),
     pa.field("batch_digest", STR), pa.field("lineage_digest", STR),
-], "TrainerBatch events (their records are in batch_records, their source revisions in batch_sources)")
+    column("history_source_run_id", STR, "NULL"), column("history_fork_family", STR, "NULL"),
+    column("history_fork_revision", I64, "NULL"), column("history_importance", STR, "NULL"),
+    column("history_clip", F64, "NULL"),
+], "TrainerBatch events (a derived run's: the history rule, history_*) (their records are in batch_records, their source revisions in batch_sources)")
 
 BATCH_RECORDS = _table("batch_records", [
     pa.field("batch_id", STR), pa.field("batch_offset", I64), pa.field("position", I32),

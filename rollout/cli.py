@@ -23,6 +23,7 @@ SUBCOMMANDS: list[str] = [
     "rollout.arena_cmd",  # rollout arena PLAN (producers: episodes -> Steps/Rollouts on Kafka)
     "rollout.serve_cmd",  # rollout serve policy|vllm|<service> (services: consumers.registry)
     "rollout.replay_cmd",  # rollout runs|replay|audit|sql|export|report: a run from the log in DuckDB
+    "rollout.derive_cmd",  # rollout derive RUN: re-score, re-credit, re-train a past run's rollouts as a new run
     "rollout.dashboard",  # rollout dashboard: a live web page of a run, following the log
     "rollout.plan_cmd",  # rollout plan FILE [--json]: the compiled GenerationPlan
     "rollout.model_cmd",  # rollout model prepare|info: the packaged model (SmolLM2-135M-Instruct)

@@ -10,22 +10,31 @@ import numpy as np
 from schemas.digests import batch_digest, lineage_digest, record_digest
 from schemas.errors import CrossFamilyMixError, EmptyBatchError, StaleRecordError
 from schemas.events import Aggregates, RevisionCount, TrainerBatch, TrainingRecord
+from schemas.history import HistoryRule, history_lag
 from schemas.policy import PolicyRef, PolicyRevision
 
 
-def staleness(record: TrainingRecord, target: PolicyRef | PolicyRevision) -> int:
-    """How many revisions the record's source is behind the target (negative: ahead of it)."""
+def staleness(record: TrainingRecord, target: PolicyRef | PolicyRevision, history: HistoryRule | None = None) -> int:
+    """How many revisions the record's source is behind the target (negative: ahead of it); for a derived run's
+    record of the source family, the optimizer steps between them through the fork (``history_lag``)."""
+    if history is not None and record.policy.family != target.family:
+        lag = history_lag(record.policy, target, history)
+        if lag is not None:
+            return lag
     return target.revision - record.policy.revision
 
 
-def stale_reason(record: TrainingRecord, target: PolicyRef | PolicyRevision, max_off_policy_steps: int) -> str | None:
+def stale_reason(record: TrainingRecord, target: PolicyRef | PolicyRevision, max_off_policy_steps: int,
+                 history: HistoryRule | None = None) -> str | None:
     """Why a record may not train ``target``, or None if it may."""
-    if record.policy.family != target.family:
+    if record.policy.family != target.family and (history is None or record.policy.family != history.fork.family):
         return f"record {record.record_id} is from family {record.policy.family!r}, target is {target.family!r}"
-    lag = staleness(record, target)
+    lag = staleness(record, target, history)
     if lag > max_off_policy_steps:
+        via = f" through the fork {history.fork}" if history is not None and record.policy.family != target.family \
+            else ""
         return (f"record {record.record_id} from r{record.policy.revision} is {lag} revisions behind "
-                f"target r{target.revision} (max_off_policy_steps={max_off_policy_steps})")
+                f"target r{target.revision}{via} (max_off_policy_steps={max_off_policy_steps})")
     if lag < 0:
         return f"record {record.record_id} from r{record.policy.revision} is ahead of target r{target.revision}"
     return None
@@ -37,22 +46,24 @@ def _aggregate(values: np.ndarray) -> Aggregates:
 
 
 def assemble_batch(records: Sequence[TrainingRecord], target: PolicyRevision, max_off_policy_steps: int,
-                   *, run_id: str, producer: str, causation_id: str | None = None) -> TrainerBatch:
+                   *, run_id: str, producer: str, causation_id: str | None = None,
+                   history: HistoryRule | None = None) -> TrainerBatch:
     """Build the batch for ``target`` from already-admitted records.
 
     Refuses (raises) an empty batch, a target without checkpoint, a cross-family mix, any
     record outside the off-policy bound and a record offered twice. Records are ordered by
     ``record_id`` and the batch id derives from the digest, so the same records always give
-    the same batch, whatever order they arrived in.
+    the same batch, whatever order they arrived in. ``history``: a derived run's batch, whose records are of
+    the fork's family and bounded by ``history_lag``.
     """
     if not records:
         raise EmptyBatchError(f"refusing an empty batch for {target.family}@r{target.revision}")
     target.require_checkpoint()
     families = {r.policy.family for r in records}
-    if families != {target.family}:
+    if families != {target.family if history is None else history.fork.family}:
         raise CrossFamilyMixError(f"refusing to mix families {sorted(families | {target.family})} in one batch")
     for record in records:
-        reason = stale_reason(record, target, max_off_policy_steps)
+        reason = stale_reason(record, target, max_off_policy_steps, history)
         if reason:
             raise StaleRecordError(reason)
     ordered = sorted(records, key=lambda r: r.record_id)
@@ -76,6 +87,7 @@ def assemble_batch(records: Sequence[TrainingRecord], target: PolicyRevision, ma
         proof_refs=sorted({r.rollout_id for r in ordered}),
         batch_digest=b_digest,
         lineage_digest=lineage_digest(target.family, target_ref, sources),
+        history=history,
     )
 
 

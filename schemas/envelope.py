@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from datetime import UTC, datetime
@@ -88,3 +89,19 @@ class Event(Record):
             elif got != want:
                 raise ValueError(f"{type(self).__name__}.{name} is {got!r}, expected {want!r}")
         return self
+
+
+class SourceEvent(Record):
+    """An event of another run that a derived event was computed from (``schemas.history``): where it sits on
+    the log, and its bytes' digest."""
+
+    run_id: str = Field(min_length=1)
+    topic: str = Field(min_length=1, description="the full topic name, source prefix included")
+    partition: int = Field(ge=0)
+    offset: int = Field(ge=0)
+    digest: str = Field(description="sha256 of the record's value bytes as they sit on the log")
+
+    @classmethod
+    def of(cls, run_id: str, topic: str, partition: int, offset: int, value: bytes) -> SourceEvent:
+        return cls(run_id=run_id, topic=topic, partition=partition, offset=offset,
+                   digest=hashlib.sha256(value).hexdigest())

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from schemas.envelope import Event, Record
+from schemas.envelope import Event, Record, SourceEvent
 from schemas.errors import MissingCheckpointError
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -80,6 +80,10 @@ class PolicyRevision(Event):
     served_model: str | None = Field(default=None, description=(
         "the weights that stand for this family when its own model cannot be served here (e.g. the packaged "
         "SmolLM2 in place of a recipe's model), or a local folder they were loaded from; None: the family's own"))
+    fork: PolicyRef | None = Field(default=None, description=(
+        "a derived run's first revision (schemas.history): the source run's revision whose checkpoint it holds; "
+        "its chain continues from there"))
+    source: SourceEvent | None = Field(default=None, description="the fork's own event on the source run's log")
     metrics: dict[str, float] = Field(default_factory=dict, description=(
         "the training step that made this revision: loss, clip fraction, step seconds, and the trainer-inference "
         "logprob mismatch (mean/max |logprob(trainer) - logprob(inference)| over the batch's tokens, each "

@@ -81,16 +81,20 @@ class RevisionFollower:
 
     async def poll(self, timeout_ms: int = POLL_MS) -> tuple[list[PolicyRevision], bool]:
         """The next revisions in log order, and whether any record at all arrived (a skipped one counts)."""
+        pairs, arrived = await self._poll(timeout_ms)
+        return [rev for _, rev in pairs], arrived
+
+    async def _poll(self, timeout_ms: int) -> tuple[list[tuple[Any, PolicyRevision]], bool]:
         got = await self._consumer.getmany(timeout_ms=timeout_ms)
-        revs = []
+        pairs = []
         for rec in (r for recs in got.values() for r in recs):
             try:
                 rev = from_message(rec.value, PolicyRevision)
             except EventDecodeError:
                 continue
             if self.family is None or rev.family == self.family:
-                revs.append(rev)
-        return revs, bool(got)
+                pairs.append((rec, rev))
+        return pairs, bool(got)
 
     async def follow(self, on_revision: Callable[[PolicyRevision], Any], *,
                      skippable: Callable[[PolicyRevision], bool] | None = None) -> None:
@@ -111,9 +115,20 @@ class RevisionFollower:
     async def scan(self, revision: int | None = None, *, idle_polls: int = 2) -> PolicyRevision | None:
         """Read to the end of the topic as it is now: the newest revision, or the given ``revision`` number
         (the first one carrying it); None when there is none."""
+        found: PolicyRevision | None = None
+        for _, rev in await self.read_to_end(idle_polls=idle_polls):
+            if revision is not None:
+                if rev.revision == revision and found is None:
+                    found = rev
+            elif found is None or rev.revision > found.revision:
+                found = rev
+        return found
+
+    async def read_to_end(self, *, idle_polls: int = 2) -> list[tuple[Any, PolicyRevision]]:
+        """Every revision from here to the end of the topic as it is now, with its record (where it sits)."""
         tps = list(self._consumer.assignment())
         end = await self._consumer.end_offsets(tps)
-        found: PolicyRevision | None = None
+        out: list[tuple[Any, PolicyRevision]] = []
         idle = 0
 
         async def behind() -> bool:
@@ -121,15 +136,10 @@ class RevisionFollower:
 
         # a trailing transaction marker can keep the position just short of the end: stop when idle too
         while idle < idle_polls and await behind():
-            revs, arrived = await self.poll(500)
+            pairs, arrived = await self._poll(500)
             idle = 0 if arrived else idle + 1
-            for rev in revs:
-                if revision is not None:
-                    if rev.revision == revision and found is None:
-                        found = rev
-                elif found is None or rev.revision > found.revision:
-                    found = rev
-        return found
+            out.extend(pairs)
+        return out
 
 
 async def latest_revision(client_kwargs: Mapping[str, Any], family: str, *, idle_polls: int = 2,

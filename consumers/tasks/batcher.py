@@ -30,7 +30,8 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records
         self.batcher: Batcher[Any] = Batcher(BatchPolicy(
             family=cfg.family, max_off_policy_steps=cfg.max_off_policy_steps,
             batch_records=None if cfg.batch_tokens else cfg.batch_records, batch_tokens=cfg.batch_tokens,
-            flush_after_s=cfg.flush_after_s, ahead_timeout_s=cfg.ahead_timeout_s), producer=f"{NAME}{cfg.instance}")
+            flush_after_s=cfg.flush_after_s, ahead_timeout_s=cfg.ahead_timeout_s,
+            history=cfg.derivation.rule() if cfg.derivation else None), producer=f"{NAME}{cfg.instance}")
 
     def _add(self, rec: Any, record: TrainingRecord):
         self.batcher.run_id = record.run_id

@@ -108,7 +108,7 @@ class TrainerTask(TaskDefaults):
         holds = PolicyRef(family=self.family, revision=trainer.revision)
         keep, outs = [], []
         for r in batch.records:
-            reason = stale_reason(r, holds, batch.max_off_policy_steps)
+            reason = stale_reason(r, holds, batch.max_off_policy_steps, batch.history)
             if reason is None:
                 keep.append(r)
             else:
@@ -122,6 +122,8 @@ class TrainerTask(TaskDefaults):
         from consumers.trainer import to_tensors
 
         step = batch if len(keep) == len(batch.records) else batch.model_copy(update={"records": keep})
+        if batch.history is not None:  # the batch's rule: the importance ratio's clip
+            trainer.clip = batch.history.clip
         tensors = await asyncio.to_thread(to_tensors, step)
         stats = await asyncio.to_thread(self.user_step or trainer.step, tensors, step)
         stats.update(records=float(len(keep)), refused_records=float(len(outs)))
@@ -155,10 +157,14 @@ async def bootstrap_revision(client_kwargs: dict[str, Any], family: str, checkpo
 
 @asynccontextmanager
 async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIterator[TaskFactory]:
-    """Revision 0 on the log first (published here when the log has none); a fresh trainer starts from it."""
-    await bootstrap_revision(client_kwargs, cfg.family, cfg.checkpoint_dir)
-    rev0 = await latest_revision(client_kwargs, cfg.family, revision=0)
-    start = (lambda target: rev0.checkpoint if target.revision == 0 else None) if rev0 and rev0.checkpoint else None
+    """Revision 0 on the log first (published here when the log has none); a fresh trainer starts from it. A
+    derived run's chain starts at its fork's revision instead (``rollout derive`` published it)."""
+    first = cfg.derivation.fork.revision if cfg.derivation else 0
+    if cfg.derivation is None:
+        await bootstrap_revision(client_kwargs, cfg.family, cfg.checkpoint_dir)
+    rev0 = await latest_revision(client_kwargs, cfg.family, revision=first)
+    start = (lambda target: rev0.checkpoint if target.revision == first else None) if rev0 and rev0.checkpoint \
+        else None
     yield lambda p: TrainerTask(p, cfg.family, cfg.checkpoint_dir, lr=cfg.lr, epochs=cfg.epochs,
                                 producer=f"{NAME}{cfg.instance}", target_checkpoint=start,
                                 keep_checkpoints=cfg.keep_checkpoints, weight_decay=cfg.weight_decay,

@@ -2,6 +2,9 @@
 
 A rollout whose verifier kind scores it from its children's outcomes (Monte Carlo proposer/solver)
 waits for their scores; they share its root group, so they arrive on this partition.
+
+In a derived run (``ServiceSettings.derivation``) it reads the source run's Steps and Rollouts, skips those of
+other runs and outside the range, scores with the derivation's re-scoring, and names each score's source Rollout.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any, AsyncIterator
 from consumers import scoring
 from consumers.service import TaskFactory, dead_letter, decode
 from consumers.settings import ServiceSettings
+from schemas.envelope import SourceEvent
 from schemas.errors import EventDecodeError
 from schemas.events import Rollout, Step
 from streams import topics
@@ -31,13 +35,25 @@ class VerifierTask:
         self.children: dict[str, dict[str, float]] = {}  # parent id -> child id -> outcome (state)
         self.children_seen: dict[str, float] = {}  # parent id -> when its last child was scored (since restore)
         self.scored = 0
+        self.derivation = cfg.derivation
+        self.steps_topic, self.rollouts_topic = cfg.reads(topics.STEPS), cfg.reads(topics.ROLLOUTS)
+        self.skipped: dict[str, float] = {}  # a derived run's rollouts out of range -> when (their late steps go too)
 
-    def _buffer(self, rec: Any) -> str:
-        if rec.topic == topics.STEPS.name:
+    def _buffer(self, rec: Any) -> str | None:
+        """The rollout the record belongs to, buffered; None when a derived run does not take it."""
+        d = self.derivation
+        if rec.topic == self.steps_topic:
             step = decode(rec, Step)
+            if d is not None and (step.run_id != d.source_run_id or step.rollout_id in self.skipped):
+                return None
             self.steps[step.step_id] = (rec, step, time.monotonic())
             return step.rollout_id
         ro = decode(rec, Rollout)
+        if d is not None and not d.takes(ro.run_id, ro.policy.revision if ro.policy else None, ro.created_at):
+            self.skipped[ro.rollout_id] = time.monotonic()
+            for s in ro.step_ids:
+                self.steps.pop(s, None)
+            return None
         self.rollouts[ro.rollout_id] = (rec, ro, time.monotonic())
         return ro.rollout_id
 
@@ -45,8 +61,8 @@ class VerifierTask:
         try:
             rid = self._buffer(rec)
         except EventDecodeError as e:
-            return [dead_letter(rec, NAME, type(e).__name__, str(e))]
-        return await self._try(rid)
+            return [dead_letter(rec, NAME, type(e).__name__, str(e), self.derivation and self.derivation.run_id)]
+        return [] if rid is None else await self._try(rid)
 
     def restore(self, rec: Any) -> None:
         self._buffer(rec)
@@ -68,14 +84,18 @@ class VerifierTask:
         outs: list[Out] = []
         scored = None
         try:
-            verdict = await scoring.score(ro, steps, judge=self.judge, child_outcomes=outcomes)
-            scored = scoring.to_scored(ro, steps, verdict, producer=f"{NAME}{self.cfg.instance}")
+            d = self.derivation
+            verdict = await scoring.score(ro, steps, judge=self.judge, child_outcomes=outcomes,
+                                          rescore=d.rescore if d else None)
+            derived = (d.run_id, SourceEvent.of(ro.run_id, rec.topic, rec.partition, rec.offset, rec.value),
+                       d.rescore) if d else None
+            scored = scoring.to_scored(ro, steps, verdict, producer=f"{NAME}{self.cfg.instance}", derived=derived)
             outs.append(Out(topics.SCORES.name, scored))
             self.scored += 1
         except scoring.ScoringError as e:
-            outs.append(dead_letter(rec, NAME, "ScoringError", str(e), ro.run_id))
+            outs.append(dead_letter(rec, NAME, "ScoringError", str(e), self._run(ro)))
         except Exception as e:  # noqa: BLE001 - an unexpected scoring bug dead-letters too; the service goes on
-            outs.append(dead_letter(rec, NAME, type(e).__name__, f"scoring crashed: {e}", ro.run_id))
+            outs.append(dead_letter(rec, NAME, type(e).__name__, f"scoring crashed: {e}", self._run(ro)))
         self._forget(ro)
         if ro.parent_rollout_id:
             parent = self.rollouts.get(ro.parent_rollout_id)
@@ -85,6 +105,10 @@ class VerifierTask:
             self.children_seen[ro.parent_rollout_id] = time.monotonic()
             outs.extend(await self._try(ro.parent_rollout_id))
         return outs
+
+    def _run(self, ev: Rollout | Step) -> str:
+        """The run a dead letter belongs to: a derived run's own (the source run's topics are never written)."""
+        return self.derivation.run_id if self.derivation else ev.run_id
 
     def _forget(self, ro: Rollout) -> None:
         self.rollouts.pop(ro.rollout_id, None)
@@ -102,13 +126,16 @@ class VerifierTask:
                 waiting = [c for c in ro.child_rollout_ids if c not in self.children.get(rid, {})]
                 outs.append(dead_letter(rec, NAME, "Timeout",
                                         f"rollout {rid} incomplete after {t:g}s: {len(missing)} steps missing, "
-                                        f"{len(waiting)} children unscored", ro.run_id))
+                                        f"{len(waiting)} children unscored", self._run(ro)))
                 self._forget(ro)
         for sid, (rec, st, arrived) in list(self.steps.items()):
             if now - arrived >= t and st.rollout_id not in self.rollouts:
                 outs.append(dead_letter(rec, NAME, "OrphanStep",
-                                        f"step {sid}: no rollout {st.rollout_id} within {t:g}s", st.run_id))
+                                        f"step {sid}: no rollout {st.rollout_id} within {t:g}s", self._run(st)))
                 del self.steps[sid]
+        for rid, when in list(self.skipped.items()):
+            if now - when >= t:
+                del self.skipped[rid]
         # Children's outcomes whose parent never came (or timed out before they were scored): the state, and
         # every snapshot of it, would grow without bound. A parent arriving later times out with its children
         # unscored, dead-lettered, so nothing goes unaccounted for.
@@ -119,8 +146,8 @@ class VerifierTask:
         return outs
 
     def buffered(self) -> dict[str, list[int]]:
-        return {topics.STEPS.name: [r.offset for r, _, _ in self.steps.values()],
-                topics.ROLLOUTS.name: [r.offset for r, _, _ in self.rollouts.values()]}
+        return {self.steps_topic: [r.offset for r, _, _ in self.steps.values()],
+                self.rollouts_topic: [r.offset for r, _, _ in self.rollouts.values()]}
 
     def state(self) -> dict[str, Any]:
         return {"children": self.children} if self.children else {}

@@ -1,0 +1,226 @@
+"""`rollout derive SOURCE_RUN`: a new run from a past run's rollouts: re-score, re-credit and re-train them.
+
+    rollout derive run-1a2b --rubric mypkg.rewards:fixed          re-score with a fixed reward, re-train from r0
+    rollout derive run-1a2b --credit rloo --fork 5                 another estimator, training from the source's r5
+    rollout derive run-1a2b --revisions 3:9 --since 2026-11-20     a range: admission revisions, creation time
+    rollout derive run-1a2b --run-id derive-1a2b3c4d ...           resume a stopped derived run (same flags)
+
+The derived run is the pipeline's own services (verifier, credit, batcher, trainer) under a topic prefix of
+its own (``<run id>.``) with their own consumer groups: exactly-once as the live services, so a stopped derived
+run resumes where it stopped, and every source rollout is used once. Its verifier reads the source run's Steps
+and Rollouts; nothing is ever written under the source run's prefix.
+
+Its revision chain forks from one source revision (``--fork``, default 0): the family ``<family>.<run id>``
+starts with that revision's checkpoint (digest checked) and goes on from its number. How history is trained
+(``schemas.history``): token-level PPO clip of exp(logp_now - logp_recorded) against the logprobs the
+generating revision recorded; a record whose generating revision is more than ``--max-off-policy-steps``
+optimizer steps from the target, counted through the fork, is refused with its reason (a dead letter).
+Every derived score and record names its source Rollout (run, topic, partition, offset, digest); replay the
+derived run and its source is replayed into the same database (``rollout replay --run <derived run>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MAX_LAG = 8  # the plan's default off-policy bound (schemas.plan.DEFAULT_MAX_OFF_POLICY_STEPS)
+SERVICES = ("verifier", "credit", "batcher", "trainer")
+
+
+class DeriveError(Exception):
+    """A derived run that cannot start: one line that says what to do."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("derive", help="re-score, re-credit and re-train a past run's rollouts as a new run",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="the source run's id (`rollout runs` lists them)")
+    p.add_argument("--run-id", help="the derived run's id (default: a new derive-XXXXXXXX; give an existing one "
+                                    "to resume it)")
+    p.add_argument("--fork", type=int, default=0, help="the source revision to train from (default 0)")
+    p.add_argument("--revisions", help="only rollouts admitted under these source revisions: A:B, A: or :B")
+    p.add_argument("--since", type=datetime.fromisoformat, help="only rollouts created at or after (ISO 8601)")
+    p.add_argument("--until", type=datetime.fromisoformat, help="only rollouts created before (ISO 8601)")
+    p.add_argument("--rubric", action="append", metavar="MODULE:FUNCTION[*WEIGHT]",
+                   help="re-score with these reward functions instead of the rollouts' own (repeatable)")
+    p.add_argument("--scoring-kind", help="re-score with this verifier kind (consumers.scoring.VERIFIERS)")
+    p.add_argument("--credit", help="credit strategy (default: grpo)")
+    p.add_argument("--batch-records", type=int, help="records per batch (default: the plan default)")
+    p.add_argument("--max-off-policy-steps", type=int, default=DEFAULT_MAX_LAG,
+                   help=f"refuse records further than this many optimizer steps from the target, counted through "
+                        f"the fork (default {DEFAULT_MAX_LAG})")
+    p.add_argument("--lr", type=float, help="learning rate (default: the trainer's)")
+    p.add_argument("--flush-after-s", type=float, default=2.0,
+                   help="train a partial batch after this long without a full one (default 2)")
+    p.add_argument("--checkpoint-dir", help="where the derived checkpoints go (default .state/derived/<run id>)")
+    p.add_argument("--follow", action="store_true", help="keep running for a source run still being written")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_derive)
+
+
+def _revision_range(text: str | None) -> tuple[int | None, int | None]:
+    if not text:
+        return None, None
+    lo, sep, hi = text.partition(":")
+    if not sep:
+        raise DeriveError(f"--revisions {text!r}: give A:B, A: or :B")
+    try:
+        return (int(lo) if lo else None), (int(hi) if hi else None)
+    except ValueError:
+        raise DeriveError(f"--revisions {text!r}: revisions are numbers, as in 3:9") from None
+
+
+def rescore_of(rubric: list[str] | None, kind: str | None):
+    """The re-scoring the flags ask for, every function imported now: a verifier that cannot be loaded stops
+    the run before anything is written."""
+    from consumers.scoring import VERIFIERS, load_func
+    from schemas.history import Rescore
+    from schemas.scoring import WeightedFunc
+
+    if not rubric and not kind:
+        return None
+    funcs = []
+    for spec in rubric or []:
+        fn, _, weight = spec.partition("*")
+        try:
+            load_func(fn)
+            funcs.append(WeightedFunc(fn=fn, weight=float(weight) if weight else 1.0))
+        except Exception as e:  # noqa: BLE001 - an import error, a missing attribute, a malformed name
+            raise DeriveError(f"--rubric {spec}: cannot load the reward function ({type(e).__name__}: {e}); "
+                              f"give module:function, importable here") from None
+    if kind is not None and kind not in VERIFIERS:
+        raise DeriveError(f"--scoring-kind {kind!r} is not a registered verifier ({', '.join(VERIFIERS)})")
+    return Rescore(kind=kind or ("rubric" if funcs else None), funcs=funcs or None)
+
+
+async def find_source(settings: Any, run_id: str) -> str:
+    """The topic prefix the source run is under."""
+    from replay.ingest import list_runs
+
+    runs = [r for r in await list_runs(settings) if r.run_id == run_id]
+    if not runs:
+        raise DeriveError(f"run {run_id!r} is not on the log (`rollout runs` lists the runs)")
+    if len({r.prefix for r in runs}) > 1:
+        raise DeriveError(f"run {run_id} is under several topic prefixes ({', '.join(sorted(r.prefix for r in runs))})"
+                          f": set ROLLOUT_TOPIC_PREFIX to the one to derive from")
+    return runs[0].prefix
+
+
+async def fork_revision(kw: dict[str, Any], prefix: str, run_id: str, revision: int):
+    """(the source run's revision, its SourceEvent), its checkpoint present and matching its digest."""
+    from policy.checkpoint import checkpoint_path, file_sha256
+    from schemas.envelope import SourceEvent
+    from streams.revisions import RevisionFollower
+
+    async with RevisionFollower(kw, topic=prefix + "policy-revisions") as follower:
+        pairs = [(rec, rev) for rec, rev in await follower.read_to_end() if rev.run_id == run_id]
+    found = next(((rec, rev) for rec, rev in pairs if rev.revision == revision), None)
+    if found is None:
+        have = sorted({rev.revision for _, rev in pairs})
+        raise DeriveError(f"run {run_id} has no revision {revision} (it has {_span(have)}): choose --fork among them")
+    rec, rev = found
+    if rev.checkpoint is None:
+        raise DeriveError(f"run {run_id}'s revision {revision} names no checkpoint: choose another --fork")
+    path = checkpoint_path(rev.checkpoint)
+    if not path.exists():
+        raise DeriveError(f"run {run_id}'s revision {revision}: its checkpoint {path} is missing (moved or pruned); "
+                          f"choose another --fork, or restore the file")
+    if file_sha256(path) != rev.checkpoint.digest:
+        raise DeriveError(f"run {run_id}'s revision {revision}: its checkpoint {path} does not match its digest "
+                          f"{rev.checkpoint.digest[:12]} (it was changed after it was published): refusing to train "
+                          f"from different weights")
+    return rev, SourceEvent.of(run_id, rec.topic, rec.partition, rec.offset, rec.value)
+
+
+def _span(revs: list[int]) -> str:
+    return "none" if not revs else f"r{revs[0]}" if len(revs) == 1 else f"r{revs[0]}..r{revs[-1]}"
+
+
+async def publish_fork(kw: dict[str, Any], family: str, run_id: str, source, where) -> None:
+    """The derived chain's first revision (idempotent: a resumed run finds it, and it must be the same fork)."""
+    from schemas.policy import PolicyRevision
+    from streams.revisions import latest_revision, publish
+
+    have = await latest_revision(kw, family, revision=source.revision)
+    if have is not None:
+        if have.fork != source.ref():
+            raise DeriveError(f"derived run {run_id} forked from {have.fork}, not {source.ref()}: resume it with "
+                              f"its own --fork {have.fork.revision if have.fork else 0}, or start a new run")
+        return
+    await publish(kw, PolicyRevision(run_id=run_id, producer="derive", family=family, revision=source.revision,
+                                     checkpoint=source.checkpoint, served_model=source.served_model,
+                                     fork=source.ref(), source=where))
+
+
+async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
+    from consumers import settings as service_settings
+    from consumers.runner import System
+    from consumers.status import service_lag
+    from schemas.history import Derivation
+    from streams import topics
+
+    lo, hi = _revision_range(args.revisions)
+    rescore = rescore_of(args.rubric, args.scoring_kind)
+    run_id = args.run_id or f"derive-{uuid.uuid4().hex[:8]}"
+    kw = kafka.client_kwargs()
+    source_prefix = await find_source(kafka, args.source)
+    source, where = await fork_revision(kw, source_prefix, args.source, args.fork)
+    family = f"{source.family}.{run_id}"
+    derivation = Derivation(run_id=run_id, source_run_id=args.source, source_prefix=source_prefix, fork=source.ref(),
+                            from_revision=lo, to_revision=hi, since=args.since, until=args.until, rescore=rescore)
+    os.environ["ROLLOUT_TOPIC_PREFIX"] = f"{run_id}."  # the derived run's own topics, groups and ids
+    await topics.create_topics(kafka.admin_kwargs())
+    await publish_fork(kw, family, run_id, source, where)
+    flags = {k: v for k, v in (("credit", args.credit), ("batch_records", args.batch_records), ("lr", args.lr))
+             if v is not None}
+    cfg = service_settings.build(flags, family=family, derivation=derivation, flush_after_s=args.flush_after_s,
+                                 max_off_policy_steps=args.max_off_policy_steps,
+                                 checkpoint_dir=args.checkpoint_dir or str(Path(".state/derived") / run_id))
+    print(f"derived run {run_id}: from run {args.source} (topics {source_prefix}*), training {family} from "
+          f"{source.family}@r{source.revision}", file=sys.stderr)
+    print(f"history rule: {derivation.rule().importance} (clip {derivation.rule().clip:g}) against the recorded "
+          f"logprobs; max {cfg.max_off_policy_steps} optimizer steps from the target through the fork",
+          file=sys.stderr)
+    t0 = time.monotonic()
+    quiet_s = 2 * cfg.flush_after_s + 4
+    async with System(SERVICES, cfg, kw):
+        last, still = None, time.monotonic()
+        while True:
+            await asyncio.sleep(1.0)
+            rows = {r["service"]: r for r in await service_lag(kw, sample_s=0.0, settings=cfg) if r["service"] in SERVICES}
+            moved = tuple(r["committed"] for r in rows.values())
+            if moved != last:
+                last, still = moved, time.monotonic()
+            if not args.no_progress:
+                print("\r" + "  ".join(f"{s}: {rows[s]['committed']}/{rows[s]['end']}" for s in SERVICES if s in rows),
+                      end="", file=sys.stderr, flush=True)
+            caught_up = len(rows) == len(SERVICES) and all(r["lag"] == 0 for r in rows.values())
+            if caught_up and not args.follow and time.monotonic() - still >= quiet_s:
+                break
+    if not args.no_progress:
+        print(file=sys.stderr)
+    return {"run_id": run_id, "family": family, "seconds": time.monotonic() - t0 - quiet_s, "prefix": f"{run_id}."}
+
+
+def cmd_derive(args: argparse.Namespace) -> int:
+    from streams.config import KafkaSettings, ensure_broker
+
+    kafka = KafkaSettings.from_env()
+    if not kafka.external:
+        kafka = kafka.with_bootstrap(ensure_broker(kafka))
+    try:
+        out = asyncio.run(run_derived(args, kafka))
+    except DeriveError as e:
+        print(f"rollout derive: error: {e}", file=sys.stderr)
+        return 2
+    print(f"derived run {out['run_id']} caught up in {out['seconds']:.1f}s; replay both runs into one database "
+          f"with: rollout replay --db {out['run_id']}.duckdb --run {out['run_id']}")
+    return 0

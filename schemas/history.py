@@ -1,0 +1,102 @@
+"""Derived runs: a new projection of a past run's Steps and Rollouts, and the rule it trains them by.
+
+A derived run re-scores, re-credits and re-trains another run's rollouts into a revision chain of its own
+(``rollout derive``). Its chain *forks* from one revision of the source run: the derived family's first
+revision holds the source revision's checkpoint, and every revision after it is one optimizer step of the
+derived trainer. What the stages share about it is declared here, once:
+
+* ``schemas.envelope.SourceEvent``: where an event a derived event was computed from sits on the source run's
+  log, and its bytes' digest: a derived score, record and revision name it, and the audit walks back through it.
+* ``HistoryRule``: how tokens older weights generated are trained (the batch records it, the trainer obeys it).
+* ``history_lag``: the staleness bound for history, the live rule generalised to the fork (see there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.envelope import Record
+from schemas.policy import PolicyRef
+from schemas.scoring import ScoringSpec, WeightedFunc
+
+DEFAULT_CLIP = 0.2
+"""The PPO clip of the importance ratio, for live and history batches alike."""
+
+
+class HistoryRule(Record):
+    """The off-policy rule of a derived run's batch.
+
+    ``importance``: ``token_ppo_clip`` is the objective live batches train with too: per completion token, the
+    ratio exp(logp_trainer - logp_recorded) against the logprob the *generating* revision recorded, clipped to
+    [1 - clip, 1 + clip] (PPO/GRPO's pessimistic min), token-mean over the loss mask. Token-level, not
+    sequence-level: a sequence ratio over hundreds of tokens of much older weights is 0 or huge, and clipping
+    it discards whole sequences. The staleness bound is ``history_lag`` against the batch's
+    ``max_off_policy_steps``.
+    """
+
+    source_run_id: str = Field(min_length=1)
+    fork: PolicyRef = Field(description="the source revision the derived chain started from (its checkpoint)")
+    importance: Literal["token_ppo_clip"] = "token_ppo_clip"
+    clip: float = Field(DEFAULT_CLIP, gt=0)
+
+
+class Rescore(Record):
+    """What a derived run's verifier scores with instead of the spec each rollout carries: the fields given
+    replace the rollout's (its answer, players and judge target stay)."""
+
+    kind: str | None = None
+    funcs: list[WeightedFunc] | None = None
+    metrics: list[WeightedFunc] | None = None
+    params: dict | None = None
+
+    def apply(self, spec: ScoringSpec) -> ScoringSpec:
+        return spec.model_copy(update={k: getattr(self, k) for k in type(self).model_fields
+                                       if getattr(self, k) is not None})
+
+    def version(self) -> str:
+        """A short digest of the override, stamped into the derived scores' verifier_version."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:8]
+
+
+class Derivation(Record):
+    """A derived run's settings, the same for every stage and every restart (``rollout derive``)."""
+
+    run_id: str = Field(min_length=1, description="the derived run's own id, on every event it writes")
+    source_run_id: str = Field(min_length=1)
+    source_prefix: str = Field(description="the topic prefix the source run's events are under")
+    fork: PolicyRef = Field(description="the source revision to train from (its checkpoint digest checked)")
+    from_revision: int | None = Field(None, ge=0, description="only rollouts admitted under this revision or later")
+    to_revision: int | None = Field(None, ge=0, description="only rollouts admitted under this revision or earlier")
+    since: datetime | None = Field(None, description="only rollouts created at or after this time")
+    until: datetime | None = Field(None, description="only rollouts created before this time")
+    rescore: Rescore | None = None
+
+    def rule(self) -> HistoryRule:
+        return HistoryRule(source_run_id=self.source_run_id, fork=self.fork)
+
+    def takes(self, run_id: str, revision: int | None, created_at: datetime) -> bool:
+        """Whether a source rollout (its run, admission revision and time) is in the derived run's range."""
+        if run_id != self.source_run_id:
+            return False
+        if revision is not None and ((self.from_revision is not None and revision < self.from_revision) or
+                                     (self.to_revision is not None and revision > self.to_revision)):
+            return False
+        return not ((self.since is not None and created_at < self.since) or
+                    (self.until is not None and created_at >= self.until))
+
+
+def history_lag(generated: PolicyRef, target: PolicyRef, rule: HistoryRule) -> int | None:
+    """Optimizer steps between the weights that generated a record and the derived target, on the path through
+    their common ancestor: the source chain up to the fork's revision k, then the derived chain. A record of
+    source revision j trained at derived revision t (numbered on from k) is ``(j - min(j, k)) + (t - min(j, k))``
+    steps away: ``t - j`` when j <= k, exactly the live rule, and ``(j - k) + (t - k)`` for a record generated
+    after the fork, which the derived weights never passed through. None: the record is not of the fork's
+    family, so no path exists."""
+    if generated.family != rule.fork.family:
+        return None
+    base = min(generated.revision, rule.fork.revision)
+    return (generated.revision - base) + (target.revision - base)
