@@ -47,6 +47,7 @@ import pyarrow as pa
 
 from replay.tables import open_read_only
 from schemas.digests import batch_digest, lineage_digest, record_digest
+from schemas.envelope import SourceEvent
 from schemas.events import TrainingRecord
 from schemas.history import HistoryRule, history_lag
 from schemas.policy import PolicyRef
@@ -135,7 +136,8 @@ def _lists(col: pa.ChunkedArray | pa.Array) -> Iterator[np.ndarray]:
 
 _RECORD_COLS = ("record_id, run_id, schema_version, rollout_id, step_ids, member_id, group_id, environment, "
                 "policy_family, policy_revision, policy_checkpoint_digest, prompt_token_ids, completion_token_ids, "
-                "completion_logprobs, loss_mask, reward, advantage, credit, record_digest, _partition, _offset")
+                "completion_logprobs, loss_mask, reward, advantage, credit, record_digest, _partition, _offset, "
+                "source_run_id, source_topic, source_partition, source_offset, source_digest")
 
 
 def replayed_records(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[TrainingRecord, str, int, int]]:
@@ -157,7 +159,10 @@ def replayed_records(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[TrainingR
                 completion_token_ids=arrays["completion_token_ids"][i].astype("<i4", copy=False),
                 completion_logprobs=arrays["completion_logprobs"][i].astype("<f4", copy=False),
                 loss_mask=arrays["loss_mask"][i].astype("u1", copy=False),
-                reward=py["reward"][i], advantage=py["advantage"][i], credit=py["credit"][i])
+                reward=py["reward"][i], advantage=py["advantage"][i], credit=py["credit"][i],
+                source=SourceEvent.model_construct(
+                    run_id=py["source_run_id"][i], topic=py["source_topic"][i], partition=py["source_partition"][i],
+                    offset=py["source_offset"][i], digest=py["source_digest"][i]) if py["source_run_id"][i] else None)
             yield rec, py["record_digest"][i], py["_partition"][i], py["_offset"][i]
 
 

@@ -42,7 +42,7 @@ def group_record_ids(groups: int, size: int = 4, *, start: int = 0) -> set[str]:
 
 async def seed_groups(kw, groups: int, size: int = 4, *, start: int = 0, extra: list | None = None,
                       revision: int = 0, transactional_id: str | None = None, family: str = testing.FAMILY,
-                      spec: dict | None = None) -> set[str]:
+                      spec: dict | None = None, run_id: str = "run") -> set[str]:
     """Write `groups` arithmetic groups (steps then rollout, one transaction per 50 groups); return record ids."""
     from aiokafka import AIOKafkaProducer
 
@@ -58,7 +58,7 @@ async def seed_groups(kw, groups: int, size: int = 4, *, start: int = 0, extra: 
                 futs = []
                 for g in range(chunk, min(chunk + 50, start + groups)):
                     for steps, ro in testing.arithmetic_group(f"g{g:06d}", size, revision_=revision, family=family,
-                                                                 spec=spec):
+                                                                 spec=spec, run_id=run_id):
                         for st in steps:
                             k, v, h = serde.to_message(st)
                             futs.append(await prod.send(topics.STEPS.name, v, key=k, headers=h))

@@ -1,0 +1,192 @@
+"""Derived runs (``rollout derive``, issue 25) on a real broker: a run whose reward function had a bug,
+re-scored with the fix and re-trained into a chain of its own; a derived run SIGKILLed and resumed; the
+refusals a user meets first. The pure parts (the rule, the range, the re-scoring) are in test_history.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from consumers import testing
+from consumers.runner import System
+from consumers.settings import ServiceSettings
+from consumers.trainer import initial_revision
+from replay.audit import run_audit
+from replay.ingest import Replayer
+from rollout.cli import build_parser
+from rollout.derive_cmd import DeriveError, run_derived
+from schemas import codec
+from schemas.events import Rollout, RolloutScored, Step, TrainerBatch
+from schemas.policy import PolicyRevision
+from schemas.scoring import ScoringSpec, WeightedFunc
+from streams import topics
+from streams.revisions import publish
+from tests import _rewards
+from tests._processes import stop
+from tests.test_eos_pipeline import read_all, seed_groups
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _spec(fn: str) -> dict:
+    return ScoringSpec(kind="rubric", funcs=[WeightedFunc(fn=fn)]).model_dump(mode="json")
+
+
+async def _source_run(kw, monkeypatch, tmp_path: Path, groups: int, *, spec: dict | None = None) -> tuple[str, str]:
+    """A run of its own (prefix and run id), revision 0 published, ``groups`` groups of 4 rollouts seeded."""
+    run_id = f"src-{uuid.uuid4().hex[:8]}"
+    prefix = f"{run_id}."
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
+    await topics.create_topics(kw)
+    await publish(kw, initial_revision(testing.FAMILY, tmp_path / "a", seed=0, run_id=run_id))
+    await seed_groups(kw, groups, spec=spec, run_id=run_id)
+    return run_id, prefix
+
+
+def _args(*argv: str):
+    return build_parser().parse_args(["derive", *argv])
+
+
+async def _events(kw, topic: str, cls):
+    return [codec.decode(r.value, cls) for r in await read_all(kw, topic, idle_s=0.5, timeout_s=20)]
+
+
+async def _ends(kw, prefix: str) -> dict[str, int]:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    cons = AIOKafkaConsumer(**kw)
+    await cons.start()
+    try:
+        tps = [TopicPartition(prefix + t.key, p) for t in topics.TOPICS.values() for p in range(t.partitions)]
+        return {f"{tp.topic}:{tp.partition}": n for tp, n in (await cons.end_offsets(tps)).items()}
+    finally:
+        await cons.stop()
+
+
+async def test_a_run_with_a_buggy_reward_re_scored_with_the_fix_and_re_trained(kafka_settings, monkeypatch, tmp_path):
+    kw = kafka_settings.client_kwargs()
+    source, prefix_a = await _source_run(kw, monkeypatch, tmp_path, 8, spec=_spec("tests._rewards:buggy_sum"))
+    settings = ServiceSettings(family=testing.FAMILY, batch_records=8, flush_after_s=1.0,
+                               checkpoint_dir=str(tmp_path / "a"))
+    async with System(("verifier", "credit", "batcher", "trainer"), settings, kw):  # run A, live, with the bug
+        for _ in range(120):
+            revs_a = await _events(kw, prefix_a + "policy-revisions", PolicyRevision)
+            if max(r.revision for r in revs_a) >= 4:
+                break
+            await asyncio.sleep(0.5)
+    assert max(r.revision for r in revs_a) == 4  # 32 records, 8 a batch
+    rollouts = {r.rollout_id: r for r in await _events(kw, prefix_a + "rollouts", Rollout)}
+    steps = {s.rollout_id: s for s in await _events(kw, prefix_a + "steps", Step)}
+    before = await _ends(kw, prefix_a)
+
+    out = await run_derived(_args(source, "--rubric", "tests._rewards:fixed_sum", "--batch-records", "8",
+                                  "--flush-after-s", "1", "--checkpoint-dir", str(tmp_path / "b"), "--no-progress"),
+                            kafka_settings)
+    derived, prefix_b = out["run_id"], out["prefix"]
+    assert await _ends(kw, prefix_a) == before, "the derived run wrote into the source run's topics"
+
+    scores = await _events(kw, prefix_b + "scores", RolloutScored)
+    assert Counter(s.rollout_id for s in scores) == Counter(list(rollouts))  # every source rollout scored once
+    for s in scores:  # the fixed function's reward, and the source event it came from
+        st = steps[s.rollout_id]
+        fixed = _rewards.fixed_sum([m.model_dump() for m in st.prompt], [m.model_dump() for m in st.completion])
+        assert s.rewards == {"solver": fixed}
+        assert s.run_id == derived and s.source.run_id == source and s.source.topic == prefix_a + "rollouts"
+    batches = await _events(kw, prefix_b + "trainer-batches", TrainerBatch)
+    used = Counter(r.rollout_id for b in batches for r in b.records)
+    assert used == Counter(list(rollouts))  # each source rollout in exactly one batch of B
+    assert all(b.history is not None and b.history.source_run_id == source for b in batches)
+    revs_b = await _events(kw, prefix_b + "policy-revisions", PolicyRevision)
+    assert revs_b[0].fork == revs_a[0].ref() and revs_b[0].family == out["family"]
+    assert max(r.revision for r in revs_b) >= 3
+    print(f"run A rewards mean {sum(sum(s.rewards.values()) for s in await _events(kw, prefix_a + 'scores', RolloutScored)) / 32:.3f}, "
+          f"run B {sum(sum(s.rewards.values()) for s in scores) / 32:.3f}; B: {len(batches)} batches, "
+          f"{len(revs_b) - 1} revisions, {out['seconds']:.1f}s for 32 source rollouts")
+
+    db = str(tmp_path / "both.duckdb")  # the derived run replays with its source: one database, both runs
+    await Replayer(db, kafka_settings, run_id=derived, prefix=prefix_b).run()
+    report = run_audit(db)
+    assert report.ok, [f.message for f in report.violations][:5]
+    assert report.checked["chain_links"] == 4 + len(revs_b) - 1  # A's chain and B's, from B's tip back to r0
+    with duckdb.connect(db, read_only=True) as con:
+        pairs = con.execute("""
+            SELECT a.rollout_id, a.rewards['solver'], b.rewards['solver'], b.source_offset
+            FROM scores a JOIN scores b ON b.rollout_id = a.rollout_id AND b.source_run_id = a.run_id
+            WHERE a.run_id = ? AND b.run_id = ?""", [source, derived]).fetchall()
+    assert len(pairs) == 32
+    assert all(old != new for _, old, new, _ in pairs if new == 1.0)  # the bug never rewarded a right answer
+
+
+async def test_a_derived_run_sigkilled_and_resumed_uses_every_source_rollout_once(kafka_settings, kafka_bootstrap,
+                                                                                 monkeypatch, tmp_path):
+    kw = kafka_settings.client_kwargs()
+    source, _ = await _source_run(kw, monkeypatch, tmp_path, 60)  # 240 rollouts
+    derived = f"derive-{uuid.uuid4().hex[:8]}"
+    prefix_b = f"{derived}."
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap, "PYTHONPATH": str(ROOT)}
+    env.pop("ROLLOUT_TOPIC_PREFIX")
+    cmd = [sys.executable, "-m", "rollout.cli", "derive", source, "--run-id", derived, "--batch-records", "8",
+           "--flush-after-s", "1", "--checkpoint-dir", str(tmp_path / "b"), "--no-progress"]
+    log = open(tmp_path / "derive.log", "ab")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(240):
+            try:
+                revs = await _events(kw, prefix_b + "policy-revisions", PolicyRevision)
+            except Exception:  # noqa: BLE001 - its topics are not there yet
+                revs = []
+            if len(revs) >= 4:
+                break
+            await asyncio.sleep(0.25)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        at_kill = len(revs) - 1
+        assert 3 <= at_kill < 30, f"killed at {at_kill} revisions: not mid-way"
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        assert proc.wait(300) == 0, (tmp_path / "derive.log").read_text()[-3000:]
+    finally:
+        stop(proc)
+    batches = await _events(kw, prefix_b + "trainer-batches", TrainerBatch)
+    scores = await _events(kw, prefix_b + "scores", RolloutScored)
+    revs = await _events(kw, prefix_b + "policy-revisions", PolicyRevision)
+    used = Counter(r.rollout_id for b in batches for r in b.records)
+    print(f"killed after {at_kill} revisions; resumed: {len(revs) - 1} revisions, {sum(used.values())} records, "
+          f"{len(scores)} scores")
+    assert Counter(s.rollout_id for s in scores) == Counter({f"g{g:06d}-r{i}": 1 for g in range(60) for i in range(4)})
+    assert used == Counter(s.rollout_id for s in scores)  # every source rollout trained once: none lost, none twice
+    assert [r.revision for r in revs] == list(range(len(revs)))  # the chain from the fork (r0), unbroken
+    assert len(revs) - 1 == len(batches)
+
+
+async def test_a_derived_run_refuses_what_it_cannot_use_in_one_line(kafka_settings, monkeypatch, tmp_path):
+    kw = kafka_settings.client_kwargs()
+    source, prefix = await _source_run(kw, monkeypatch, tmp_path, 1)
+    with pytest.raises(DeriveError, match=r"run 'no-such-run' is not on the log \(`rollout runs`"):
+        await run_derived(_args("no-such-run"), kafka_settings)
+    with pytest.raises(DeriveError, match=r"--rubric nosuch.module:fn: cannot load the reward function"):
+        await run_derived(_args(source, "--rubric", "nosuch.module:fn"), kafka_settings)
+    with pytest.raises(DeriveError, match=r"has no revision 7 \(it has r0\): choose --fork"):
+        await run_derived(_args(source, "--fork", "7"), kafka_settings)
+    ckpt = next((tmp_path / "a").glob("*.pt"))
+    ckpt.write_bytes(ckpt.read_bytes() + b"\0")
+    with pytest.raises(DeriveError, match=r"does not match its digest .* refusing to train from different weights"):
+        await run_derived(_args(source), kafka_settings)
+    ckpt.unlink()
+    with pytest.raises(DeriveError, match=r"its checkpoint .* is missing"):
+        await run_derived(_args(source), kafka_settings)
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
+    # the CLI: the same refusal, one line on stderr, exit code 2, no traceback
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_settings.bootstrap_servers, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "rollout.cli", "derive", source], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "is missing" in done.stderr, done.stderr
