@@ -6,6 +6,8 @@
   refused with its reason and counted (never silently dropped); a record *ahead* of the known target
   waits until its revision is announced, for ``ahead_timeout_s`` at most (then it is refused: a revision
   that never comes must not grow the buffer, and the snapshot of its offsets, without bound).
+* a derived run (``BatchPolicy.history``): records of the fork's family, bounded by ``history_lag``, and one
+  batch per target revision, since no arena's admissions pace history;
 * a record of another family is refused on arrival (``CrossFamilyMixError``); an empty batch is never
   emitted (counted as ``empty_batch``). Batches are built by ``schemas.batch.assemble_batch``.
 """
@@ -57,6 +59,7 @@ class Batcher(Generic[T]):
     items: list[Item[T]] = field(default_factory=list)
     refused: Counter = field(default_factory=Counter)
     emitted_records: int = 0
+    paced: int = -1  # a derived run: the revision its last batch targeted (one batch per revision, state)
 
     def add(self, record: TrainingRecord, now: float, tag: T = None) -> Refusal[T] | None:
         item = Item(record, now, tag)
@@ -108,7 +111,7 @@ class Batcher(Generic[T]):
             else:
                 keep.append(it)
         self.items = keep
-        if target is None:
+        if target is None or (self.policy.history is not None and target.revision <= self.paced):
             return [], refusals
         eligible = [it for it in self.items if staleness(it.record, target, self.policy.history) >= 0]
         batches: list[tuple[TrainerBatch, list[Item[T]]]] = []
@@ -121,6 +124,9 @@ class Batcher(Generic[T]):
                 n = len(eligible)
             chosen, eligible = eligible[:n], eligible[n:]
             batches.append((self._assemble([it.record for it in chosen], target), chosen))
+            if self.policy.history is not None:  # history has no arena to pace it: the trainer's steps do
+                self.paced = target.revision
+                break
         if batches:
             taken = {id(it) for _, its in batches for it in its}
             self.items = [it for it in self.items if id(it) not in taken]

@@ -13,8 +13,9 @@ and Rollouts; nothing is ever written under the source run's prefix.
 Its revision chain forks from one source revision (``--fork``, default 0): the family ``<family>.<run id>``
 starts with that revision's checkpoint (digest checked) and goes on from its number. How history is trained
 (``schemas.history``): token-level PPO clip of exp(logp_now - logp_recorded) against the logprobs the
-generating revision recorded; a record whose generating revision is more than ``--max-off-policy-steps``
-optimizer steps from the target, counted through the fork, is refused with its reason (a dead letter).
+generating revision recorded; the batcher builds one batch per derived revision (the trainer's pace), and a
+record whose generating revision's number is more than ``--max-off-policy-steps`` from the target's (the
+derived chain numbered on from the fork) is refused with its reason (a dead letter).
 Every derived score and record names its source Rollout (run, topic, partition, offset, digest); replay the
 derived run and its source is replayed into the same database (``rollout replay --run <derived run>``).
 """
@@ -55,8 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--credit", help="credit strategy (default: grpo)")
     p.add_argument("--batch-records", type=int, help="records per batch (default: the plan default)")
     p.add_argument("--max-off-policy-steps", type=int, default=DEFAULT_MAX_LAG,
-                   help=f"refuse records further than this many optimizer steps from the target, counted through "
-                        f"the fork (default {DEFAULT_MAX_LAG})")
+                   help=f"refuse records whose generating revision is further than this from the target revision "
+                        f"(default {DEFAULT_MAX_LAG})")
     p.add_argument("--lr", type=float, help="learning rate (default: the trainer's)")
     p.add_argument("--flush-after-s", type=float, default=2.0,
                    help="train a partial batch after this long without a full one (default 2)")
@@ -187,7 +188,8 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
     print(f"derived run {run_id}: from run {args.source} (topics {source_prefix}*), training {family} from "
           f"{source.family}@r{source.revision}", file=sys.stderr)
     print(f"history rule: {derivation.rule().importance} (clip {derivation.rule().clip:g}) against the recorded "
-          f"logprobs; max {cfg.max_off_policy_steps} optimizer steps from the target through the fork",
+          f"logprobs; one batch per revision; records more than {cfg.max_off_policy_steps} revisions from the "
+          f"target refused",
           file=sys.stderr)
     t0 = time.monotonic()
     quiet_s = 2 * cfg.flush_after_s + 4

@@ -8,7 +8,7 @@ derived trainer. What the stages share about it is declared here, once:
 * ``schemas.envelope.SourceEvent``: where an event a derived event was computed from sits on the source run's
   log, and its bytes' digest: a derived score, record and revision name it, and the audit walks back through it.
 * ``HistoryRule``: how tokens older weights generated are trained (the batch records it, the trainer obeys it).
-* ``history_lag``: the staleness bound for history, the live rule generalised to the fork (see there).
+* ``history_lag``: the staleness bound for history (see there).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class HistoryRule(Record):
     [1 - clip, 1 + clip] (PPO/GRPO's pessimistic min), token-mean over the loss mask. Token-level, not
     sequence-level: a sequence ratio over hundreds of tokens of much older weights is 0 or huge, and clipping
     it discards whole sequences. The staleness bound is ``history_lag`` against the batch's
-    ``max_off_policy_steps``.
+    ``max_off_policy_steps``, and the derived batcher builds one batch per revision (the trainer's pace).
     """
 
     source_run_id: str = Field(min_length=1)
@@ -90,13 +90,14 @@ class Derivation(Record):
 
 
 def history_lag(generated: PolicyRef, target: PolicyRef, rule: HistoryRule) -> int | None:
-    """Optimizer steps between the weights that generated a record and the derived target, on the path through
-    their common ancestor: the source chain up to the fork's revision k, then the derived chain. A record of
-    source revision j trained at derived revision t (numbered on from k) is ``(j - min(j, k)) + (t - min(j, k))``
-    steps away: ``t - j`` when j <= k, exactly the live rule, and ``(j - k) + (t - k)`` for a record generated
-    after the fork, which the derived weights never passed through. None: the record is not of the fork's
-    family, so no path exists."""
+    """How far a source record is from the derived target: |t - j|, the derived chain numbered on from the fork's
+    revision k. A pacing bound, the live rule's where j <= t: a derived run that batches as its source did stays
+    as far behind the generating revisions as the source run trained (its records of source revision j arrive
+    around its own revision j), and a record the derived run reaches much earlier or later than the source did
+    (another batch size, a range starting later than the fork) is refused with its reason instead of trained
+    out of order. It is not a divergence measure: after the fork the derived weights are not the source's, and
+    what bounds each token's update is the clipped importance ratio against the recorded logprob (``HistoryRule``).
+    None: the record is not of the fork's family."""
     if generated.family != rule.fork.family:
         return None
-    base = min(generated.revision, rule.fork.revision)
-    return (generated.revision - base) + (target.revision - base)
+    return abs(target.revision - generated.revision)

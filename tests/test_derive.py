@@ -135,7 +135,9 @@ async def test_a_derived_run_sigkilled_and_resumed_uses_every_source_rollout_onc
     prefix_b = f"{derived}."
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap, "PYTHONPATH": str(ROOT)}
     env.pop("ROLLOUT_TOPIC_PREFIX")
+    # every source record is of r0 and 30 batches follow: a bound above 30 keeps them all (test_history: the rule)
     cmd = [sys.executable, "-m", "rollout.cli", "derive", source, "--run-id", derived, "--batch-records", "8",
+           "--max-off-policy-steps", "64",
            "--flush-after-s", "1", "--checkpoint-dir", str(tmp_path / "b"), "--no-progress"]
     log = open(tmp_path / "derive.log", "ab")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -22,7 +22,7 @@ from streams.transactions import Out
 NAME = "batcher"
 
 
-class BatcherTask(TaskDefaults):  # no state beyond the buffered records
+class BatcherTask(TaskDefaults):  # no state beyond the buffered records, and a derived run's pace
     def __init__(self, partition: int, cfg: ServiceSettings, revisions: RevisionWatcher) -> None:
         self.p = partition
         self.family = cfg.family
@@ -58,6 +58,12 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records
 
     def buffered(self) -> dict[str, list[int]]:
         return {topics.TRAINING_RECORDS.name: [it.tag.offset for it in self.batcher.items]}
+
+    def state(self) -> dict[str, Any]:
+        return {"paced": self.batcher.paced} if self.batcher.paced >= 0 else {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.batcher.paced = int(state.get("paced", -1))
 
 
 
