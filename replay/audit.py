@@ -427,7 +427,7 @@ def _revision_chain(con: duckdb.DuckDBPyConnection, report: AuditReport) -> None
             if published is None:
                 report.add("revision_chain", f"{fam}@r{start}", f"revision {fam}@r{start} forks from {ffam}@r{frev}, "
                            "which is not on the log (replay the derived run: its source run comes with it)")
-            elif not fdigest == digest == published[0]:
+            elif fdigest != published[0] or (published[0] is not None and digest != published[0]):
                 report.add("revision_chain", f"{fam}@r{start}", f"revision {fam}@r{start} holds checkpoint "
                            f"{(digest or 'none')[:12]}, its fork {ffam}@r{frev} was published with "
                            f"{(published[0] or 'none')[:12]}")

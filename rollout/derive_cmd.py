@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-id", help="the derived run's id (default: a new derive-XXXXXXXX; give an existing one "
                                     "to resume it)")
     p.add_argument("--fork", type=int, default=0, help="the source revision to train from (default 0)")
+    p.add_argument("--fork-checkpoint", metavar="PATH",
+                   help="the fork revision's weights when the source run has none on record (an imported run: a .pt "
+                        "file, or an HF folder or its model.safetensors)")
     p.add_argument("--revisions", help="only rollouts admitted under these source revisions: A:B, A: or :B")
     p.add_argument("--since", type=datetime.fromisoformat, help="only rollouts created at or after (ISO 8601)")
     p.add_argument("--until", type=datetime.fromisoformat, help="only rollouts created before (ISO 8601)")
@@ -115,10 +118,12 @@ async def find_source(settings: Any, run_id: str) -> str:
     return runs[0].prefix
 
 
-async def fork_revision(kw: dict[str, Any], prefix: str, run_id: str, revision: int):
-    """(the source run's revision, its SourceEvent), its checkpoint present and matching its digest."""
+async def fork_revision(kw: dict[str, Any], prefix: str, run_id: str, revision: int, weights: str | None = None):
+    """(the source run's revision, its SourceEvent, the checkpoint to start from): the revision's own, present and
+    matching its digest, or ``weights`` for a revision with none on record (an imported run)."""
     from policy.checkpoint import checkpoint_path, file_sha256
     from schemas.envelope import SourceEvent
+    from schemas.policy import CheckpointRef
     from streams.revisions import RevisionFollower
 
     async with RevisionFollower(kw, topic=prefix + "policy-revisions") as follower:
@@ -128,8 +133,15 @@ async def fork_revision(kw: dict[str, Any], prefix: str, run_id: str, revision: 
         have = sorted({rev.revision for _, rev in pairs})
         raise DeriveError(f"run {run_id} has no revision {revision} (it has {_span(have)}): choose --fork among them")
     rec, rev = found
+    where = SourceEvent.of(run_id, rec.topic, rec.partition, rec.offset, rec.value)
     if rev.checkpoint is None:
-        raise DeriveError(f"run {run_id}'s revision {revision} names no checkpoint: choose another --fork")
+        if weights is None:
+            raise DeriveError(f"run {run_id}'s revision {revision} names no checkpoint (an imported run records no "
+                              f"weights): give them with --fork-checkpoint PATH")
+        path = Path(weights) / "model.safetensors" if Path(weights).is_dir() else Path(weights)
+        if not path.is_file():
+            raise DeriveError(f"--fork-checkpoint {weights}: no such checkpoint file")
+        return rev, where, CheckpointRef(uri=path.resolve().as_uri(), digest=file_sha256(path))
     path = checkpoint_path(rev.checkpoint)
     if not path.exists():
         raise DeriveError(f"run {run_id}'s revision {revision}: its checkpoint {path} is missing (moved or pruned); "
@@ -138,14 +150,14 @@ async def fork_revision(kw: dict[str, Any], prefix: str, run_id: str, revision: 
         raise DeriveError(f"run {run_id}'s revision {revision}: its checkpoint {path} does not match its digest "
                           f"{rev.checkpoint.digest[:12]} (it was changed after it was published): refusing to train "
                           f"from different weights")
-    return rev, SourceEvent.of(run_id, rec.topic, rec.partition, rec.offset, rec.value)
+    return rev, where, rev.checkpoint
 
 
 def _span(revs: list[int]) -> str:
     return "none" if not revs else f"r{revs[0]}" if len(revs) == 1 else f"r{revs[0]}..r{revs[-1]}"
 
 
-async def publish_fork(kw: dict[str, Any], family: str, run_id: str, source, where) -> None:
+async def publish_fork(kw: dict[str, Any], family: str, run_id: str, source, where, checkpoint) -> None:
     """The derived chain's first revision (idempotent: a resumed run finds it, and it must be the same fork)."""
     from schemas.policy import PolicyRevision
     from streams.revisions import latest_revision, publish
@@ -157,7 +169,7 @@ async def publish_fork(kw: dict[str, Any], family: str, run_id: str, source, whe
                               f"its own --fork {have.fork.revision if have.fork else 0}, or start a new run")
         return
     await publish(kw, PolicyRevision(run_id=run_id, producer="derive", family=family, revision=source.revision,
-                                     checkpoint=source.checkpoint, served_model=source.served_model,
+                                     checkpoint=checkpoint, served_model=source.served_model,
                                      fork=source.ref(), source=where))
 
 
@@ -173,13 +185,13 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
     run_id = args.run_id or f"derive-{uuid.uuid4().hex[:8]}"
     kw = kafka.client_kwargs()
     source_prefix = await find_source(kafka, args.source)
-    source, where = await fork_revision(kw, source_prefix, args.source, args.fork)
+    source, where, checkpoint = await fork_revision(kw, source_prefix, args.source, args.fork, args.fork_checkpoint)
     family = f"{source.family}.{run_id}"
     derivation = Derivation(run_id=run_id, source_run_id=args.source, source_prefix=source_prefix, fork=source.ref(),
                             from_revision=lo, to_revision=hi, since=args.since, until=args.until, rescore=rescore)
     os.environ["ROLLOUT_TOPIC_PREFIX"] = f"{run_id}."  # the derived run's own topics, groups and ids
     await topics.create_topics(kafka.admin_kwargs())
-    await publish_fork(kw, family, run_id, source, where)
+    await publish_fork(kw, family, run_id, source, where, checkpoint)
     flags = {k: v for k, v in (("credit", args.credit), ("batch_records", args.batch_records), ("lr", args.lr))
              if v is not None}
     cfg = service_settings.build(flags, family=family, derivation=derivation, flush_after_s=args.flush_after_s,
