@@ -1,9 +1,9 @@
 """Verifiers: score one rollout (with its steps) according to its ScoringSpec. Pure, async, no Kafka.
 
 A scoring kind (``ScoringSpec.kind``) is a ``Verifier`` subclass registered with ``@register_verifier``
-into ``VERIFIERS``: ``exact_match``, ``rubric``, ``llm_judge``, ``zero_sum_judge`` and ``monte_carlo``
-below, or one of your own in any module imported before the service starts. Each declares what it needs
-(``needs_judge``, ``needs_children``, the spec fields its ``check`` demands), and the verifier service
+into ``VERIFIERS``: ``exact_match``, ``rubric``, ``llm_judge``, ``zero_sum_judge``, ``monte_carlo`` and
+``recorded`` below, or one of your own in any module imported before the service starts. Each declares what it
+needs (``needs_judge``, ``needs_children``, the spec fields its ``check`` demands), and the verifier service
 asks ``needs_children`` / ``child_member`` instead of knowing any kind by name.
 
 A reward function that raises or times out raises ``ScoringError``; the verifier service dead-letters the
@@ -439,13 +439,35 @@ class MonteCarlo(Verifier):
         return monte_carlo(rollout, spec, child_outcomes or ())
 
 
+@register_verifier
+class Recorded(Verifier):
+    """The rewards a rollout came with, per member, in param ``rewards``: an imported run's (``rollout
+    import-traces`` records each seat's trace reward so), which a derived run re-credits and re-trains as they
+    were, or re-scores with ``--rubric``."""
+
+    kind = "recorded"
+
+    def check(self, spec: ScoringSpec) -> None:
+        rewards = spec.params.get("rewards")
+        if not isinstance(rewards, dict) or not all(isinstance(v, int | float) for v in rewards.values()):
+            raise ScoringError("recorded scoring needs params.rewards: {member: reward}")
+
+    async def score(self, rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec, *, judge: Judge | None,
+                    child_outcomes: Sequence[float] | None) -> Verdict:
+        rewards = spec.params["rewards"]
+        return Verdict({m: float(rewards.get(m, 0.0)) for m in scored_members(rollout)}, {}, "recorded")
+
+
 async def score(rollout: Rollout, steps: Sequence[Step], *, judge: Judge | None = None,
                 child_outcomes: Sequence[float] | None = None, rescore: Rescore | None = None) -> Verdict:
     """Score a rollout with the spec it carries (a derived run's ``rescore`` replacing parts of it). Failed
     rollouts score 0 for every member, without scoring."""
     if rollout.status == "failed":
         return Verdict({m: 0.0 for m in rollout.members}, {"failed": 1.0}, "failed")
-    spec = spec_of(rollout) if rescore is None else rescore.apply(spec_of(rollout))
+    if rescore is not None and SCORING_ARTIFACT not in rollout.artifacts:  # a rollout that came with no spec
+        spec = rescore.apply(ScoringSpec(kind=rescore.kind or "rubric"))
+    else:
+        spec = spec_of(rollout) if rescore is None else rescore.apply(spec_of(rollout))
     v = verifier_of(spec)
     v.check(spec)
     if v.needs_children and child_outcomes is None:
