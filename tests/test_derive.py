@@ -89,7 +89,8 @@ async def test_a_run_with_a_buggy_reward_re_scored_with_the_fix_and_re_trained(k
     steps = {s.rollout_id: s for s in await _events(kw, prefix_a + "steps", Step)}
     before = await _ends(kw, prefix_a)
 
-    out = await run_derived(_args(source, "--rubric", "tests._rewards:fixed_sum", "--batch-records", "8",
+    out = await run_derived(_args(source, "--rubric", "tests._rewards:fixed_sum", "--credit", "reinforce_baseline",
+                                  "--batch-records", "8",
                                   "--flush-after-s", "1", "--checkpoint-dir", str(tmp_path / "b"), "--no-progress"),
                             kafka_settings)
     derived, prefix_b = out["run_id"], out["prefix"]
@@ -106,6 +107,7 @@ async def test_a_run_with_a_buggy_reward_re_scored_with_the_fix_and_re_trained(k
     used = Counter(r.rollout_id for b in batches for r in b.records)
     assert used == Counter(list(rollouts))  # each source rollout in exactly one batch of B
     assert all(b.history is not None and b.history.source_run_id == source for b in batches)
+    assert {r.credit for b in batches for r in b.records} == {"reinforce_baseline"}  # re-credited, too
     revs_b = await _events(kw, prefix_b + "policy-revisions", PolicyRevision)
     assert revs_b[0].fork == revs_a[0].ref() and revs_b[0].family == out["family"]
     assert max(r.revision for r in revs_b) >= 3
