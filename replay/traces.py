@@ -79,6 +79,7 @@ import numpy as np
 from schemas.envelope import Event
 from schemas.events import ChatMessage, Rollout, RolloutScored, Step, StepTokens, ToolCall
 from schemas.policy import CheckpointRef, PolicyRef, PolicyRevision
+from schemas.scoring import SCORING_ARTIFACT, ScoringSpec
 
 TRACE_VERSION = 1  # verifiers.v1.trace.TRACE_VERSION this module reads and writes
 TRACE_VERSIONS = (1,)  # every Trace.version import reads (0.4.0 and the 0.4.1 development builds both write 1)
@@ -779,6 +780,11 @@ def episode_events(ep: Mapping[str, Any], run_id: str, *, family: str | None = N
     env_name = (head or {}).get("environment") or (ep.get("env") or {}).get("name") or (ep.get("env") or {}).get("id") \
         or "verifiers"
     group_size = int((head or {}).get("group_size") or 1)
+    # a dropped trace is left out of the rewards (and so of every baseline and group mean) and of the training data
+    left_out = set(dropped) - derived
+    rewards = {m: r for m, t in zip(names, traces) if m not in left_out and (r := _trace_reward(t)) is not None}
+    if rewards and not head:  # a foreign trace: on the log, a verifier scores it with the reward it came with
+        artifacts[SCORING_ARTIFACT] = ScoringSpec(kind="recorded", params={"rewards": rewards}).model_dump(mode="json")
     rollout = Rollout(
         run_id=run_id, producer=producer, rollout_id=rollout_id,
         episode_type=(head or {}).get("episode_type") or "verifiers",
@@ -790,9 +796,6 @@ def episode_events(ep: Mapping[str, Any], run_id: str, *, family: str | None = N
         status=status, failure_reason=failure if status != "completed" else None, evaluation=evaluation)
     out: list[tuple[str, Event]] = [("steps", s) for s in steps] + [("rollouts", rollout)]
 
-    # a dropped trace is left out of the rewards (and so of every baseline and group mean) and of the training data
-    left_out = set(dropped) - derived
-    rewards = {m: r for m, t in zip(names, traces) if m not in left_out and (r := _trace_reward(t)) is not None}
     scored_by = (head or {}).get("score")
     if rewards or scored_by or dropped:
         metrics: dict[str, float] = {}
