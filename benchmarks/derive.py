@@ -11,8 +11,8 @@ byte-level model, revision 0) are written once, on fresh topics, then:
   on its own topics; the clock is the command's own (start to caught up, its quiet wait left out).
 
 Both use an off-policy bound of N/B, so no record is refused on either side: the figure is the work, not the
-rule. The derived batcher builds one batch per revision (no arena paces history), the live one pipelines, so the
-difference is mostly that pacing: each derived batch waits for the trainer's previous revision.
+rule. The derived batcher stays at most four batches ahead of its trainer (no arena paces history), the live one
+builds every batch it can, so the difference is mostly that pacing.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ and Rollouts; nothing is ever written under the source run's prefix.
 Its revision chain forks from one source revision (``--fork``, default 0): the family ``<family>.<run id>``
 starts with that revision's checkpoint (digest checked) and goes on from its number. How history is trained
 (``schemas.history``): token-level PPO clip of exp(logp_now - logp_recorded) against the logprobs the
-generating revision recorded; the batcher builds one batch per derived revision (the trainer's pace), and a
+generating revision recorded; the batcher stays at most four batches ahead of the trainer (its pace), and a
 record whose generating revision's number is more than ``--max-off-policy-steps`` from the target's (the
 derived chain numbered on from the fork) is refused with its reason (a dead letter).
 Every derived score and record names its source Rollout (run, topic, partition, offset, digest); replay the
@@ -175,6 +175,7 @@ async def publish_fork(kw: dict[str, Any], family: str, run_id: str, source, whe
 
 async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
     from consumers import settings as service_settings
+    from consumers.batching import HISTORY_AHEAD
     from consumers.runner import System
     from consumers.status import service_lag
     from schemas.history import Derivation
@@ -200,7 +201,7 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
     print(f"derived run {run_id}: from run {args.source} (topics {source_prefix}*), training {family} from "
           f"{source.family}@r{source.revision}", file=sys.stderr)
     print(f"history rule: {derivation.rule().importance} (clip {derivation.rule().clip:g}) against the recorded "
-          f"logprobs; one batch per revision; records more than {cfg.max_off_policy_steps} revisions from the "
+          f"logprobs; at most {HISTORY_AHEAD} batches ahead of the trainer; records more than {cfg.max_off_policy_steps} revisions from the "
           f"target refused",
           file=sys.stderr)
     t0 = time.monotonic()

@@ -35,7 +35,7 @@ class HistoryRule(Record):
     [1 - clip, 1 + clip] (PPO/GRPO's pessimistic min), token-mean over the loss mask. Token-level, not
     sequence-level: a sequence ratio over hundreds of tokens of much older weights is 0 or huge, and clipping
     it discards whole sequences. The staleness bound is ``history_lag`` against the batch's
-    ``max_off_policy_steps``, and the derived batcher builds one batch per revision (the trainer's pace).
+    ``max_off_policy_steps``, and the derived batcher stays at most ``consumers.batching.HISTORY_AHEAD`` batches ahead of the trainer.
     """
 
     source_run_id: str = Field(min_length=1)

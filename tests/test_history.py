@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from consumers import scoring, testing
-from consumers.batching import BatchPolicy, Batcher
+from consumers.batching import HISTORY_AHEAD, BatchPolicy, Batcher
 from consumers.credit import record_id, records_for
 from schemas.batch import assemble_batch, stale_reason
 from schemas.envelope import SourceEvent
@@ -46,15 +46,15 @@ def test_a_history_record_past_the_bound_is_refused_with_its_reason_and_another_
     assert batch.history == RULE and batch.family == DERIVED
 
 
-def test_the_derived_batcher_builds_one_batch_per_revision_and_refuses_stale_history():
+def test_the_derived_batcher_stays_at_most_HISTORY_AHEAD_batches_ahead_of_the_trainer_and_refuses_stale_history():
     b: Batcher = Batcher(BatchPolicy(family=DERIVED, max_off_policy_steps=2, batch_records=2, history=RULE), "b")
-    for i in range(6):
+    for i in range(2 * (HISTORY_AHEAD + 2)):
         assert b.add(testing.training_record(i, revision_=3, family="tiny"), 0.0) is None
     assert b.add(testing.training_record(99, family="other"), 0.0).error_type == "CrossFamilyMixError"
-    batches, refused = b.poll(_target(3), 1.0)
-    assert len(batches) == 1 and not refused  # three batches' worth waiting: one for r3, then the trainer's turn
-    assert b.poll(_target(3), 2.0) == ([], [])
-    assert len(b.poll(_target(4), 3.0)[0]) == 1
+    batches, refused = b.poll(_target(3), 1.0)  # at the fork: more batches' worth waiting than may go
+    assert len(batches) == HISTORY_AHEAD and not refused and b.history_batches == HISTORY_AHEAD
+    assert b.poll(_target(3), 2.0) == ([], [])  # the trainer has not published from them yet
+    assert len(b.poll(_target(4), 3.0)[0]) == 1  # one trained: one more
     batches, refused = b.poll(_target(6), 4.0)  # r6 is 3 from the records' r3: past the bound of 2
     assert not batches and [r.error_type for r in refused] == ["StaleRecordError"] * 2
 

@@ -60,10 +60,10 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records, and a 
         return {topics.TRAINING_RECORDS.name: [it.tag.offset for it in self.batcher.items]}
 
     def state(self) -> dict[str, Any]:
-        return {"paced": self.batcher.paced} if self.batcher.paced >= 0 else {}
+        return {"history_batches": self.batcher.history_batches} if self.batcher.history_batches else {}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.batcher.paced = int(state.get("paced", -1))
+        self.batcher.history_batches = int(state.get("history_batches", 0))
 
 
 

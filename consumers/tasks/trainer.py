@@ -105,7 +105,10 @@ class TrainerTask(TaskDefaults):
         # Loading the model and preparing tensors take seconds on a busy CPU: off the event loop, whose heartbeats
         # keep every service of this process in its consumer group (a load on the loop cost them their membership)
         trainer = await asyncio.to_thread(self._ensure, batch)
-        holds = PolicyRef(family=self.family, revision=trainer.revision)
+        # a derived run's batch is checked against its own target: its bound paces history (schemas.history), and
+        # a batch refused whole would leave no revision for the batcher's next one to wait on
+        holds = PolicyRef(family=self.family, revision=trainer.revision if batch.history is None
+                          else batch.target.revision)
         keep, outs = [], []
         for r in batch.records:
             reason = stale_reason(r, holds, batch.max_off_policy_steps, batch.history)
