@@ -24,7 +24,10 @@ own ``Trace``/``WireEpisode`` models):
   messages and tokens on the path to it, completion = the node's sampled span and logprobs), and one
   RolloutScored (a member's reward = ``Trace.reward``, the weighted sum of its rewards; named reward
   components and metrics go to ``metrics``), produced onto the log as a new run, so it can be
-  replayed, queried and audited. Steps name a policy revision: the one recorded by our export, else
+  replayed, queried and audited. ``FILE`` may also be a prime-rl run's trace stream (its output dir,
+  ``monitors/file/traces`` or its ``stream/``: chunks read in order, annotations folded on; ``replay.trace_stream``);
+  a trace's folded ``info`` is kept under ``artifacts["verifiers"]["info"]`` and its ``info.advantage`` (prime-rl's
+  credit) goes to the score's ``metrics``. Steps name a policy revision: the one recorded by our export, else
   the trace's training policy span (``run.work.policy.start``, ``policy_exact`` only when the span has
   no drift), else revision 0 of the agent's model; the import publishes each named revision
   (``PolicyRevision``, no checkpoint digest unless the export recorded one).
@@ -538,6 +541,7 @@ class Imported:
     revisions: list[PolicyRevision] = field(default_factory=list)
     episodes: list[list[tuple[str, Event]]] = field(default_factory=list)  # per rollout: steps, rollout, score
     skipped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # how a trace stream was read, where worth saying
 
     @property
     def rollouts(self) -> int:
@@ -554,6 +558,9 @@ def read_trace_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, episode record) of a traces.jsonl; a bare trace line is wrapped as a one-trace episode."""
     p = Path(path)
     if p.is_dir():
+        if not (p / "traces.jsonl").exists():
+            raise FileNotFoundError(f"{p}: neither a traces.jsonl nor a prime-rl trace stream "
+                                    "(monitors/file/traces/stream/) is there")
         p = p / "traces.jsonl"
     with p.open(encoding="utf-8") as f:
         for no, line in enumerate(f, 1):
@@ -564,6 +571,27 @@ def read_trace_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 row = {"id": row.get("id") or uuid.uuid4().hex, "task": row.get("task"), "ok": row.get("ok", False),
                        "errors": row.get("errors") or [], "traces": [row]}
             yield no, row
+
+
+def read_episodes(path: str | Path, imp: Imported | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, episode record) of a run's traces: a prime-rl trace stream (its run dir, ``monitors/file/traces`` or
+    the ``stream`` dir: chunks in order, sealed ones decompressed, annotations folded on; see
+    ``replay.trace_stream``), else a traces.jsonl (the file, or a dir holding one). What a stream read had to
+    skip, and how it was read, goes to ``imp.skipped`` and ``imp.notes``."""
+    from replay.trace_stream import TraceStream, locate
+
+    traces = locate(path)
+    if traces is None:
+        for no, row in read_trace_lines(path):
+            yield f"line {no}", row
+        return
+    stream = TraceStream(traces)
+    try:
+        yield from stream.episodes()
+    finally:
+        if imp is not None:
+            imp.skipped.extend(stream.skipped)
+            imp.notes.extend(stream.notes)
 
 
 def _sampled_calls(trace: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -643,8 +671,10 @@ def episode_events(ep: Mapping[str, Any], run_id: str, *, family: str | None = N
     root_group_id = (head or {}).get("root_group_id") or group_id
     work = (ep.get("run") or {}).get("work") or {}
     span = work.get("policy") or None
-    evaluation = bool((head or {}).get("evaluation")) if head else (work.get("type") == "eval" or
-                                                                     (ep.get("run") or {}).get("type") == "eval")
+    evaluation = bool((head or {}).get("evaluation")) if head else (
+        work.get("type") == "eval" or (ep.get("run") or {}).get("type") == "eval"
+        # prime-rl's trace stream holds train and eval work alike, each trace stamped with its kind on arrival
+        or any((t.get("info") or {}).get("kind") == "eval" for t in traces))
 
     def ref_for(trace: Mapping[str, Any], recorded: Mapping[str, Any] | None, spans: list[list[Any]] | None,
                 n_completion: int) -> tuple[PolicyRef, bool]:
@@ -767,6 +797,11 @@ def episode_events(ep: Mapping[str, Any], run_id: str, *, family: str | None = N
                      "verifiers_version": (traces[0].get("verifiers") or {}).get("version")}
         artifacts[VF_KEY] = {"format": form, "agents": {m: t.get("agent") for m, t in zip(names, traces)
                                                         if t.get("agent")}}
+        # a trace's info as read, annotations folded on (prime-rl: kind, dispatch/arrival/ship {step, time},
+        # effective, advantage, trainer): no event field holds it
+        infos = {m: info for m, t in zip(names, traces) if (info := t.get("info"))}
+        if infos:
+            artifacts[VF_KEY]["info"] = infos
     if new_drops or kept_spans:  # kept so that an export writes them back (and a re-import finds them)
         vf_kept = dict(artifacts.get(VF_KEY) or {"format": form})
         if new_drops:
@@ -805,6 +840,9 @@ def episode_events(ep: Mapping[str, Any], run_id: str, *, family: str | None = N
                     continue
                 key = k if (k not in metrics or metrics[k] == float(v)) else f"{m}/{k}"
                 metrics[key] = float(v)
+            advantage = (t.get("info") or {}).get("advantage")  # the credit prime-rl gave it (an annotation)
+            if isinstance(advantage, (int, float)) and not isinstance(advantage, bool):
+                metrics[f"{m}/advantage" if len(traces) > 1 else "advantage"] = float(advantage)
             named = {k: r for k, r in (t.get("rewards") or {}).items() if r is not None}
             if set(named) != {"reward"} and m not in left_out:
                 for k, r in named.items():
@@ -835,20 +873,21 @@ def training_steps(steps: list[Step], status: str, dropped: Mapping[str, str] | 
 
 
 def import_file(path: str | Path, run_id: str | None = None, *, family: str | None = None) -> Imported:
-    """A traces.jsonl as the events of a new run (nothing is produced; see ``produce_imported``).
+    """A run's traces as the events of a new run (nothing is produced; see ``produce_imported``): a traces.jsonl,
+    or a prime-rl trace stream directory (``read_episodes``).
 
-    A malformed line is skipped (``Imported.skipped``); a trace of an unknown schema version raises
+    A malformed episode is skipped (``Imported.skipped``); a trace of an unknown schema version raises
     UnsupportedTraceVersion, and nothing of the file is imported."""
     imp = Imported(run_id=run_id or uuid.uuid4().hex[:12])
     revisions: dict[tuple[str, int], PolicyRevision] = {}
     by_rollout: dict[str, int] = {}
-    for no, ep in read_trace_lines(path):
+    for where, ep in read_episodes(path, imp):
         try:
             events = episode_events(ep, imp.run_id, family=family, revisions=revisions)
         except UnsupportedTraceVersion as e:  # not one bad line: a file of a schema we do not read, refused whole
-            raise UnsupportedTraceVersion(f"{path} line {no}: {e}") from None
+            raise UnsupportedTraceVersion(f"{path} {where}: {e}") from None
         except (ValueError, KeyError, TypeError) as e:
-            imp.skipped.append(f"line {no}: {type(e).__name__}: {e}")
+            imp.skipped.append(f"{where}: {type(e).__name__}: {e}")
             continue
         rid = next(e.rollout_id for k, e in events if k == "rollouts")
         if rid in by_rollout:  # a re-run of the same rollout id (a resumed eval): the last line wins

@@ -9,6 +9,7 @@
     rollout export --db run.duckdb --out DIR       every table and view as Parquet
     rollout export --db run.duckdb --format traces --out traces.jsonl   the run as verifiers v1 traces
     rollout import-traces traces.jsonl [--run-id ID]   a verifiers/prime-rl traces.jsonl onto the log as a run
+    rollout import-traces RUN_DIR [--run-id ID]        a prime-rl run's trace stream (monitors/file/traces) likewise
     rollout report --db run.duckdb --out report.html
 
 Every command but replay refuses a --db that is missing or not a DuckDB file, in one line.
@@ -73,9 +74,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "imported")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("import-traces", help="write a verifiers/prime-rl traces.jsonl onto the log as a run "
-                                             "(then: rollout replay --run ID)")
-    p.add_argument("path", help="traces.jsonl (one episode or trace per line), or a run directory holding one")
+    p = sub.add_parser("import-traces", help="write a verifiers/prime-rl traces.jsonl, or a prime-rl run's trace "
+                                             "stream, onto the log as a run (then: rollout replay --run ID)")
+    p.add_argument("path", help="traces.jsonl (one episode or trace per line), or a run directory holding one; or "
+                                "a prime-rl trace stream: the run's output dir, its monitors/file/traces dir or that "
+                                "dir's stream/ (chunks NNNNN.jsonl and sealed NNNNN.jsonl.zst in order, "
+                                "stream.index.jsonl, annotations/<producer>/ folded on, the later value winning)")
     p.add_argument("--run-id", help="run id of the imported run (default: a new one)")
     p.add_argument("--family", help="model family for steps whose trace names no revision (default: the agent's model)")
     p.add_argument("--dry-run", action="store_true", help="map and count, produce nothing")
@@ -224,6 +228,8 @@ def cmd_import_traces(args: argparse.Namespace) -> int:
         return _fail("import-traces", e, 2)
     for line in imp.skipped[:20]:
         print(f"skipped {line}", file=sys.stderr)
+    for note in imp.notes:
+        print(f"note: {note}", file=sys.stderr)
     if not imp.episodes:
         return _fail("import-traces", "no episode could be read", 1)
     if not args.dry_run:
