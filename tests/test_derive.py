@@ -194,3 +194,42 @@ async def test_a_derived_run_refuses_what_it_cannot_use_in_one_line(kafka_settin
     done = subprocess.run([sys.executable, "-m", "rollout.cli", "derive", source], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "is missing" in done.stderr, done.stderr
+
+
+async def test_a_prime_rl_trace_stream_imported_then_derived_from(kafka_settings, monkeypatch, tmp_path):
+    """History from outside: a prime-rl run's trace stream (tests/fixtures/prime-rl-trace-stream) imported as a run
+    (its rewards as recorded, no weights), then re-trained from weights given for its revision 0."""
+    from policy.checkpoint import save_checkpoint
+    from policy.model import PolicyModel
+    from replay.traces import import_file, produce_imported
+
+    kw = kafka_settings.client_kwargs()
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", f"prs-{uuid.uuid4().hex[:8]}.")
+    await topics.create_topics(kafka_settings.admin_kwargs())
+    imp = import_file(ROOT / "tests/fixtures/prime-rl-trace-stream", f"prs-{uuid.uuid4().hex[:8]}")
+    await produce_imported(imp, kafka_settings)
+    source_scores = {s.rollout_id: s for ep in imp.episodes for kind, s in ep if kind == "scores"}
+    trainable = Counter({s.rollout_id: sum(len(t.completion_token_ids) > 0 for t in s.trainable_steps)
+                         for s in source_scores.values() if s.trainable_steps and not s.evaluation})
+    with pytest.raises(DeriveError, match="names no checkpoint .* --fork-checkpoint PATH"):
+        await run_derived(_args(imp.run_id), kafka_settings)
+    weights = save_checkpoint(PolicyModel.from_seed(0), tmp_path / "w", "imported", 0)  # token ids are < 256 here
+    out = await run_derived(_args(imp.run_id, "--fork-checkpoint", weights.uri.removeprefix("file://"),
+                                  "--batch-records", "2", "--flush-after-s", "1", "--no-progress",
+                                  "--checkpoint-dir", str(tmp_path / "b")), kafka_settings)
+    prefix_b = out["prefix"]
+    scores = await _events(kw, prefix_b + "scores", RolloutScored)
+    assert {s.rollout_id: s.rewards for s in scores} == {r: s.rewards for r, s in source_scores.items()}  # as recorded
+    batches = await _events(kw, prefix_b + "trainer-batches", TrainerBatch)
+    assert Counter(r.rollout_id for b in batches for r in b.records) == trainable  # one record per trainable step
+    revs = await _events(kw, prefix_b + "policy-revisions", PolicyRevision)
+    assert revs[0].fork.family == "Qwen/Qwen3-0.6B" and revs[0].checkpoint.digest == weights.digest
+    assert len(revs) - 1 == len(batches) >= 2
+    db = str(tmp_path / "both.duckdb")
+    await Replayer(db, kafka_settings, run_id=out["run_id"], prefix=prefix_b).run()
+    report = run_audit(db)
+    assert report.ok, [f.message for f in report.violations][:5]
+    with duckdb.connect(db, read_only=True) as con:
+        assert con.execute("SELECT count(DISTINCT run_id) FROM rollouts").fetchone()[0] == 1  # the source's
+        assert con.execute("SELECT count(*) FROM training_records WHERE source_run_id = ?",
+                           [imp.run_id]).fetchone()[0] == sum(len(b.records) for b in batches)

@@ -24,7 +24,7 @@ from replay.ingest import Replayer
 from replay.trace_stream import TraceStream, fold_updates, locate, read_lines
 from replay.traces import import_file, produce_imported, summary
 from rollout.cli import main
-from test_replay import log  # noqa: F401 - fixture
+from tests.test_replay import log  # noqa: F401 - fixture
 
 FIXTURE = Path(__file__).parent / "fixtures" / "prime-rl-trace-stream"
 TRACES = FIXTURE / "monitors" / "file" / "traces"
