@@ -126,7 +126,7 @@ async def run_fleet(kafka_settings, prefix: str, tmp_path: Path, *, arenas: int,
             batches = await topic(topics.TRAINER_BATCHES, TrainerBatch)
             letters = await topic(topics.DEAD_LETTERS, DeadLetter)
             stale = [d for d in letters if d.error_type == "StaleRecordError"]
-            if sum(len(b.records) for b in batches) + len(stale) >= len(records):
+            if sum(len(b.records) for b in batches) + sum(d.service == "batcher" for d in stale) >= len(records):
                 break
             await asyncio.sleep(1)
     lags = [int(m.group(1)) for d in stale if (m := re.search(r"is (\d+) revisions behind", d.error_message))]
@@ -153,8 +153,11 @@ async def test_three_arenas_share_one_bound_and_a_killed_one_blocks_nobody(kafka
     kw = kafka_settings.client_kwargs()
     book = await _ledger(kw)
     in_batches = Counter(r.record_id for b in batches for r in b.records)
-    refused = Counter(codec.decode(d.raw, TrainingRecord).record_id for d in stale)
-    assert max(in_batches.values()) == 1 and set(in_batches).isdisjoint(refused)
+    # the batcher refuses a record instead of batching it; the trainer refuses one of a batch it trains when its
+    # own revision has moved past the record's bound since the batch was built (two batches for one target)
+    refused = Counter(codec.decode(d.raw, TrainingRecord).record_id for d in stale if d.service == "batcher")
+    untrained = {codec.decode(d.raw, TrainingRecord).record_id for d in stale if d.service == "trainer"}
+    assert max(in_batches.values()) == 1 and set(in_batches).isdisjoint(refused) and untrained <= set(in_batches)
     assert set(in_batches) | set(refused) == {r.record_id for r in records}, "a record neither batched nor refused"
     # the ledger: the killed arena's open claims were given back, every other claim closed
     granted = [s for s in book.claims.values() if s.granted]

@@ -174,12 +174,13 @@ async def test_a_revision_that_cannot_be_loaded_stops_admission_and_is_never_sta
                   weights=VllmWeights(vllm_server.base_url), concurrency=8, client_options=CPU_CLIENT_OPTIONS)
     async with arena:
         await _wait_for(lambda: arena.current_policy.checkpoint_digest == rev0.checkpoint.digest, 60)
-        run = asyncio.create_task(arena.run(num_groups=50))
+        # no group limit: only the refused swap may end the run (50 groups once finished before the swap came)
+        run = asyncio.create_task(arena.run())
         await _wait_for(lambda: arena.stats.rollouts >= 8, 120)
         await _publish_revision(kw, revisions, bad)
         with pytest.raises(Exception, match="refusing to serve different weights"):
             await asyncio.wait_for(run, 120)
-    assert arena.pacer.error is not None and arena.stats.groups < 50  # admission stopped
+    assert arena.pacer.error is not None  # admission stopped
     steps = [e for *_, e in await read_all(kw, pipeline_topics[0])]
     rollouts = [e for *_, e in await read_all(kw, pipeline_topics[1])]
     assert steps and all(s.policy.revision == 0 for s in steps)  # nothing stamped with the refused revision
