@@ -3,7 +3,7 @@
     rollout derive run-1a2b --rubric mypkg.rewards:fixed          re-score with a fixed reward, re-train from r0
     rollout derive run-1a2b --credit rloo --fork 5                 another estimator, training from the source's r5
     rollout derive run-1a2b --revisions 3:9 --since 2026-11-20     a range: admission revisions, creation time
-    rollout derive run-1a2b --run-id derive-1a2b3c4d ...           resume a stopped derived run (same flags)
+    rollout derive run-1a2b --run-id derive-1a2b3c4d ...           resume a stopped derived run (same flags: checked)
 
 The derived run is the pipeline's own services (verifier, credit, batcher, trainer) under a topic prefix of
 its own (``<run id>.``) with their own consumer groups: exactly-once as the live services, so a stopped derived
@@ -157,20 +157,24 @@ def _span(revs: list[int]) -> str:
     return "none" if not revs else f"r{revs[0]}" if len(revs) == 1 else f"r{revs[0]}..r{revs[-1]}"
 
 
-async def publish_fork(kw: dict[str, Any], family: str, run_id: str, source, where, checkpoint) -> None:
-    """The derived chain's first revision (idempotent: a resumed run finds it, and it must be the same fork)."""
+async def publish_fork(kw: dict[str, Any], family: str, derivation, source, where, checkpoint) -> None:
+    """The derived chain's first revision, with the derivation's settings. Idempotent: a resumed run finds it,
+    and is refused unless its settings are the ones the run started with (other settings would mix two runs)."""
     from schemas.policy import PolicyRevision
-    from streams.revisions import latest_revision, publish
+    from streams.revisions import RevisionFollower, publish
 
-    have = await latest_revision(kw, family, revision=source.revision)
+    settings = derivation.model_dump(mode="json")
+    async with RevisionFollower(kw, family) as follower:
+        have = next((rev for _, rev in await follower.read_to_end() if rev.fork is not None), None)
     if have is not None:
-        if have.fork != source.ref():
-            raise DeriveError(f"derived run {run_id} forked from {have.fork}, not {source.ref()}: resume it with "
-                              f"its own --fork {have.fork.revision if have.fork else 0}, or start a new run")
+        if have.derivation != settings:
+            changed = sorted(k for k in settings if (have.derivation or {}).get(k) != settings[k])
+            raise DeriveError(f"derived run {derivation.run_id} was started with other settings ({', '.join(changed)}"
+                              f" differ): resume it with its first flags, or start a new run without --run-id")
         return
-    await publish(kw, PolicyRevision(run_id=run_id, producer="derive", family=family, revision=source.revision,
-                                     checkpoint=checkpoint, served_model=source.served_model,
-                                     fork=source.ref(), source=where))
+    await publish(kw, PolicyRevision(run_id=derivation.run_id, producer="derive", family=family,
+                                     revision=source.revision, checkpoint=checkpoint, served_model=source.served_model,
+                                     fork=source.ref(), source=where, derivation=settings))
 
 
 async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
@@ -192,7 +196,7 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
                             from_revision=lo, to_revision=hi, since=args.since, until=args.until, rescore=rescore)
     os.environ["ROLLOUT_TOPIC_PREFIX"] = f"{run_id}."  # the derived run's own topics, groups and ids
     await topics.create_topics(kafka.admin_kwargs())
-    await publish_fork(kw, family, run_id, source, where, checkpoint)
+    await publish_fork(kw, family, derivation, source, where, checkpoint)
     flags = {k: v for k, v in (("credit", args.credit), ("batch_records", args.batch_records), ("lr", args.lr))
              if v is not None}
     cfg = service_settings.build(flags, family=family, derivation=derivation, flush_after_s=args.flush_after_s,

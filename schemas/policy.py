@@ -6,7 +6,7 @@ import hashlib
 import re
 from typing import ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, JsonValue, model_validator
 
 from schemas.envelope import Event, Record, SourceEvent
 from schemas.errors import MissingCheckpointError
@@ -84,6 +84,9 @@ class PolicyRevision(Event):
         "a derived run's first revision (schemas.history): the source run's revision whose checkpoint it holds; "
         "its chain continues from there"))
     source: SourceEvent | None = Field(default=None, description="the fork's own event on the source run's log")
+    derivation: dict[str, JsonValue] | None = Field(default=None, description=(
+        "a derived run's first revision: the run's settings (schemas.history.Derivation), so that a resume with "
+        "other settings is refused"))
     metrics: dict[str, float] = Field(default_factory=dict, description=(
         "the training step that made this revision: loss, clip fraction, step seconds, and the trainer-inference "
         "logprob mismatch (mean/max |logprob(trainer) - logprob(inference)| over the batch's tokens, each "

@@ -181,6 +181,14 @@ async def test_a_derived_run_refuses_what_it_cannot_use_in_one_line(kafka_settin
         await run_derived(_args(source, "--rubric", "nosuch.module:fn"), kafka_settings)
     with pytest.raises(DeriveError, match=r"has no revision 7 \(it has r0\): choose --fork"):
         await run_derived(_args(source, "--fork", "7"), kafka_settings)
+    derived = f"derive-{uuid.uuid4().hex[:8]}"  # a derived run resumed with other settings would mix two runs
+    await run_derived(_args(source, "--run-id", derived, "--flush-after-s", "0.5", "--no-progress",
+                            "--checkpoint-dir", str(tmp_path / "b")), kafka_settings)
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)  # run_derived moved this process to the derived run's topics
+    with pytest.raises(DeriveError, match=rf"derived run {derived} was started with other settings \(rescore "
+                                          r"differ\): resume it with its first flags"):
+        await run_derived(_args(source, "--run-id", derived, "--rubric", "tests._rewards:fixed_sum"), kafka_settings)
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
     ckpt = next((tmp_path / "a").glob("*.pt"))
     ckpt.write_bytes(ckpt.read_bytes() + b"\0")
     with pytest.raises(DeriveError, match=r"does not match its digest .* refusing to train from different weights"):
