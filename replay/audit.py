@@ -46,10 +46,11 @@ import numpy as np
 import pyarrow as pa
 
 from replay.tables import open_read_only
+from schemas.batch import why_stale
 from schemas.digests import batch_digest, lineage_digest, record_digest
 from schemas.envelope import SourceEvent
 from schemas.events import TrainingRecord
-from schemas.history import HistoryRule, history_lag
+from schemas.history import HistoryRule
 from schemas.policy import PolicyRef
 
 VIOLATIONS = ("record_digest", "record_conflict", "batch_digest", "lineage_digest", "batch_sources", "record_mismatch",
@@ -166,22 +167,6 @@ def replayed_records(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[TrainingR
             yield rec, py["record_digest"][i], py["_partition"][i], py["_offset"][i]
 
 
-def _stale(fam: str, rev: int, target_fam: str, target_rev: int, bound: int, history: HistoryRule | None
-           ) -> str | None:
-    """The batcher's rule (``schemas.batch.stale_reason``), on replayed values; ``history``: a derived run's."""
-    derived = history is not None and fam == history.fork.family and fam != target_fam
-    if fam != target_fam and not derived:
-        return f"from family {fam!r}, target is {target_fam!r}"
-    lag = history_lag(PolicyRef(family=fam, revision=rev), PolicyRef(family=target_fam, revision=target_rev),
-                      history) if derived else target_rev - rev
-    if lag > bound:
-        return (f"from r{rev} is {lag} revisions behind target r{target_rev}"
-                f"{' through the fork ' + str(history.fork) if derived else ''} (max_off_policy_steps={bound})")
-    if lag < 0:
-        return f"from r{rev} is ahead of target r{target_rev}"
-    return None
-
-
 def audit(con: duckdb.DuckDBPyConnection) -> AuditReport:
     row = con.execute("SELECT value FROM _replay_meta WHERE key = 'run_id'").fetchone()
     counts = {t: n for t, n in con.execute("SELECT * FROM v_counts").fetchall()}
@@ -277,7 +262,7 @@ def audit(con: duckdb.DuckDBPyConnection) -> AuditReport:
             n_bound += 1
             revs = {(fam, rev)} | {(v[1], v[2]) for v in records.get(record_id, ())}
             for f, r in sorted(revs):
-                why = _stale(f, r, family, target_rev, bound, history)
+                why = why_stale(PolicyRef(family=f, revision=r), target, bound, history)
                 if why:
                     report.add("off_policy", batch_id, f"batch {batch_id} (target r{target_rev}): record {record_id} {why}")
     report.checked["batch_digests"] = len(batches)

@@ -16,27 +16,39 @@ from schemas.policy import PolicyRef, PolicyRevision
 
 def staleness(record: TrainingRecord, target: PolicyRef | PolicyRevision, history: HistoryRule | None = None) -> int:
     """How many revisions the record's source is behind the target (negative: ahead of it); for a derived run's
-    record of the source family, the optimizer steps between them through the fork (``history_lag``)."""
-    if history is not None and record.policy.family != target.family:
-        lag = history_lag(record.policy, target, history)
+    record of the source family, ``history_lag``."""
+    return _lag(record.policy, target, history)
+
+
+def _lag(generated: PolicyRef, target: PolicyRef | PolicyRevision, history: HistoryRule | None) -> int:
+    if history is not None and generated.family != target.family:
+        lag = history_lag(generated, target, history)
         if lag is not None:
             return lag
-    return target.revision - record.policy.revision
+    return target.revision - generated.revision
 
 
 def stale_reason(record: TrainingRecord, target: PolicyRef | PolicyRevision, max_off_policy_steps: int,
                  history: HistoryRule | None = None) -> str | None:
     """Why a record may not train ``target``, or None if it may."""
-    if record.policy.family != target.family and (history is None or record.policy.family != history.fork.family):
-        return f"record {record.record_id} is from family {record.policy.family!r}, target is {target.family!r}"
-    lag = staleness(record, target, history)
+    why = why_stale(record.policy, target, max_off_policy_steps, history)
+    return f"record {record.record_id} {why}" if why else None
+
+
+def why_stale(generated: PolicyRef, target: PolicyRef | PolicyRevision, max_off_policy_steps: int,
+              history: HistoryRule | None = None) -> str | None:
+    """The off-policy rule for tokens ``generated`` by a revision, trained at ``target`` (the batcher's, the
+    trainer's and the audit's): why not, or None."""
+    derived = history is not None and generated.family != target.family
+    if generated.family != target.family and not (derived and generated.family == history.fork.family):
+        return f"is from family {generated.family!r}, target is {target.family!r}"
+    lag = _lag(generated, target, history)
     if lag > max_off_policy_steps:
-        via = f" through the fork {history.fork}" if history is not None and record.policy.family != target.family \
-            else ""
-        return (f"record {record.record_id} from r{record.policy.revision} is {lag} revisions behind "
-                f"target r{target.revision}{via} (max_off_policy_steps={max_off_policy_steps})")
+        via = f" through the fork {history.fork}" if derived else ""
+        return (f"from r{generated.revision} is {lag} revisions behind target r{target.revision}{via} "
+                f"(max_off_policy_steps={max_off_policy_steps})")
     if lag < 0:
-        return f"record {record.record_id} from r{record.policy.revision} is ahead of target r{target.revision}"
+        return f"from r{generated.revision} is ahead of target r{target.revision}"
     return None
 
 

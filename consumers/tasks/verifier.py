@@ -36,6 +36,7 @@ class VerifierTask:
         self.children_seen: dict[str, float] = {}  # parent id -> when its last child was scored (since restore)
         self.scored = 0
         self.derivation = cfg.derivation
+        self.own_run = cfg.derivation.run_id if cfg.derivation else None  # a derived run's dead letters are its own
         self.steps_topic, self.rollouts_topic = cfg.reads(topics.STEPS), cfg.reads(topics.ROLLOUTS)
         self.skipped: dict[str, float] = {}  # a derived run's rollouts out of range -> when (their late steps go too)
 
@@ -61,7 +62,7 @@ class VerifierTask:
         try:
             rid = self._buffer(rec)
         except EventDecodeError as e:
-            return [dead_letter(rec, NAME, type(e).__name__, str(e), self.derivation and self.derivation.run_id)]
+            return [dead_letter(rec, NAME, type(e).__name__, str(e), self.own_run)]
         return [] if rid is None else await self._try(rid)
 
     def restore(self, rec: Any) -> None:
@@ -108,7 +109,7 @@ class VerifierTask:
 
     def _run(self, ev: Rollout | Step) -> str:
         """The run a dead letter belongs to: a derived run's own (the source run's topics are never written)."""
-        return self.derivation.run_id if self.derivation else ev.run_id
+        return self.own_run or ev.run_id
 
     def _forget(self, ro: Rollout) -> None:
         self.rollouts.pop(ro.rollout_id, None)
