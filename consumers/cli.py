@@ -54,19 +54,35 @@ def settings_from_args(args: argparse.Namespace) -> settings_mod.ServiceSettings
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import os
 
     from consumers.runner import serve, setup_logging
     from streams.config import KafkaError, KafkaSettings, ensure_broker
 
+    svc = SERVICES[args.name]
     cfg = settings_from_args(args)
     setup_logging(args.log_level)
+    group = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one rank of a data-parallel group
+        if not svc.data_parallel:
+            raise SystemExit(f"rollout serve {svc.name}: runs one process per instance, not under torchrun "
+                             "(scale it out by starting more instances); only the trainer trains data-parallel")
+        from consumers import distributed
+
+        group = distributed.launch()
+        if not group.leader:  # no Kafka here: train in lockstep with rank 0 until it stops
+            distributed.follow(group)
+            return 0
     try:
         kafka = KafkaSettings.from_env()
         kafka = kafka.with_bootstrap(ensure_broker(kafka))
-        asyncio.run(serve(SERVICES[args.name], cfg, kafka.client_kwargs(), metrics_port=args.metrics_port))
+        asyncio.run(serve(svc, cfg, kafka.client_kwargs(), metrics_port=args.metrics_port))
     except KafkaError as e:  # wrong credentials, untrusted broker, missing permission: one line, exit 1
         print(f"rollout serve {args.name}: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if group is not None:
+            distributed.stop_followers(group)
     return 0
 
 

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -30,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from consumers.distributed import Group, full_optimizer_state, full_state, load_full_state, shard
 from schemas.events import TrainerBatch
 from schemas.history import DEFAULT_CLIP
 from schemas.policy import CheckpointRef, PolicyRevision
@@ -181,8 +183,13 @@ class ReferenceTrainer:
     def __init__(self, model: Any, family: str, revision: int, checkpoint_dir: str | Path, *, lr: float = 1e-3,
                  clip: float = DEFAULT_CLIP, max_grad_norm: float = 1.0, epochs: int = 1,
                  kind: type[TinyPolicy] | type[HFPolicy] = TinyPolicy, keep_revisions: int = 3,
-                 keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None) -> None:
-        self.model = model
+                 keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None,
+                 group: Group | None = None) -> None:
+        # in a data-parallel group (``consumers.distributed``) the model trained is FSDP2's shard of it, and rank 0
+        # keeps the whole model beside it: what it writes as checkpoints and probes older revisions with
+        self.group = group
+        self.whole = model if group is None or group.leader else None
+        self.model = model if group is None else shard(copy.deepcopy(model) if group.leader else model)
         self.served_model = served_model  # stamped on every revision this trainer publishes
         self.family = family
         self.revision = revision
@@ -202,52 +209,69 @@ class ReferenceTrainer:
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self._probe: Any = None
         self._snapshot()
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay) if kind is HFPolicy \
-            else torch.optim.Adam(model.parameters(), lr=lr)
+        params = self.model.parameters()
+        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if kind is HFPolicy \
+            else torch.optim.Adam(params, lr=lr)
 
-    def loss(self, t: TrainerTensors, denom: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    def loss(self, t: TrainerTensors, denom: torch.Tensor | None = None, clip: float | None = None
+             ) -> tuple[torch.Tensor, dict[str, Any]]:
+        clip = self.clip if clip is None else clip
         new_lp = self.kind.logprobs(self.model, t)  # logp of token t+1
         mask = t.loss_mask[:, 1:]
         old_lp = t.old_logprobs[:, 1:]
         adv = t.advantages[:, 1:]
         ratio = torch.exp(new_lp - old_lp)
         unclipped = ratio * adv
-        clipped = torch.clamp(ratio, 1 - self.clip, 1 + self.clip) * adv
+        clipped = torch.clamp(ratio, 1 - clip, 1 + clip) * adv
         per_tok = -torch.minimum(unclipped, clipped)
         denom = mask.sum().clamp(min=1.0) if denom is None else denom
         loss = (per_tok * mask).sum() / denom
         with torch.no_grad():
-            frac = (((ratio - 1).abs() > self.clip).float() * mask).sum() / denom
+            frac = (((ratio - 1).abs() > clip).float() * mask).sum() / denom
             kl = ((old_lp - new_lp) * mask).sum() / denom
         return loss, {"loss": float(loss.detach()), "clip_frac": float(frac), "approx_kl": float(kl),
                       "new_lp": new_lp.detach()}
 
-    def _epoch(self, t: TrainerTensors) -> tuple[dict[str, float], torch.Tensor]:
-        """One optimizer step over the batch (micro-batches accumulate into it)."""
+    def _epoch(self, t: TrainerTensors, clip: float) -> tuple[dict[str, float], torch.Tensor]:
+        """One optimizer step over the batch (micro-batches accumulate into it). In a group each rank takes its
+        share of the rows; every rank runs the same number of micro-batches (one past its share runs with no
+        weight) so that FSDP2's collectives line up, and its gradients are reduced on the last one only."""
+        g = self.group
         self.opt.zero_grad()
         n = t.input_ids.shape[0]
-        size = self.kind.micro_batch or n
-        denom = t.loss_mask[:, 1:].sum().clamp(min=1.0)
-        totals = {"loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0}
+        mine, share = (g.rows(n), -(-n // g.world)) if g else (slice(0, n), n)
+        size = self.kind.micro_batch or max(share, 1)
+        steps = max(1, -(-share // size))
+        denom = t.loss_mask[:, 1:].sum().clamp(min=1.0)  # the whole batch's tokens, on every rank
+        scale = g.world if g else 1  # FSDP2 averages the ranks' gradients; the batch's gradient is their sum
+        totals = torch.zeros(3, dtype=torch.float64)
         new_lp = torch.zeros_like(t.old_logprobs[:, 1:])
-        for i in range(0, n, size):
-            part = _rows(t, slice(i, i + size))
-            loss, st = self.loss(part, denom)
-            loss.backward()
-            new_lp[i:i + size, :part.input_ids.shape[1] - 1] = st.pop("new_lp")
-            for k in totals:
-                totals[k] += st[k]
+        for k in range(steps):
+            lo = mine.start + k * size
+            hi = min(mine.stop, lo + size)
+            if g:
+                self.model.set_requires_gradient_sync(k == steps - 1)
+            part = _rows(t, slice(lo, hi) if lo < hi else slice(0, 1))
+            loss, st = self.loss(part, denom, clip)
+            (loss * (scale if lo < hi else 0.0)).backward()
+            if lo < hi:
+                new_lp[lo:hi, :part.input_ids.shape[1] - 1] = st["new_lp"]
+                totals += torch.tensor([st["loss"], st["clip_frac"], st["approx_kl"]], dtype=torch.float64)
+        if g:
+            g.all_sum(totals)
+            g.all_sum(new_lp)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.opt.step()
-        return totals, new_lp
+        return dict(zip(("loss", "clip_frac", "approx_kl"), totals.tolist())), new_lp
 
     def step(self, t: TrainerTensors, batch: TrainerBatch) -> dict[str, float]:
         t0 = time.perf_counter()
+        clip = batch.history.clip if batch.history is not None else self.clip  # a derived batch names its rule
         self.model.train()
         for epoch in range(self.epochs):
-            epoch_stats, new_lp = self._epoch(t)
+            epoch_stats, new_lp = self._epoch(t, clip)
             if epoch == 0:  # on-policy: the current weights, before any update
-                stats = {**epoch_stats, **self.mismatch(t, batch, new_lp)}
+                stats = {**epoch_stats, **(self.mismatch(t, batch, new_lp) if self.whole is not None else {})}
             else:  # later passes show how far the epochs moved
                 stats.update(clip_frac=epoch_stats["clip_frac"], approx_kl=epoch_stats["approx_kl"])
         self.model.eval()
@@ -262,14 +286,17 @@ class ReferenceTrainer:
         at = self.kind.location(ref)
         return at.with_name(at.name.removesuffix(".pt") + TRAINING_STATE_SUFFIX)
 
-    def _save_training_state(self, ref: CheckpointRef) -> None:
+    def _save_training_state(self, ref: CheckpointRef | None, model: dict[str, torch.Tensor]) -> None:
         """The float32 weights (an HF checkpoint serves bf16) and the optimizer's moments and step count at this
-        revision, so a trainer that takes over from it trains exactly as this one would have. The two newest are
-        kept: the one written before a commit that fails, and the last committed one."""
+        revision, so a trainer that takes over from it trains exactly as this one would have, on one rank or
+        many (the optimizer's state is keyed by parameter name). The two newest are kept: the one written before
+        a commit that fails, and the last committed one. In a group every rank gathers, rank 0 writes."""
+        optimizer = full_optimizer_state(self.model, self.opt, self.group)
+        if ref is None:
+            return
         path = self.training_state_path(ref)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        torch.save({"revision": self.revision, "model": {k: v.detach() for k, v in self.model.state_dict().items()},
-                    "optimizer": self.opt.state_dict()}, tmp)
+        torch.save({"revision": self.revision, "model": model, "optimizer": optimizer}, tmp)
         os.replace(tmp, path)
         self.states[self.revision] = path
         for old in sorted(self.states)[:-2]:
@@ -277,18 +304,24 @@ class ReferenceTrainer:
 
     def load_training_state(self, ref: CheckpointRef) -> bool:
         """Resume the weights and optimizer saved with checkpoint ``ref`` (``_save_training_state``); False when
-        there is none (a checkpoint from before training states were written)."""
-        path = self.training_state_path(ref)
-        if not path.exists():
+        there is none (a checkpoint from before training states were written). Rank 0 reads it for the group."""
+        path = self.training_state_path(ref) if self.whole is not None else None
+        found = path is not None and path.exists()
+        if self.group is not None:
+            found = self.group.agree(found)
+        if not found:
             return False
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        self.model.load_state_dict(blob["model"])
-        self.opt.load_state_dict(blob["optimizer"])
+        blob = torch.load(path, map_location="cpu", weights_only=True) if path is not None else None
+        load_full_state(self.model, self.opt, blob, self.group)
         self._snapshot()
         return True
 
-    def _snapshot(self) -> None:
-        self.snapshots[self.revision] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+    def _snapshot(self, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Keep this revision's weights (rank 0; gathered from every rank in a group)."""
+        state = full_state(self.model, self.group) if state is None else state
+        if self.whole is None:
+            return
+        self.snapshots[self.revision] = {k: v.detach().clone() for k, v in state.items()}
         for old in sorted(self.snapshots)[:-self.keep_revisions]:
             del self.snapshots[old]
 
@@ -304,9 +337,7 @@ class ReferenceTrainer:
                 lp = new_lp[rows]
             else:  # a forward pass with that revision's weights, on its rows only
                 if self._probe is None:
-                    import copy
-
-                    self._probe = copy.deepcopy(self.model)
+                    self._probe = copy.deepcopy(self.whole)
                 self._probe.load_state_dict(self.snapshots[r])
                 with torch.no_grad():
                     lp = self.kind.logprobs(self._probe.eval(), _rows(t, rows))
@@ -318,17 +349,25 @@ class ReferenceTrainer:
 
     def publish(self, *, run_id: str, producer: str = "trainer", metrics: dict[str, float] | None = None,
                 batch: TrainerBatch | None = None) -> PolicyRevision:
-        """The next revision: its checkpoint written, its parent and the batch it was trained on named."""
+        """The next revision: its checkpoint written, its parent and the batch it was trained on named. In a group
+        every rank gathers the weights and rank 0 alone writes and returns the revision (the others: None)."""
         nxt = self.revision + 1
-        ref = self.kind.save(self.model, self.dir, self.family, nxt)
+        state = full_state(self.model, self.group)
+        ref = None
+        if self.whole is not None:
+            if self.group is not None:
+                self.whole.load_state_dict(state)
+            ref = self.kind.save(self.whole, self.dir, self.family, nxt)
+        parent, self.revision = self.revision, nxt
+        self._snapshot(state)
+        self._save_training_state(ref, state)
+        if ref is None:
+            return None
         rev = PolicyRevision(run_id=run_id, producer=producer, family=self.family, revision=nxt, checkpoint=ref,
-                             parent_revision=self.revision, batch_id=batch.batch_id if batch else None,
+                             parent_revision=parent, batch_id=batch.batch_id if batch else None,
                              served_model=self.served_model,
                              batch_digest=batch.batch_digest if batch else None,
                              metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)})
-        self.revision = nxt
-        self._snapshot()
-        self._save_training_state(ref)
         self.written[nxt] = ref
         # never fewer than two: this revision is not committed yet, and if its commit fails the take-over
         # resumes from the previous one

@@ -69,7 +69,7 @@ class TrainerTask(TaskDefaults):
         return {"current": self.current} if self.current else {}
 
     def _ensure(self, batch: TrainerBatch) -> ReferenceTrainer:
-        from consumers.trainer import ReferenceTrainer, policy_kind
+        from consumers import distributed
 
         if self.trainer is None:
             if self.current:
@@ -85,10 +85,11 @@ class TrainerTask(TaskDefaults):
                 ref = CheckpointRef(uri=(self.dir / checkpoint_filename(ck.family, ck.revision, digest)).resolve()
                                     .as_uri(), digest=digest)
                 rev = ck.revision
-            kind = policy_kind(ref)
-            self.trainer = ReferenceTrainer(kind.load(ref), self.family, rev, self.dir, lr=self.lr,
-                                            epochs=self.epochs, kind=kind, keep_checkpoints=self.keep_checkpoints,
-                                            weight_decay=self.weight_decay, served_model=self.served_model)
+            opts = dict(ref=ref, revision=rev, family=self.family, checkpoint_dir=str(self.dir), lr=self.lr,
+                        epochs=self.epochs, keep_checkpoints=self.keep_checkpoints, weight_decay=self.weight_decay,
+                        served_model=self.served_model)
+            group = distributed.current()  # under torchrun: every rank opens its shard of the same trainer
+            self.trainer = distributed.Lockstep.open(group, **opts) if group else distributed.open_trainer(**opts)
             if self.current and not self.trainer.load_training_state(ref):
                 log.warning("resuming from revision %d without its training state (%s missing): fresh optimizer "
                             "moments, and the served weights' precision", rev, self.trainer.training_state_path(ref))
@@ -125,8 +126,6 @@ class TrainerTask(TaskDefaults):
         from consumers.trainer import to_tensors
 
         step = batch if len(keep) == len(batch.records) else batch.model_copy(update={"records": keep})
-        if batch.history is not None:  # the batch's rule: the importance ratio's clip
-            trainer.clip = batch.history.clip
         tensors = await asyncio.to_thread(to_tensors, step)
         stats = await asyncio.to_thread(self.user_step or trainer.step, tensors, step)
         stats.update(records=float(len(keep)), refused_records=float(len(outs)))

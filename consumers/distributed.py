@@ -1,0 +1,198 @@
+"""The trainer on ``torch.distributed``: FSDP2 data parallelism, launched with ``torchrun``.
+
+    torchrun --nproc-per-node 2 --max-restarts 3 -m consumers serve trainer --family F --checkpoint-dir D
+
+Rank 0 is the service: it alone owns the Kafka consumer, the transaction and the revision it publishes. The
+other ranks never touch Kafka: they follow rank 0 in lockstep (``Lockstep``). Every call rank 0 makes on its
+trainer (open it on a checkpoint, load the training state, train a batch, publish) is first broadcast on a
+gloo control group, then made on every rank, so the collectives inside each call (FSDP2's all-gathers and
+reduce-scatters, the full state gathered for a checkpoint) line up. Each rank trains its contiguous share of
+the batch's rows; the loss is normalised by the whole batch's token count, so the step equals the
+single-process trainer's on the same batch (to float rounding: ``tests/test_distributed_trainer.py``).
+
+Failure is the group's: when any rank dies, torchrun's agent stops the others and starts the whole group
+again (``--max-restarts``). Rank 0's open transaction is aborted by its successor (same transactional id), and
+the new group takes over from the changelog and the last committed revision's training state, so no batch is
+trained twice and no revision is skipped. Every rank reads checkpoints from the same path: on several nodes
+the checkpoint directory is a shared volume.
+
+The model is sharded with FSDP2 (``fully_shard``): it runs on CPU with gloo (checked on torch 2.13), so the
+same code path is tested here that a GPU group runs with NCCL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("rollout.trainer")
+
+CONTROL_TIMEOUT = timedelta(days=7)
+"""How long the followers wait for rank 0's next call: a trainer waits for batches as long as there are none.
+A dead rank 0 does not leave them waiting: torchrun stops the group when any rank exits."""
+
+
+@dataclass
+class Group:
+    """This process's place in the trainer's process group."""
+
+    rank: int
+    world: int
+    control: Any  # a gloo group: calls are broadcast on it whatever the compute backend
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def agree(self, value: Any = None) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def rows(self, n: int) -> slice:
+        """This rank's contiguous share of ``n`` rows (the last ranks' shares may be shorter or empty)."""
+        share = -(-n // self.world)
+        return slice(min(n, self.rank * share), min(n, (self.rank + 1) * share))
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+
+_GROUP: Group | None = None
+
+
+def current() -> Group | None:
+    """The group this process trains in (``launch``), or None when it trains alone."""
+    return _GROUP
+
+
+def world_size() -> int:
+    """How many processes torchrun started for this trainer (1 when not under torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launch() -> Group:
+    """Join the group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment): NCCL on GPUs, gloo
+    on CPUs, and a gloo control group for the calls rank 0 broadcasts."""
+    global _GROUP
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)  # the collectives of a step: their default timeout bounds a wedged rank
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    _GROUP = Group(dist.get_rank(), dist.get_world_size(), control)
+    log.info("joined the trainer group", extra={"fields": {"service": "trainer", "rank": _GROUP.rank,
+                                                           "world": _GROUP.world, "backend": backend}})
+    return _GROUP
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2: each transformer block its own unit (its parameters gathered only while it runs), then the rest
+    (embeddings, the tied head, norms) at the root; a model without blocks (the tiny GRU) is one unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in getattr(getattr(model, "model", None), "layers", ()):
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def full_state(model: torch.nn.Module, group: Group | None) -> dict[str, torch.Tensor]:
+    """The model's whole state on rank 0 (gathered from every rank's shards; empty on the others), on the CPU."""
+    if group is None:
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, group: Group | None) -> dict[str, Any]:
+    """The optimizer's whole state keyed by parameter name (one form for one rank or many), on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                         cpu_offload=group is not None))
+
+
+def load_full_state(model: torch.nn.Module, opt: torch.optim.Optimizer, blob: dict[str, Any] | None,
+                    group: Group | None) -> None:
+    """Rank 0's whole model and optimizer state into every rank's shards. An optimizer state keyed by position
+    (written before states were keyed by name) is renamed first."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=group is not None)
+    blob = blob or {"model": {}, "optimizer": {}}
+    optim = blob["optimizer"]
+    if any(isinstance(k, int) for k in optim.get("state", {})) or \
+            any(isinstance(p, int) for g in optim.get("param_groups", ()) for p in g["params"]):
+        names = [n for n, _ in model.named_parameters()]
+        optim = {"state": {names[i]: v for i, v in optim["state"].items()},
+                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]]}
+    set_model_state_dict(model, blob["model"], options=options)
+    set_optimizer_state_dict(model, opt, optim, options=options)
+
+
+class Lockstep:
+    """Rank 0's handle on the trainer of every rank: each call is broadcast, then made here; the followers
+    (``follow``) make the same call on their own trainer."""
+
+    def __init__(self, group: Group, opened: Any) -> None:
+        self.group = group
+        self.local = opened
+
+    @classmethod
+    def open(cls, group: Group, **kw: Any) -> Lockstep:
+        group.agree(("open", (), kw))
+        return cls(group, open_trainer(group=group, **kw))
+
+    def call(self, name: str, *args: Any, **kw: Any) -> Any:
+        self.group.agree((name, args, kw))
+        return getattr(self.local, name)(*args, **kw)
+
+    def step(self, *args: Any) -> dict[str, float]:
+        return self.call("step", *args)
+
+    def publish(self, **kw: Any) -> Any:
+        return self.call("publish", **kw)
+
+    def load_training_state(self, ref: Any) -> bool:
+        return self.call("load_training_state", ref)
+
+    def __getattr__(self, name: str) -> Any:  # what rank 0 only reads: revision, training_state_path, ...
+        return getattr(self.local, name)
+
+
+def stop_followers(group: Group) -> None:
+    """Rank 0 is done: the followers return from ``follow`` and exit with it."""
+    group.agree(("stop", (), {}))
+
+
+def follow(group: Group) -> None:
+    """A rank > 0: make every call rank 0 broadcasts on its own trainer, until rank 0 stops."""
+    trainer = None
+    while True:
+        name, args, kw = group.agree()
+        if name == "stop":
+            return
+        if name == "open":  # rank 0 opened its trainer again (a new task after a rebalance or a client rebuild)
+            trainer = open_trainer(group=group, **kw)
+        else:
+            getattr(trainer, name)(*args, **kw)
+
+
+def open_trainer(*, ref: Any, revision: int, family: str, checkpoint_dir: str, group: Group | None = None,
+                 **options: Any) -> Any:
+    """The reference trainer on checkpoint ``ref`` at ``revision``, sharded over ``group`` when there is one."""
+    from consumers.trainer import ReferenceTrainer, policy_kind
+
+    kind = policy_kind(ref)
+    return ReferenceTrainer(kind.load(ref), family, revision, checkpoint_dir, kind=kind, group=group, **options)
