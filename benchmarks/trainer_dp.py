@@ -65,7 +65,7 @@ def _rank_program(argv: list[str]) -> int:
                                                           "state": str(trainer.training_state_path(
                                                               CheckpointRef(**revs[-1]["checkpoint"])))}))
     if group is not None:
-        dist.destroy_process_group()
+        distributed.leave(group)
     return 0
 
 

@@ -86,7 +86,14 @@ def launch() -> Group:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)  # the collectives of a step: their default timeout bounds a wedged rank
+    # the store's keys of this attempt only: a group torchrun restarted read a dead rank's address left in its
+    # store by the attempt before, and could not connect (seen in 3 of 4 restarts on torch 2.13)
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://"))
+    store = dist.PrefixStore(f"rollout/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    # the collectives of a step keep the default timeout: it bounds how long a wedged rank holds the others
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _GROUP = Group(dist.get_rank(), dist.get_world_size(), control)
     log.info("joined the trainer group", extra={"fields": {"service": "trainer", "rank": _GROUP.rank,
@@ -172,16 +179,35 @@ class Lockstep:
 
 
 def stop_followers(group: Group) -> None:
-    """Rank 0 is done: the followers return from ``follow`` and exit with it."""
-    group.agree(("stop", (), {}))
+    """Rank 0 is done: the followers return from ``follow``, and every rank leaves the group. A group a rank has
+    died out of is left as it is: torchrun stops the rest and starts it again."""
+    try:
+        group.agree(("stop", (), {}))
+        leave(group)
+    except RuntimeError as e:  # gloo/NCCL: a peer is gone
+        log.warning("the trainer group is broken", extra={"fields": {"service": "trainer", "error": str(e)[:300]}})
+
+
+def leave(group: Group) -> None:
+    """Leave together: a rank that tore its process group down while another still used it aborted the process
+    (gloo: "terminate called without an active exception")."""
+    dist.barrier(group=group.control)
+    dist.destroy_process_group()
 
 
 def follow(group: Group) -> None:
-    """A rank > 0: make every call rank 0 broadcasts on its own trainer, until rank 0 stops."""
+    """A rank > 0: make every call rank 0 broadcasts on its own trainer, until rank 0 stops. SIGTERM is left to
+    rank 0, which finishes its step and transaction and then stops the group; if rank 0 dies instead, the next
+    broadcast fails at once and this rank exits with the error."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     trainer = None
     while True:
         name, args, kw = group.agree()
         if name == "stop":
+            leave(group)
             return
         if name == "open":  # rank 0 opened its trainer again (a new task after a rebalance or a client rebuild)
             trainer = open_trainer(group=group, **kw)

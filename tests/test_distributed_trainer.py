@@ -1,0 +1,77 @@
+"""The trainer data-parallel on torch.distributed (``consumers.distributed``): 2 ranks under torchrun (FSDP2 on
+gloo) train the batch the single-process trainer trains, to float rounding. Both sides run the same program
+(``benchmarks.trainer_dp``) under torchrun, one with 1 process (no group) and one with 2. The take-over when a
+rank dies is tested on the broker in ``tests/test_trainer_restart.py`` (``torchrun-2-ranks``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.trainer_dp import drift, run_group, weights
+from consumers import testing
+from schemas.batch import assemble_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tiny_gru(tmp: Path):
+    from policy.checkpoint import load_checkpoint, save_checkpoint
+    from policy.model import PolicyModel
+
+    ref = save_checkpoint(PolicyModel.from_seed(0), tmp / "start", testing.FAMILY, 0)
+    return testing.FAMILY, ref, load_checkpoint(ref).state_dict()
+
+
+def _tiny_llama(tmp: Path):
+    """Two transformer blocks (each its own FSDP2 unit) and tied embeddings (in the root unit)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from policy import hf
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True))
+    ref = hf.save_checkpoint(model, tmp / "start", "org/tiny-llama", 0)
+    return "org/tiny-llama", ref, hf.load_model(ref).state_dict()
+
+
+# float32 (the GRU): rounding alone, ~1e-6 seen; bf16 autocast (the HF kind on this CPU): ~7e-4 seen. Leaving one
+# record of the batch out moves the weights 0.8% and 13%: each tolerance is far below what a wrong batch gives.
+@pytest.mark.parametrize("model, tolerance", [(_tiny_gru, 1e-4), (_tiny_llama, 1e-2)], ids=["gru-fp32", "llama-bf16"])
+def test_two_ranks_train_what_one_trains(tmp_path, model, tolerance):
+    family, ref, start = model(tmp_path)
+    rev0 = testing.revision(0, family=family).model_copy(update={"checkpoint": ref})
+    # 11 rows of uneven lengths: rank 0 trains 6, rank 1 trains 5
+    recs = [testing.training_record(i, family=family, n=6 + i % 5, reward=float(i % 3)) for i in range(11)]
+    batches = [assemble_batch(recs, rev0, 2, run_id="r", producer="t")] * 2
+    one = run_group(1, batches, ref, tmp_path / "one", lr=1e-2)
+    two = run_group(2, batches, ref, tmp_path / "two", lr=1e-2)
+    fewer = run_group(1, [assemble_batch(recs[:-1], rev0, 2, run_id="r", producer="t")] * 2, ref,
+                      tmp_path / "fewer", lr=1e-2)
+    a, b = weights(one["state"]), weights(two["state"])
+    assert sorted(a) == sorted(b)
+    assert drift(a, b, start) < tolerance
+    assert drift(a, weights(fewer["state"]), start) > 10 * tolerance  # the measure tells batches apart
+    # the group's revisions are the single trainer's: same numbers, parents, batches; checkpoints written once
+    assert [(r["revision"], r["parent_revision"], r["batch_id"]) for r in two["revisions"]] == \
+        [(r["revision"], r["parent_revision"], r["batch_id"]) for r in one["revisions"]] == \
+        [(1, 0, batches[0].batch_id), (2, 1, batches[0].batch_id)]
+    assert len(two["peak_rss_mb"]) == 2
+    written = sorted(p.name for p in (tmp_path / "two").iterdir() if p.name.endswith((".pt", "model.safetensors"))
+                     or p.is_dir())
+    assert len([n for n in written if "-r000002-" in n and not n.endswith(".train.pt")]) == 1, written
+
+
+def test_a_service_that_scales_by_instances_refuses_torchrun():
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "consumers", "serve", "verifier"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "only the trainer trains data-parallel" in done.stderr.strip().splitlines()[-1]
