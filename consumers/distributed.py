@@ -85,7 +85,7 @@ def launch() -> Group:
     global _GROUP
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device())
     # the store's keys of this attempt only: a group torchrun restarted read a dead rank's address left in its
     # store by the attempt before, and could not connect (seen in 3 of 4 restarts on torch 2.13)
     from torch.distributed.rendezvous import rendezvous
@@ -112,10 +112,16 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def device() -> torch.device:
+    """This rank's device: its GPU (torchrun's LOCAL_RANK) where there are GPUs, else the CPU."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
 def full_state(model: torch.nn.Module, group: Group | None) -> dict[str, torch.Tensor]:
     """The model's whole state on rank 0 (gathered from every rank's shards; empty on the others), on the CPU."""
     if group is None:
-        return {k: v.detach() for k, v in model.state_dict().items()}
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -221,4 +227,5 @@ def open_trainer(*, ref: Any, revision: int, family: str, checkpoint_dir: str, g
     from consumers.trainer import ReferenceTrainer, policy_kind
 
     kind = policy_kind(ref)
-    return ReferenceTrainer(kind.load(ref), family, revision, checkpoint_dir, kind=kind, group=group, **options)
+    return ReferenceTrainer(kind.load(ref), family, revision, checkpoint_dir, kind=kind, group=group,
+                            device=device(), **options)

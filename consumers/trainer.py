@@ -54,6 +54,11 @@ class TrainerTensors:
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
+    def to(self, device: torch.device) -> TrainerTensors:
+        return TrainerTensors(*(None if v is None else v.to(device) for v in (
+            self.input_ids, self.attention_mask, self.loss_mask, self.advantages, self.old_logprobs,
+            self.prompt_lens, self.seq_lens, self.cu_seqlens)))
+
 
 def to_tensors(batch: TrainerBatch, *, pad_id: int = 0, packed: bool = False) -> TrainerTensors:
     rows = []
@@ -184,12 +189,18 @@ class ReferenceTrainer:
                  clip: float = DEFAULT_CLIP, max_grad_norm: float = 1.0, epochs: int = 1,
                  kind: type[TinyPolicy] | type[HFPolicy] = TinyPolicy, keep_revisions: int = 3,
                  keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None,
-                 group: Group | None = None) -> None:
-        # in a data-parallel group (``consumers.distributed``) the model trained is FSDP2's shard of it, and rank 0
-        # keeps the whole model beside it: what it writes as checkpoints and probes older revisions with
+                 group: Group | None = None, device: str | torch.device = "cpu") -> None:
+        # the model trained is on ``device``, and in a data-parallel group (``consumers.distributed``) it is FSDP2's
+        # shard of it; rank 0 (or the only process) keeps the whole model on the CPU as well: what it writes as
+        # checkpoints and probes older revisions with (the same object when training alone on the CPU)
         self.group = group
+        self.device = torch.device(device)
+        alone_on_cpu = group is None and self.device.type == "cpu"
         self.whole = model if group is None or group.leader else None
-        self.model = model if group is None else shard(copy.deepcopy(model) if group.leader else model)
+        self.model = model if alone_on_cpu else copy.deepcopy(model).to(self.device) if self.whole is not None \
+            else model.to(self.device)
+        if group is not None:
+            shard(self.model)
         self.served_model = served_model  # stamped on every revision this trainer publishes
         self.family = family
         self.revision = revision
@@ -244,7 +255,7 @@ class ReferenceTrainer:
         steps = max(1, -(-share // size))
         denom = t.loss_mask[:, 1:].sum().clamp(min=1.0)  # the whole batch's tokens, on every rank
         scale = g.world if g else 1  # FSDP2 averages the ranks' gradients; the batch's gradient is their sum
-        totals = torch.zeros(3, dtype=torch.float64)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         new_lp = torch.zeros_like(t.old_logprobs[:, 1:])
         for k in range(steps):
             lo = mine.start + k * size
@@ -268,10 +279,11 @@ class ReferenceTrainer:
         t0 = time.perf_counter()
         clip = batch.history.clip if batch.history is not None else self.clip  # a derived batch names its rule
         self.model.train()
+        on_device = t.to(self.device)
         for epoch in range(self.epochs):
-            epoch_stats, new_lp = self._epoch(t, clip)
+            epoch_stats, new_lp = self._epoch(on_device, clip)
             if epoch == 0:  # on-policy: the current weights, before any update
-                stats = {**epoch_stats, **(self.mismatch(t, batch, new_lp) if self.whole is not None else {})}
+                stats = {**epoch_stats, **(self.mismatch(t, batch, new_lp.cpu()) if self.whole is not None else {})}
             else:  # later passes show how far the epochs moved
                 stats.update(clip_frac=epoch_stats["clip_frac"], approx_kl=epoch_stats["approx_kl"])
         self.model.eval()
@@ -355,7 +367,7 @@ class ReferenceTrainer:
         state = full_state(self.model, self.group)
         ref = None
         if self.whole is not None:
-            if self.group is not None:
+            if self.whole is not self.model:
                 self.whole.load_state_dict(state)
             ref = self.kind.save(self.whole, self.dir, self.family, nxt)
         parent, self.revision = self.revision, nxt

@@ -165,10 +165,11 @@ def cpu_bf16() -> bool:
 
 def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, *, autocast: bool = True) -> Any:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for every position: a [B, T-1] float32 tensor. ``autocast``:
-    bf16 matmuls where the CPU has fast bf16 kernels (``cpu_bf16``), float32 elsewhere."""
+    bf16 matmuls on a GPU, and on a CPU with fast bf16 kernels (``cpu_bf16``); float32 elsewhere."""
     import torch
 
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and cpu_bf16()):
+    on = input_ids.device.type
+    with torch.autocast(on, dtype=torch.bfloat16, enabled=autocast and (on != "cpu" or cpu_bf16())):
         logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1]).logits
     logp = torch.log_softmax(logits.float(), dim=-1)
     return logp.gather(2, input_ids[:, 1:].unsqueeze(2)).squeeze(2)
