@@ -81,11 +81,13 @@ def _rank(torchrun: subprocess.Popen, rank: int) -> psutil.Process:
     raise AssertionError(f"torchrun started no rank {rank}")
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "torchrun-2-ranks"])
+@pytest.mark.parametrize("ranks, killed", [(1, 0), (2, 1), (2, 0)],
+                         ids=["one-process", "torchrun-2-ranks-rank1-killed", "torchrun-2-ranks-rank0-killed"])
 async def test_trainer_sigkilled_and_restarted_trains_every_batch_once(kafka_settings, kafka_bootstrap, monkeypatch,
-                                                                         tmp_path, ranks):
+                                                                         tmp_path, ranks, killed):
     """One process: SIGKILLed and started again. A torchrun group of 2 (``consumers.distributed``, FSDP2 on gloo):
-    rank 1, which holds no Kafka client, is SIGKILLed; torchrun restarts the whole group, and rank 0 takes over.
+    rank 1 (no Kafka client) or rank 0 (the service) is SIGKILLed; torchrun restarts the whole group, and the new
+    rank 0 takes over.
     Either way every batch is trained once, the chain is unbroken, and the weights are those of one trainer that
     never stopped (to float rounding: the group sums its ranks' gradients in another order)."""
     kw = kafka_settings.client_kwargs()
@@ -105,8 +107,8 @@ async def test_trainer_sigkilled_and_restarted_trains_every_batch_once(kafka_set
                 trainer.send_signal(signal.SIGKILL)
                 trainer.wait(30)
                 trainer = _trainer(kafka_bootstrap, prefix, tmp_path, tmp_path / "trainer.log")
-            else:  # a rank without Kafka: torchrun stops rank 0 and starts both again
-                _rank(trainer, 1).send_signal(signal.SIGKILL)
+            else:  # torchrun stops the other rank and starts both again
+                _rank(trainer, killed).send_signal(signal.SIGKILL)
             before = max(r.revision for r in await _revisions(kw))
             expected |= await seed_groups(kw, 8, start=200, revision=before)
 
