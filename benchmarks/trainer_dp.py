@@ -6,8 +6,10 @@ Both sides run the same program under torchrun (``--nproc-per-node 1``: the sing
 group; ``N``: ``consumers.distributed``), on the packaged SmolLM2-135M-Instruct and a batch of its own
 sampled-token logprobs (so the importance ratios start at 1, as on-policy). Figures: each side's seconds per
 step (step + publish: the checkpoint and training state written), its peak resident memory per rank, and
-the distance between the two sides' float32 weights after the last step, relative to how far the step
-moved them (``drift``; 0 would be bit-equal, float summation order makes it small, not 0).
+the distance between the two sides' float32 weights after the last step, relative to how far the steps
+moved them (``drift``; 0 would be bit-equal). The single trainer's own rounding floor is measured beside it:
+one rank again, the same batches with their rows in reverse order (``floor``): the same sums in another
+order, which under bf16 autocast and Adam's per-weight normalisation is not small.
 """
 
 from __future__ import annotations
@@ -95,7 +97,9 @@ def run_group(ranks: int, batches: list, ref, out: Path, *, lr: float = 1e-3, ti
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            "-m", "benchmarks.trainer_dp", "--rank", "--batches", str(frames), "--ref", ref.model_dump_json(),
            "--out", str(out), "--lr", str(lr)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # the machine's cores shared out: one process uses them all, N processes a share each
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // ranks))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": threads}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"torchrun with {ranks} ranks exited {done.returncode}:\n{done.stderr[-4000:]}")
@@ -165,13 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-dp-") as tmp:
         one = run_group(1, batches, ref, Path(tmp, "one"))
         many = run_group(args.ranks, batches, ref, Path(tmp, "many"))
+        reordered = run_group(1, [b.model_copy(update={"records": b.records[::-1]}) for b in batches], ref,
+                              Path(tmp, "reordered"))
         from policy.hf import load_model
 
         start = load_model(ref).state_dict()
         d = drift(weights(one["state"]), weights(many["state"]), start)
+        floor = drift(weights(one["state"]), weights(reordered["state"]), start)
     out = {"benchmark": "trainer_dp", "model": "SmolLM2-135M-Instruct", "ranks": args.ranks,
            "records": args.records, "tokens_per_record": args.prompt_tokens + args.completion_tokens,
-           "steps": args.steps, "drift": d,
+           "steps": args.steps, "drift": round(d, 5), "floor": round(floor, 5),
            "one_rank_step_s": [round(x, 2) for x in one["step_s"]],
            f"{args.ranks}_rank_step_s": [round(x, 2) for x in many["step_s"]],
            "one_rank_peak_rss_mb": [round(x) for x in one["peak_rss_mb"]],
