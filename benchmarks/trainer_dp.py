@@ -114,10 +114,11 @@ def drift(a: dict, b: dict, start: dict) -> float:
     return num / max(den, 1e-30) if den else float(num > 0)
 
 
-def weights(state_file: str) -> dict:
-    import torch
+def weights(state: str) -> dict:
+    """The float32 weights of a training state (``consumers.distributed.save_sharded``'s folder)."""
+    from consumers.distributed import read_sharded
 
-    return torch.load(state_file, map_location="cpu", weights_only=True)["model"]
+    return read_sharded(Path(state))["model"]
 
 
 def smollm_batches(records: int, steps: int, prompt_len: int, completion_len: int) -> tuple[list, object]:

@@ -24,8 +24,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -127,30 +131,62 @@ def full_state(model: torch.nn.Module, group: Group | None) -> dict[str, torch.T
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, group: Group | None) -> dict[str, Any]:
-    """The optimizer's whole state keyed by parameter name (one form for one rank or many), on rank 0."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+def _local_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
-                                                                         cpu_offload=group is not None))
+    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+
+
+def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path, *, writer: bool) -> None:
+    """The model's and optimizer's state as a torch.distributed.checkpoint folder: each rank writes its own shards
+    (collective in a group). ``writer`` (rank 0, or the only process) writes it beside and moves it in whole."""
+    import torch.distributed.checkpoint as dcp
+
+    tmp = path.with_name(path.name + ".tmp")
+    if writer:  # before the save's first collective: no rank writes a shard into it until then
+        shutil.rmtree(tmp, ignore_errors=True)
+    dcp.save(_local_state(model, opt), checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    if writer:
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+
+
+def load_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+    """``save_sharded``'s folder into this rank's shards, whatever the number of ranks that wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    state = _local_state(model, opt)
+    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optimizer"])
+
+
+def read_sharded(path: Path) -> dict[str, Any]:
+    """A ``save_sharded`` folder read whole in one process (tools, tests): ``{"model": ..., "optimizer": ...}``."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process: what is meant here
+        dcp_to_torch_save(path, Path(tmp, "state.pt"))
+        return torch.load(Path(tmp, "state.pt"), map_location="cpu", weights_only=False)
 
 
 def load_full_state(model: torch.nn.Module, opt: torch.optim.Optimizer, blob: dict[str, Any] | None,
                     group: Group | None) -> None:
-    """Rank 0's whole model and optimizer state into every rank's shards. An optimizer state keyed by position
-    (written before states were keyed by name) is renamed first."""
+    """Rank 0's whole model and optimizer state (the single-file training state) into every rank's shards; its
+    optimizer state, keyed by position, is renamed to parameter names first."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=group is not None)
-    blob = blob or {"model": {}, "optimizer": {}}
-    optim = blob["optimizer"]
-    if any(isinstance(k, int) for k in optim.get("state", {})) or \
-            any(isinstance(p, int) for g in optim.get("param_groups", ()) for p in g["params"]):
+    weights, optim = {}, {}  # a follower's part: rank 0 broadcasts
+    if blob is not None:
         names = [n for n, _ in model.named_parameters()]
+        weights, optim = blob["model"], blob["optimizer"]
         optim = {"state": {names[i]: v for i, v in optim["state"].items()},
                  "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]]}
-    set_model_state_dict(model, blob["model"], options=options)
+    set_model_state_dict(model, weights, options=options)
     set_optimizer_state_dict(model, opt, optim, options=options)
 
 

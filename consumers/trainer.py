@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from consumers.distributed import Group, full_optimizer_state, full_state, load_full_state, shard
+from consumers.distributed import Group, full_state, load_full_state, load_sharded, save_sharded, shard
 from schemas.events import TrainerBatch
 from schemas.history import DEFAULT_CLIP
 from schemas.policy import CheckpointRef, PolicyRevision
@@ -178,8 +178,11 @@ def _rows(t: TrainerTensors, rows: slice | torch.Tensor) -> TrainerTensors:
                           t.old_logprobs[rows], t.prompt_lens[rows], t.seq_lens[rows])
 
 
-TRAINING_STATE_SUFFIX = ".train.pt"
-"""``<checkpoint stem>.train.pt`` beside the checkpoints: a revision's training state (``ReferenceTrainer``)."""
+TRAINING_STATE_SUFFIX = ".train"
+"""``<checkpoint stem>.train/`` beside the checkpoints: a revision's training state (``ReferenceTrainer``), a
+torch.distributed.checkpoint folder (each rank writes its own shards; it loads on any number of ranks)."""
+LEGACY_TRAINING_STATE_SUFFIX = ".train.pt"
+"""What the training state was before it was sharded: one ``torch.save`` file, still read."""
 
 
 class ReferenceTrainer:
@@ -293,38 +296,43 @@ class ReferenceTrainer:
         return stats
 
     # -- the state a take-over resumes from, besides the served weights ---------------------------------------
-    def training_state_path(self, ref: CheckpointRef) -> Path:
+    def training_state_path(self, ref: CheckpointRef, suffix: str = TRAINING_STATE_SUFFIX) -> Path:
         """Beside the checkpoint, named after it: the state that produced exactly those weights."""
         at = self.kind.location(ref)
-        return at.with_name(at.name.removesuffix(".pt") + TRAINING_STATE_SUFFIX)
+        return at.with_name(at.name.removesuffix(".pt") + suffix)
 
-    def _save_training_state(self, ref: CheckpointRef | None, model: dict[str, torch.Tensor]) -> None:
+    def _save_training_state(self, ref: CheckpointRef | None) -> None:
         """The float32 weights (an HF checkpoint serves bf16) and the optimizer's moments and step count at this
-        revision, so a trainer that takes over from it trains exactly as this one would have, on one rank or
-        many (the optimizer's state is keyed by parameter name). The two newest are kept: the one written before
-        a commit that fails, and the last committed one. In a group every rank gathers, rank 0 writes."""
-        optimizer = full_optimizer_state(self.model, self.opt, self.group)
-        if ref is None:
+        revision, so a trainer that takes over from it trains exactly as this one would have, on this many ranks or
+        another number. In a group each rank writes its own shards: nothing is gathered. The two newest are kept:
+        the one written before a commit that fails, and the last committed one."""
+        path = self.training_state_path(ref) if ref is not None else None
+        if self.group is not None:
+            path = self.group.agree(path)
+        save_sharded(self.model, self.opt, path, writer=self.whole is not None)
+        if self.whole is None:
             return
-        path = self.training_state_path(ref)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        torch.save({"revision": self.revision, "model": model, "optimizer": optimizer}, tmp)
-        os.replace(tmp, path)
         self.states[self.revision] = path
         for old in sorted(self.states)[:-2]:
-            self.states.pop(old).unlink(missing_ok=True)
+            shutil.rmtree(self.states.pop(old), ignore_errors=True)
 
     def load_training_state(self, ref: CheckpointRef) -> bool:
-        """Resume the weights and optimizer saved with checkpoint ``ref`` (``_save_training_state``); False when
-        there is none (a checkpoint from before training states were written). Rank 0 reads it for the group."""
-        path = self.training_state_path(ref) if self.whole is not None else None
-        found = path is not None and path.exists()
+        """Resume the weights and optimizer saved with checkpoint ``ref`` (``_save_training_state``, or the single
+        file written before states were sharded); False when there is none (a checkpoint from before training
+        states were written). Rank 0 looks, for the group."""
+        found = None
+        if self.whole is not None:
+            found = next((p for p in (self.training_state_path(ref),
+                                      self.training_state_path(ref, LEGACY_TRAINING_STATE_SUFFIX)) if p.exists()), None)
         if self.group is not None:
             found = self.group.agree(found)
-        if not found:
+        if found is None:
             return False
-        blob = torch.load(path, map_location="cpu", weights_only=True) if path is not None else None
-        load_full_state(self.model, self.opt, blob, self.group)
+        if found.name.endswith(TRAINING_STATE_SUFFIX):
+            load_sharded(self.model, self.opt, found)
+        else:
+            blob = torch.load(found, map_location="cpu", weights_only=True) if self.whole is not None else None
+            load_full_state(self.model, self.opt, blob, self.group)
         self._snapshot()
         return True
 
@@ -372,7 +380,7 @@ class ReferenceTrainer:
             ref = self.kind.save(self.whole, self.dir, self.family, nxt)
         parent, self.revision = self.revision, nxt
         self._snapshot(state)
-        self._save_training_state(ref, state)
+        self._save_training_state(ref)
         if ref is None:
             return None
         rev = PolicyRevision(run_id=run_id, producer=producer, family=self.family, revision=nxt, checkpoint=ref,

@@ -245,10 +245,11 @@ async def test_an_org_slash_name_family_trains_with_flat_checkpoints_found_verif
     assert all(r.batch_id.startswith(f"{HF_FAMILY}-r{r.revision - 1}-") for r in revs)
     # flat: no folder per org; r0 (not written by this trainer) kept, r1 and r2 pruned, r3 and r4 kept
     names = [f"org--tiny-byte-lm-r{r.revision:06d}-{r.checkpoint.digest[:12]}" for r in (rev0, *revs)]
-    assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == [
+    assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))
+            if TRAINING_STATE_SUFFIX + "/" not in p.as_posix()] == [
         "run", "run/checkpoints", f"run/checkpoints/{names[0]}.pt",
-        f"run/checkpoints/{names[3]}.pt", f"run/checkpoints/{names[3]}.train.pt",
-        f"run/checkpoints/{names[4]}.pt", f"run/checkpoints/{names[4]}.train.pt"]
+        f"run/checkpoints/{names[3]}.pt", f"run/checkpoints/{names[3]}{TRAINING_STATE_SUFFIX}",
+        f"run/checkpoints/{names[4]}.pt", f"run/checkpoints/{names[4]}{TRAINING_STATE_SUFFIX}"]
     for r in revs[-2:]:
         path = checkpoint_path(r.checkpoint)
         assert path.parent == ck.resolve() and file_sha256(path) == r.checkpoint.digest
@@ -307,8 +308,8 @@ def test_an_org_slash_name_family_of_a_transformers_model_writes_one_folder_per_
         assert rev.family == fam
     # keep_checkpoints=1 keeps two: r2 is not committed yet when written, and r1 is what a take-over resumes from
     names = [f"org--tiny-llama-r{n:06d}-{ref.digest[:12]}" for n, ref in enumerate((ref0, *refs))]
-    assert sorted(p.name for p in ck.iterdir()) == [names[0], names[1], f"{names[1]}.train.pt", names[2],
-                                                    f"{names[2]}.train.pt"]
+    assert sorted(p.name for p in ck.iterdir()) == [names[0], names[1], f"{names[1]}{TRAINING_STATE_SUFFIX}",
+                                                    names[2], f"{names[2]}{TRAINING_STATE_SUFFIX}"]
     folder = hf.checkpoint_folder(refs[-1])
     assert folder == ck.resolve() / names[2]
     assert json.loads((folder / "revision.json").read_text()) == {"family": fam, "revision": 2}
@@ -361,10 +362,11 @@ async def test_the_services_train_an_org_slash_name_family_from_the_log(kafka_se
     revs = await revisions()
     assert [r.revision for r in revs] == [0, 1, 2] and {r.family for r in revs} == {HF_FAMILY}
     names = [checkpoint_path(r.checkpoint).name for r in revs]
-    assert [p.name for p in sorted(ck.iterdir())] == [names[0], names[1], names[1].replace(".pt", ".train.pt"),
-                                                      names[2], names[2].replace(".pt", ".train.pt")]
-    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_dir()) == \
-        ["run", "run/checkpoints"]
+    assert [p.name for p in sorted(ck.iterdir())] == [
+        names[0], names[1], names[1].replace(".pt", TRAINING_STATE_SUFFIX), names[2],
+        names[2].replace(".pt", TRAINING_STATE_SUFFIX)]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")
+                  if p.is_dir() and not p.name.endswith(TRAINING_STATE_SUFFIX)) == ["run", "run/checkpoints"]
     for r in revs:
         assert checkpoint_path(r.checkpoint).parent == ck.resolve()
         assert file_sha256(checkpoint_path(r.checkpoint)) == r.checkpoint.digest

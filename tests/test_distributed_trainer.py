@@ -15,6 +15,9 @@ import torch
 
 from benchmarks.trainer_dp import drift, run_group, weights
 from consumers import testing
+from consumers.distributed import open_trainer, read_sharded
+from schemas.policy import CheckpointRef
+from consumers.trainer import TRAINING_STATE_SUFFIX
 from schemas.batch import assemble_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,9 +67,18 @@ def test_two_ranks_train_what_one_trains(tmp_path, model, tolerance):
         [(r["revision"], r["parent_revision"], r["batch_id"]) for r in one["revisions"]] == \
         [(1, 0, batches[0].batch_id), (2, 1, batches[0].batch_id)]
     assert len(two["peak_rss_mb"]) == 2
-    written = sorted(p.name for p in (tmp_path / "two").iterdir() if p.name.endswith((".pt", "model.safetensors"))
-                     or p.is_dir())
-    assert len([n for n in written if "-r000002-" in n and not n.endswith(".train.pt")]) == 1, written
+    # the training state the 2 ranks wrote, each its own shards, loads into one process: the same weights and
+    # optimizer moments (a run can change its number of ranks)
+    alone = open_trainer(ref=CheckpointRef(**two["revisions"][-1]["checkpoint"]), revision=2, family=family,
+                         checkpoint_dir=str(tmp_path / "alone"))
+    assert alone.load_training_state(CheckpointRef(**two["revisions"][-1]["checkpoint"]))
+    written = read_sharded(Path(two["state"]))
+    for k, v in alone.model.state_dict().items():
+        assert torch.equal(v, written["model"][k]), k
+    moments = alone.opt.state_dict()["state"]
+    assert len(moments) == len(list(alone.model.parameters())) and all(int(m["step"]) == 2 for m in moments.values())
+    written = sorted(p.name for p in (tmp_path / "two").iterdir() if "-r000002-" in p.name)
+    assert len([n for n in written if not n.endswith(TRAINING_STATE_SUFFIX)]) == 1, written
 
 
 def test_a_service_that_scales_by_instances_refuses_torchrun():
@@ -75,3 +87,28 @@ def test_a_service_that_scales_by_instances_refuses_torchrun():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "only the trainer trains data-parallel" in done.stderr.strip().splitlines()[-1]
+
+
+def test_a_training_state_written_before_states_were_sharded_still_resumes(tmp_path):
+    """The single ``.train.pt`` file (optimizer state keyed by position) that trainers wrote before: a take-over
+    from such a revision gets its weights and moments, not a fresh optimizer."""
+    from consumers.trainer import LEGACY_TRAINING_STATE_SUFFIX, ReferenceTrainer, to_tensors
+
+    family, ref, _ = _tiny_gru(tmp_path)
+    rev0 = testing.revision(0, family=family).model_copy(update={"checkpoint": ref})
+    old = open_trainer(ref=ref, revision=0, family=family, checkpoint_dir=str(tmp_path / "old"), lr=1e-2)
+    b = assemble_batch([testing.training_record(i, n=6, reward=float(i % 2)) for i in range(4)], rev0, 1,
+                       run_id="r", producer="t")
+    old.step(to_tensors(b), b)
+    rev = old.publish(run_id="r", batch=b)
+    legacy = old.training_state_path(rev.checkpoint, LEGACY_TRAINING_STATE_SUFFIX)
+    torch.save({"revision": 1, "model": old.model.state_dict(), "optimizer": old.opt.state_dict()}, legacy)
+    import shutil
+
+    shutil.rmtree(old.training_state_path(rev.checkpoint))
+    new = open_trainer(ref=rev.checkpoint, revision=1, family=family, checkpoint_dir=str(tmp_path / "old"), lr=1e-2)
+    assert isinstance(new, ReferenceTrainer) and new.load_training_state(rev.checkpoint)
+    for k, v in old.model.state_dict().items():
+        assert torch.equal(new.model.state_dict()[k], v), k
+    for i, m in old.opt.state_dict()["state"].items():
+        assert torch.equal(new.opt.state_dict()["state"][i]["exp_avg"], m["exp_avg"])
