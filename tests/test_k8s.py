@@ -515,3 +515,66 @@ def test_each_check_can_fail(mutation):
     breaks(files)
     found = problems(files)
     assert any(expected in p for p in found), found
+
+
+@pytest.mark.integration
+def test_the_trainer_runs_under_torchrun_as_written(kafka_bootstrap, tmp_path, monkeypatch):
+    """trainer.yaml's command, as written (the plan, checkpoint dir and rendezvous port mapped to this machine):
+    torchrun rendezvouses and starts the trainer, which publishes revision 0 of the plan's family on the test
+    broker; a rank killed with SIGKILL is started again (--max-restarts); the pod's SIGTERM stops the trainer
+    cleanly (torchrun itself then exits non-zero, raising its SignalException: the pod is going away anyway)."""
+    import asyncio
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    from schemas.plan_compiler import compile_plan
+    from streams.config import KafkaSettings
+    from streams.local_broker import free_port
+    from streams.revisions import latest_revision
+
+    files = load()
+    plan = tmp_path / "plan.toml"
+    plan.write_text(_doc(files, "ConfigMap", "rollout-plan")["data"]["plan.toml"])
+    here = {"/etc/rollout/plan/plan.toml": str(plan), "/data/checkpoints": str(tmp_path / "checkpoints"),
+            "trainer-0.trainer:29400": f"localhost:{free_port()}"}
+    command = _container(files, "StatefulSet", "trainer")["command"]
+    assert command[0] == "torchrun"
+    argv = [sys.executable, "-m", "torch.distributed.run", *(here.get(a, a) for a in command[1:])]
+    prefix = f"k8s-{uuid.uuid4().hex[:8]}."
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)  # this process reads the revisions topic too
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap, "ROLLOUT_INSTANCE": "trainer-0"}
+    log = tmp_path / "torchrun.log"
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    kw = KafkaSettings.from_env().with_bootstrap(kafka_bootstrap).client_kwargs()
+    family = compile_plan(plan).family
+
+    def wait_for(what: str, ready: Callable[[], Any]) -> Any:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"torchrun exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+            if result := ready():
+                return result
+            time.sleep(1)
+        pytest.fail(f"no {what} in 180 s:\n{log.read_text()[-3000:]}")
+
+    def worker() -> int | None:  # torchrun's one child: the rank it started
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        return int(children[0]) if children else None
+
+    try:
+        revision = wait_for("revision 0", lambda: asyncio.run(latest_revision(kw, family)))
+        assert revision.revision == 0 and revision.family == family
+        wait_for("started trainer", lambda: log.read_text().count("service started") == 1)
+        os.kill(wait_for("rank", worker), signal.SIGKILL)
+        wait_for("restarted trainer", lambda: log.read_text().count("service started") == 2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=40)  # the pod's terminationGracePeriodSeconds
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"torchrun still running 40 s after SIGTERM:\n{log.read_text()[-3000:]}")
+    assert "service stopped" in log.read_text(), log.read_text()[-3000:]
