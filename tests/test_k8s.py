@@ -230,6 +230,7 @@ def run_problems(pod: Pod, c: dict[str, Any], argv: list[str], here: Callable, e
             from producers.environment import environment_from_spec
             from schemas.plan import require_runnable
             from schemas.plan_compiler import compile_plan
+            from streams.security import ARENA
 
             plan = compile_plan(args.plan)
             require_runnable(plan)
@@ -237,8 +238,6 @@ def run_problems(pod: Pod, c: dict[str, Any], argv: list[str], here: Callable, e
                 environment_from_spec(spec)
             pod.runs["arena"] = (args, plan)
             pod.metrics_port = base + metrics.OFFSETS["arena"]
-            from streams.security import ARENA
-
             return kafka_problems(env, ARENA)
         if (args.command, getattr(args, "topics_command", None), getattr(args, "kafka_command", None)) in (
                 ("topics", "create", None), ("kafka", None, "acls")):
@@ -280,8 +279,8 @@ def service_settings(args: Any) -> Any:
 
 
 def kafka_problems(env: dict[str, str], principal: str | None) -> list[str]:
-    """The Kafka settings parse; SASL has a user and password, that user is the process's principal (None: the
-    admin's, any), and the TLS files named are where a Secret is mounted (checked in fleet_problems)."""
+    """The processing and Kafka settings parse, name a cluster, and SASL has a user and a password, the user being
+    the process's principal in streams/security.py (None: the admin, any user)."""
     from streams.config import KafkaSettings
     from streams.security import all_acls
     from streams.settings import ProcessingSettings
@@ -294,8 +293,8 @@ def kafka_problems(env: dict[str, str], principal: str | None) -> list[str]:
     if kafka.security_protocol.startswith("SASL_"):
         if not kafka.sasl_username or kafka.sasl_password is None:
             out.append("SASL without ROLLOUT_KAFKA_SASL_USERNAME and ROLLOUT_KAFKA_SASL_PASSWORD")
-        elif principal is not None and f"User:{kafka.sasl_username}" not in {
-                a.principal for a in all_acls() if a.principal == f"User:{principal}"}:
+        elif principal is not None and (kafka.sasl_username != principal
+                                        or f"User:{principal}" not in {a.principal for a in all_acls()}):
             out.append(f"SASL user {kafka.sasl_username!r} is not {principal}'s principal (streams/security.py)")
     return out
 
