@@ -86,8 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """python -m consumers serve <service> [...] | status"""
+def build_parser() -> argparse.ArgumentParser:
+    """python -m consumers serve <service> [...] | status (what torchrun launches: deploy/k8s/trainer.yaml)"""
     from consumers import status
 
     parser = argparse.ArgumentParser(prog="python -m consumers")
@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run one service").add_subparsers(dest="service", required=True)
     register_serve(serve)
     status.register(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
