@@ -122,7 +122,7 @@ async def test_revision_swapped_mid_run_stamps_every_step_exactly(vllm_server, k
     plan = _plan(vllm_server.base_url, batch_size=1000)  # no pacing pause in this test
     await _publish_revision(kw, revisions, rev0)
     arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics), policy_base_url=vllm_server.base_url,
-                  revisions=RevisionFollower(kw, FAMILY, topic=revisions), weights=VllmWeights(vllm_server.base_url),
+                  revisions=RevisionFollower(kw, FAMILY, topic=revisions), weights=VllmWeights,
                   concurrency=16, client_options=CPU_CLIENT_OPTIONS)
     async with arena:
         await _wait_for(lambda: arena.current_policy.checkpoint_digest == rev0.checkpoint.digest, 60)
@@ -151,7 +151,7 @@ async def test_vllm_unreachable_rollouts_fail_with_the_reason_nothing_lost(kafka
     dead = f"http://127.0.0.1:{free_port()}/v1"
     plan = _plan(dead, group_size=2)
     arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics), policy_base_url=dead,
-                  weights=VllmWeights(dead), client_options={"max_attempts": 2, "backoff_s": 0.01})
+                  weights=VllmWeights, client_options={"max_attempts": 2, "backoff_s": 0.01})
     async with arena:
         stats = await arena.run(num_groups=3)
     rollouts = [e for *_, e in await read_all(kafka_settings.client_kwargs(), pipeline_topics[1], expect=6)]
@@ -171,7 +171,7 @@ async def test_a_revision_that_cannot_be_loaded_stops_admission_and_is_never_sta
     await _publish_revision(kw, revisions, rev0)
     arena = Arena(_plan(vllm_server.base_url, batch_size=1000), emitter=_emitter(kafka_settings, pipeline_topics),
                   policy_base_url=vllm_server.base_url, revisions=RevisionFollower(kw, FAMILY, topic=revisions),
-                  weights=VllmWeights(vllm_server.base_url), concurrency=8, client_options=CPU_CLIENT_OPTIONS)
+                  weights=VllmWeights, concurrency=8, client_options=CPU_CLIENT_OPTIONS)
     async with arena:
         await _wait_for(lambda: arena.current_policy.checkpoint_digest == rev0.checkpoint.digest, 60)
         # no group limit: only the refused swap may end the run (50 groups once finished before the swap came)
