@@ -35,9 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is 7 + 5? Answer with a number."
 
 
-def _plan(url: str, **update):
+def _plan(url: str | list[str], **update):
     plan = compile_plan(ROOT / "examples/plans/arithmetic-smollm2.toml")
-    targets = {k: t.model_copy(update={"base_urls": [url]}) for k, t in plan.targets.items()}
+    urls = [url] if isinstance(url, str) else url
+    targets = {k: t.model_copy(update={"base_urls": urls}) for k, t in plan.targets.items()}
     return plan.model_copy(update={"targets": targets, **update})
 
 
@@ -92,13 +93,15 @@ async def test_multi_turn_second_prompt_contains_the_first_turn_tokens(vllm_serv
         assert not first.policy_exact and not second.policy_exact  # nothing swapped: the revision is assumed
 
 
-def _distinct_checkpoint(tmp_path: Path) -> PolicyRevision:
-    """Revision 1: the packaged weights with the final norm scaled by 3 (sharper next-token distributions)."""
+def _distinct_checkpoint(tmp_path: Path, revision: int = 1) -> PolicyRevision:
+    """Revision ``revision``: the packaged weights with the final norm scaled by ``1 + 2 * revision`` (3 for
+    revision 1: sharper next-token distributions, each revision's its own)."""
     model = load_model(prepare_model().checkpoint)
     with torch.no_grad():
-        model.model.norm.weight.mul_(3.0)
-    ref = save_checkpoint(model, tmp_path, FAMILY, 1)
-    return PolicyRevision(run_id="t", producer="test", family=FAMILY, revision=1, checkpoint=ref, parent_revision=0)
+        model.model.norm.weight.mul_(1.0 + 2 * revision)
+    ref = save_checkpoint(model, tmp_path, FAMILY, revision)
+    return PolicyRevision(run_id="t", producer="test", family=FAMILY, revision=revision, checkpoint=ref,
+                          parent_revision=revision - 1)
 
 
 def _step_deltas(model, steps) -> list[float]:
