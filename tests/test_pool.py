@@ -1,13 +1,16 @@
 """The learner's inference pool (``producers.pool``, ``producers.weights.PoolWeights``): the pick rule; two local
 policy servers, one stopped and started again fresh, which must load the current revision before it serves;
-two real vLLM servers behind one arena following revisions on a real broker, one SIGKILLed mid-run."""
+two real vLLM servers behind one arena following revisions on a real broker, one SIGKILLed mid-run; `rollout
+arena` with several --policy-url."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
+import uuid
 from collections import Counter
 
 import httpx
@@ -26,7 +29,7 @@ from schemas.policy import PolicyRevision
 from streams.local_broker import free_port
 from streams.revisions import RevisionFollower
 from test_producers_kafka import _emitter, _publish_revision, _wait_for, pipeline_topics, read_all  # noqa: F401
-from test_vllm import _distinct_checkpoint, _plan
+from test_vllm import _cli, _distinct_checkpoint, _plan
 
 MSG = [ChatMessage(role="user", content="What is 2 + 2?")]
 
@@ -176,3 +179,24 @@ async def test_two_vllm_servers_one_killed_mid_run_nothing_lost_every_step_exact
     assert Counter(s.policy.revision for s in steps) == survivor.served_by_revision + killed.served_by_revision
     assert set(killed.served_by_revision) == {0, 1} and set(survivor.served_by_revision) == {0, 1, 2}
     assert len(arena.reload_s) == 3 and survivor.revision == 2 and killed.revision == 1 and held == "r2"
+
+
+@pytest.mark.integration
+async def test_rollout_arena_spreads_its_calls_over_every_policy_url(kafka_bootstrap):
+    servers = [await PolicyServer().start() for _ in range(3)]
+    try:
+        env = {"ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap, "ROLLOUT_TOPIC_PREFIX": f"tpool{uuid.uuid4().hex[:8]}."}
+        a, b, c = (s.base_url for s in servers)
+        out = await asyncio.to_thread(_cli, "arena", "examples/plans/arithmetic.toml", "--groups", "6",
+                                      "--concurrency", "12", "--no-progress", "--policy-url", f"{a},{b}",
+                                      "--policy-url", c, env=env)
+    finally:
+        for s in servers:
+            await s.stop()
+    assert out.returncode == 0, out.stderr[-3000:]
+    stats = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\n[pool] rollout arena over three servers: {stats['servers']}")
+    assert stats["failed"] == 0 and [s["url"] for s in stats["servers"]] == [a, b, c]
+    assert all(s["served"] > 0 and s["up"] for s in stats["servers"])  # every server took calls
+    assert [s["served"] for s in stats["servers"]] == [s.requests_served for s in servers]
+    assert sum(s["served"] for s in stats["servers"]) == stats["steps"]
