@@ -23,8 +23,8 @@ server; by default the local policy server's loader when the learner is the aren
 checkpoint into every server of its learner pool (``producers.pool``: one or several servers, each call to the
 least busy) under the ``RevisionGate``: calls in flight finish first, new calls wait, so each Step is stamped
 with exactly the revision whose weights produced all of its tokens, whichever server answered. A server that
-fails is out of the pool until it answers again and has loaded the current revision (``PoolWeights``). A revision the
-serving endpoint reports in its response wins (it is the one that produced the tokens). When nothing
+fails is out of the pool until it answers again and has loaded the current revision (``PoolWeights``). A
+revision the serving endpoint reports in its response wins (it is the one that produced the tokens). When nothing
 proves the revision (an endpoint the arena does not load and that does not report it), Steps carry the
 arena's current revision with ``policy_exact=False``. Fixed targets' Steps carry ``policy=None``.
 

@@ -19,7 +19,6 @@ another one (backing off only when none is left).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import random

@@ -18,11 +18,10 @@ revision that produced all of its tokens) and paces admission. Every arena of a 
 against the one admissions ledger on the log (``producers/arena.py``, "Admission pacing"): start as many as
 there are inference servers, all with the run's ``--run-id``, each with its own ``--arena-id`` (its identity:
 restarting one under the same id gives back what its killed predecessor had claimed at once, a new id after
-``--admission-lease-s``). ``--policy-url`` may name several servers (repeated or comma-separated): one arena spreads its calls over
-them, each to the server with the fewest requests outstanding, and loads every revision into all of them; a
-server that fails is out of the pool until it answers again (and has loaded the current revision).
-``--evaluate`` answers every environment's
-held-out questions with each revision (Rollouts marked ``evaluation``). SIGTERM (or Ctrl-C) stops admission;
+``--admission-lease-s``). ``--policy-url`` may name several servers (repeated or comma-separated): one arena
+spreads its calls over them, each to the server with the fewest requests outstanding, and loads every revision
+into all of them; a server that fails is out of the pool until it answers again (and has loaded the current
+revision). ``--evaluate`` answers every environment's held-out questions with each revision (Rollouts marked ``evaluation``). SIGTERM (or Ctrl-C) stops admission;
 the episodes in flight finish and are written before it exits.
 """
 

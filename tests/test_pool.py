@@ -121,7 +121,7 @@ async def test_a_server_back_from_the_dead_loads_the_current_revision_before_it_
 
 @pytest.mark.integration
 async def test_two_vllm_servers_one_killed_mid_run_nothing_lost_every_step_exact(
-        vllm_server, kafka_settings, pipeline_topics, make_topic, tmp_path):
+        vllm_server, kafka_settings, pipeline_topics, make_topic, tmp_path):  # noqa: F811
     kw = kafka_settings.client_kwargs()
     revisions = await make_topic(1, "revisions")
     revs = [PolicyRevision(run_id="t", producer="test", family=FAMILY, revision=0,
@@ -148,7 +148,7 @@ async def test_two_vllm_servers_one_killed_mid_run_nothing_lost_every_step_exact
             killed_at, before = time.monotonic(), {s.url: s.served for s in arena.pool.servers}
             in_flight = killed.outstanding
             await _wait_for(lambda: not killed.up, 30)
-            detect_s = time.monotonic() - killed_at
+            detect_s, served_when_out = time.monotonic() - killed_at, killed.served
             await _publish_revision(kw, revisions, revs[2])  # the swap goes on with the survivor alone
             await _wait_for(lambda: survivor.served_by_revision[2] >= 16, 120)
             stop.set()
@@ -170,9 +170,10 @@ async def test_two_vllm_servers_one_killed_mid_run_nothing_lost_every_step_exact
     assert stats.failed == 0 and len(rollouts) == stats.rollouts == stats.groups * 8
     assert all(r.status == "completed" for r in rollouts) and len(steps) == stats.steps == len(rollouts)
     # both servers served before the kill; after it, every call went to the survivor, the dead one's included
-    assert all(n > 0 for n in before.values()) and in_flight > 0 and killed.errors >= in_flight
-    assert killed.served == before[killed.url] and not killed.up
-    assert survivor.served - before[survivor.url] == len(steps) - sum(before.values())
+    # (an answer already written when the kill came may still be read: at most the calls then in flight)
+    assert all(n > 0 for n in before.values()) and in_flight > 0 and killed.errors > 0
+    assert killed.served - before[killed.url] <= in_flight and killed.served == served_when_out and not killed.up
+    assert survivor.served + killed.served == len(steps)
     # every Step is exact: its stamp is the revision its server held when it answered, on every server
     assert all(s.policy_exact for s in steps)
     assert all(s.policy.checkpoint_digest == revs[s.policy.revision].checkpoint.digest for s in steps)
