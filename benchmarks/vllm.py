@@ -79,7 +79,7 @@ async def _arena(settings, url: str, model: str, prompts: list[str], sampling: d
                       sampling=sampling)
     emitter = KafkaEmitter(settings.client_kwargs(), f"bench-vllm-{uuid.uuid4().hex[:8]}")
     arena = Arena(plan, {"bench": env}, emitter=emitter, policy_base_url=url, concurrency=concurrency,
-                  weights=VllmWeights(url) if gated else None, client_options=CPU_CLIENT_OPTIONS)
+                  weights=VllmWeights if gated else None, client_options=CPU_CLIENT_OPTIONS)
     async with arena:
         t0 = time.perf_counter()
         stats = await arena.run(num_groups=len(prompts) // group)

@@ -18,11 +18,13 @@ Policy revisions
 ----------------
 ``revisions`` (a ``streams.revisions.RevisionFollower`` of ``plan.family``: read_committed, no consumer group)
 delivers the trainer's ``PolicyRevision`` events for ``plan.family``. On each new one the arena makes it
-current. When the arena owns the learner's weights (``weights``: a ``producers.weights.WeightLoader``; by
-default the local policy server's loader when the learner is the arena's own endpoint) it loads the
-checkpoint into the server under the ``RevisionGate``: calls in flight finish first, new calls wait, so
-each Step is stamped with exactly the revision whose weights produced all of its tokens. A revision the
-serving endpoint reports in its response wins (it is the one that produced the tokens). When nothing
+current. When the arena owns the learner's weights (``weights``: a ``producers.weights.WeightLoader`` per
+server; by default the local policy server's loader when the learner is the arena's own endpoint) it loads the
+checkpoint into every server of its learner pool (``producers.pool``: one or several servers, each call to the
+least busy) under the ``RevisionGate``: calls in flight finish first, new calls wait, so each Step is stamped
+with exactly the revision whose weights produced all of its tokens, whichever server answered. A server that
+fails is out of the pool until it answers again and has loaded the current revision (``PoolWeights``). A
+revision the serving endpoint reports in its response wins (it is the one that produced the tokens). When nothing
 proves the revision (an endpoint the arena does not load and that does not report it), Steps carry the
 arena's current revision with ``policy_exact=False``. Fixed targets' Steps carry ``policy=None``.
 
@@ -77,7 +79,8 @@ from producers.emitter import Emitter
 from producers.environment import Environment, Example, environment_from_spec
 from producers.episodes import Episode, EpisodeState, GenerateResult
 from producers.inference import Completion, InferenceClient, InferenceError
-from producers.weights import LocalPolicyWeights, RevisionGate, WeightLoader, WeightLoadError
+from producers.pool import InferencePool
+from producers.weights import LocalPolicyWeights, PoolWeights, RevisionGate, WeightLoader, WeightLoadError
 from schemas.admission import AdmissionBook, AdmissionClaim, AdmissionDone, AdmissionRelease, AdmissionRenew
 from schemas.envelope import new_id
 from schemas.events import ChatMessage, Rollout, Step
@@ -369,16 +372,21 @@ class ArenaStats:
 
 class Arena:
     def __init__(self, plan: Any, environments: Mapping[str, Environment] | None = None, *, emitter: Emitter,
-                 policy_base_url: str | None = None, concurrency: int = 32, progress: bool = False,
+                 policy_base_url: str | Sequence[str] | None = None, concurrency: int = 32, progress: bool = False,
                  run_id: str | None = None, producer_name: str = "arena", revisions: RevisionFollower | None = None,
-                 weights: WeightLoader | None | str = "auto", seed: int = 0, base_revision: int | None = None,
+                 weights: Callable[[str], WeightLoader] | None | str = "auto", seed: int = 0,
+                 base_revision: int | None = None,
                  client_options: Mapping[str, Any] | None = None, manage_emitter: bool = True,
                  evaluate: bool = False, eval_sampling: Mapping[str, Any] | None = None,
                  admissions: MemoryLedger | None = None, admission_lease_s: float = 600.0,
                  arena_id: str | None = None, eval_environments: Sequence[tuple[Any, Environment]] | None = None
                  ) -> None:
-        """``arena_id``: this arena among the run's many (its claims on the admissions ledger; default
-        ``default_arena_id``). ``producer_name`` is what its events say produced them."""
+        """``policy_base_url``: the learner's server, or several (a pool: ``producers.pool``), when the plan's
+        learner names none. ``weights``: what loads a revision into one of them (``VllmWeights``,
+        ``LocalPolicyWeights``: called with each server's URL); "auto": the local policy server's loader when the
+        learner is this arena's own endpoint; None: the arena loads nothing. ``arena_id``: this arena among the
+        run's many (its claims on the admissions ledger; default ``default_arena_id``). ``producer_name`` is what
+        its events say produced them."""
         self.plan = plan
         # keyed by the source's name: two sources of one environment (different args, ratios) stay two
         self.env_specs = {spec.display_name: spec for spec in getattr(plan, "environments", []) or []}
@@ -397,16 +405,17 @@ class Arena:
                     self.env_sampling[env.ref] = dict(spec.sampling)
         self.emitter = emitter
         self.manage_emitter = manage_emitter  # False: the emitter is shared and started/stopped by its owner
-        self.policy_base_url = policy_base_url
+        self.policy_base_urls = [policy_base_url] if isinstance(policy_base_url, str) else list(policy_base_url or [])
         self.concurrency = concurrency
         self.progress = progress
         self.run_id = run_id or new_id()
         self.producer_name = producer_name
         self.revisions = revisions
+        # the learner's servers: every learner call picks one, every swap loads them all
+        self.pool = InferencePool(plan.learner.base_urls or self.policy_base_urls)
         if weights == "auto":  # the learner is this arena's own endpoint: load revisions into it
-            weights = LocalPolicyWeights(policy_base_url) \
-                if policy_base_url and plan.learner.is_learner and not plan.learner.base_urls else None
-        self.weights: WeightLoader | None = weights  # type: ignore[assignment]
+            weights = LocalPolicyWeights if self.policy_base_urls and not plan.learner.base_urls else None
+        self.weights = PoolWeights(self.pool, weights) if callable(weights) else None
         self.gate = RevisionGate()
         self.reload_s: list[float] = []
         # evaluation: every environment's eval_dataset answered once by each revision made current (greedy by
@@ -463,6 +472,9 @@ class Arena:
         if self.manage_emitter:
             await self.emitter.stop()
         await self.pacer.stop()
+        for client in self._clients.values():
+            await client.aclose()
+        await self.pool.aclose()
         if self._http is not None:
             await self._http.aclose()
         for env in self.environments.values():  # episodes holding serving resources (verifiers.v1 envs)
@@ -493,7 +505,8 @@ class Arena:
     def client_for(self, target: Any) -> InferenceClient:
         client = self._clients.get(target.name)
         if client is None:
-            client = InferenceClient.for_target(target, self.policy_base_url, http=self._http, **self.client_options)
+            client = InferenceClient.for_target(target, self.pool if target.is_learner else self.policy_base_urls,
+                                                http=self._http, **self.client_options)
             self._clients[target.name] = client
         return client
 

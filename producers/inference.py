@@ -12,13 +12,13 @@ entries. ``require_tokens=True`` (trainable calls) refuses a response without id
 Failures: a transport error (connect, read timeout), 429 or 5xx is retried with exponential
 backoff and jitter (``Retry-After`` honoured, capped); after ``max_attempts`` it raises
 ``InferenceUnavailable`` with the last reason. Another 4xx raises ``InferenceRequestError`` at once.
-Several ``base_urls`` are used round-robin, and a retry moves on to the next one.
+Several ``base_urls`` are one ``producers.pool.InferencePool``: each attempt goes to the server with the fewest
+requests outstanding; a transport error or a 5xx takes that server out of the pool and the retry goes at once to
+another one (backing off only when none is left).
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import json
 import os
 import random
@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from producers.pool import InferencePool, Server
 from schemas.events import ChatMessage, ToolCall
 from schemas.policy import PolicyRef
 
@@ -106,13 +107,17 @@ SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_co
 
 
 class InferenceClient:
-    def __init__(self, base_urls: Sequence[str] | str, model: str, *, api_key: str | None = None,
+    def __init__(self, base_urls: Sequence[str] | str | InferencePool, model: str, *, api_key: str | None = None,
                  timeout_s: float = 60.0, max_attempts: int = 5, backoff_s: float = 0.25, max_backoff_s: float = 8.0,
                  http: httpx.AsyncClient | None = None, max_connections: int = 256, seeded: bool = True) -> None:
-        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
-        if not urls:
+        """``base_urls``: one URL, several, or a pool shared with others (the arena's learner pool, whose servers
+        its weight swaps load)."""
+        if isinstance(base_urls, InferencePool):
+            self.pool, self._own_pool = base_urls, False
+        else:
+            self.pool, self._own_pool = InferencePool([base_urls] if isinstance(base_urls, str) else base_urls), True
+        if not len(self.pool):
             raise ValueError("InferenceClient needs at least one base_url")
-        self.base_urls = [u.rstrip("/") for u in urls]
         self.model = model
         self.api_key = api_key
         self.seeded = seeded  # False: per-call seeds are not sent (see producers.vllm_server.CPU_CLIENT_OPTIONS)
@@ -123,13 +128,17 @@ class InferenceClient:
         self.http = http or httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
-        self._rr = itertools.cycle(range(len(self.base_urls)))
 
     @classmethod
-    def for_target(cls, target: Any, default_base_url: str | None = None, **kw: Any) -> InferenceClient:
-        """A client for a ``schemas.plan.Target`` (empty base_urls: the local policy server's URL)."""
-        urls = list(target.base_urls) or ([default_base_url] if default_base_url else [])
-        if not urls:
+    def for_target(cls, target: Any, default_base_urls: Sequence[str] | InferencePool = (),
+                   **kw: Any) -> InferenceClient:
+        """A client for a ``schemas.plan.Target``: its base_urls, else ``default_base_urls`` (the arena's policy
+        servers); a pool given there serves the target whatever its base_urls (the arena's learner pool)."""
+        if isinstance(default_base_urls, InferencePool):
+            urls: Sequence[str] | InferencePool = default_base_urls
+        else:
+            urls = list(target.base_urls) or list(default_base_urls)
+        if not len(urls):
             raise ValueError(f"target {target.name!r} has no base_url and no local policy server was given")
         key = os.environ.get(target.api_key_var) if getattr(target, "api_key_var", None) else None
         if target.timeout_s:
@@ -137,6 +146,8 @@ class InferenceClient:
         return cls(urls, target.model, api_key=key, **kw)
 
     async def aclose(self) -> None:
+        if self._own_pool:
+            await self.pool.aclose()
         if self._own_http:
             await self.http.aclose()
 
@@ -159,28 +170,40 @@ class InferenceClient:
         """POST with retries; returns (json, attempts, latency of the successful attempt)."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         last = "no attempt made"
+        failed: Server | None = None
         for attempt in range(1, self.max_attempts + 1):
-            url = self.base_urls[next(self._rr)] + path
-            t0 = time.perf_counter()
+            server = self.pool.pick(avoid=failed)
             retry_after = None
-            try:
-                r = await self.http.post(url, json=body, headers=headers)
-            except httpx.TransportError as e:
-                last = f"{type(e).__name__} from {url}: {e}".strip()
+            if server is None:
+                last = f"every server is out of the pool ({self.pool.why_out()})"
             else:
-                if r.status_code == 200:
-                    try:
-                        return r.json(), attempt, time.perf_counter() - t0
-                    except ValueError as e:
-                        raise InferenceRequestError(f"{url} returned invalid JSON: {e}") from None
-                snippet = r.text[:300]
-                if r.status_code == 429 or r.status_code >= 500:
-                    last = f"HTTP {r.status_code} from {url}: {snippet}"
-                    retry_after = r.headers.get("retry-after")
+                url = server.url + path
+                t0 = time.perf_counter()
+                try:
+                    with self.pool.sending(server):
+                        r = await self.http.post(url, json=body, headers=headers)
+                except httpx.TransportError as e:
+                    last = f"{type(e).__name__} from {url}: {e}".strip()
+                    self.pool.failed(server, last, take_out=True)
                 else:
-                    raise InferenceRequestError(f"HTTP {r.status_code} from {url}: {snippet}")
+                    if r.status_code == 200:
+                        self.pool.answered(server)
+                        try:
+                            return r.json(), attempt, time.perf_counter() - t0
+                        except ValueError as e:
+                            raise InferenceRequestError(f"{url} returned invalid JSON: {e}") from None
+                    snippet = r.text[:300]
+                    if r.status_code == 429 or r.status_code >= 500:
+                        last = f"HTTP {r.status_code} from {url}: {snippet}"
+                        retry_after = r.headers.get("retry-after")
+                        self.pool.failed(server, last, take_out=r.status_code != 429)  # 429: busy, not broken
+                    else:
+                        raise InferenceRequestError(f"HTTP {r.status_code} from {url}: {snippet}")
+                failed = server
             if attempt < self.max_attempts:
-                await asyncio.sleep(self._delay(attempt, retry_after))
+                if server is not None and not server.up and any(s.up for s in self.pool.servers):
+                    continue  # it is out: another server takes the retry at once
+                await self.pool.wait(self._delay(attempt, retry_after))
         raise InferenceUnavailable(f"endpoint unavailable after {self.max_attempts} attempts; last: {last}")
 
     async def chat(self, messages: Sequence[ChatMessage | dict[str, Any]], *, sampling: dict[str, Any] | None = None,

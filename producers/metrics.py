@@ -34,6 +34,14 @@ def arena_samples(arena: Any, emitter: Any) -> Iterator[Sample]:
     yield "rollout_arena_revision", "gauge", "the learner revision the arena serves", {}, arena.current_policy.revision
     yield "rollout_arena_weight_reloads", "counter", "revisions loaded into the server", {}, len(arena.reload_s)
     yield "rollout_arena_weight_reload_seconds", "counter", "time spent loading revisions", {}, sum(arena.reload_s)
+    for server in arena.pool.servers:  # the learner's pool: how its calls spread, which servers are in
+        labels = {"server": server.url}
+        yield "rollout_learner_requests", "counter", "learner calls answered, by server", labels, server.served
+        yield "rollout_learner_errors", "counter", "learner attempts failed (transport, 429, 5xx), by server", labels, \
+            server.errors
+        yield "rollout_learner_outstanding", "gauge", "learner calls waiting for an answer, by server", labels, \
+            server.outstanding
+        yield "rollout_learner_up", "gauge", "1 while the server is in the learner's pool", labels, server.up
     yield ("rollout_admission_pauses", "counter", "times admission waited for the trainer (off-policy bound)", {},
            pacer.pauses)
     yield "rollout_admission_paused_seconds", "counter", "time admission waited for the trainer", {}, pacer.paused_s

@@ -15,6 +15,13 @@ and calls in flight finish under the old weights before the reload starts. A Ste
 revision that was current while its call held the gate, so no token generated under one revision carries
 another's name. A swap that fails leaves the server's weights unknown: the gate stays shut with that
 error, and every later call fails with it (recorded as failed rollouts) instead of being stamped.
+
+Several servers (``producers.pool.InferencePool``) take each revision together: ``PoolWeights`` runs one loader
+per server concurrently, behind the one gate, so every server in the pool holds the revision that calls are
+stamped with. A server that fails to load is taken out of the pool, and loads the current revision before it
+rejoins (its probe, ``InferencePool.rejoin``). The swap fails only when no server took the weights, or when the
+revision itself is refused (``RevisionRefused``: its checkpoint is missing or not the bytes its digest names;
+every server would refuse it).
 """
 
 from __future__ import annotations
@@ -22,15 +29,22 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any, AsyncIterator, Protocol
 
 import httpx
 
+from producers.pool import InferencePool, Server, server_root
 from schemas.policy import PolicyRevision
 
 
 class WeightLoadError(RuntimeError):
     """The inference server did not take a revision's weights; what it serves now is unknown."""
+
+
+class RevisionRefused(WeightLoadError):
+    """The revision itself cannot be served (its checkpoint is missing or differs from its digest): no server of
+    a pool would take it."""
 
 
 class RevisionGate:
@@ -82,12 +96,6 @@ class WeightLoader(Protocol):
     async def load(self, http: httpx.AsyncClient, rev: PolicyRevision) -> dict[str, float]: ...
 
 
-def _root(base_url: str) -> str:
-    """``http://h:p/v1`` -> ``http://h:p`` (vLLM's admin routes are not under /v1)."""
-    url = base_url.rstrip("/")
-    return url[:-3] if url.endswith("/v1") else url
-
-
 class LocalPolicyWeights:
     reports_revision = True
 
@@ -96,10 +104,14 @@ class LocalPolicyWeights:
 
     async def load(self, http: httpx.AsyncClient, rev: PolicyRevision) -> dict[str, float]:
         t0 = time.perf_counter()
-        r = await http.post(self.base_url + "/load_weights", json={
-            "family": rev.family, "revision": rev.revision, "checkpoint": rev.checkpoint.model_dump()})
-        if r.status_code != 200:
-            raise WeightLoadError(f"policy server could not load {rev.family}@r{rev.revision}: {r.text[:300]}")
+        try:
+            r = await http.post(self.base_url + "/load_weights", json={
+                "family": rev.family, "revision": rev.revision, "checkpoint": rev.checkpoint.model_dump()})
+        except httpx.HTTPError as e:
+            raise WeightLoadError(f"policy server at {self.base_url} is unreachable: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:  # a 400 is the checkpoint's fault (missing, digest): any server would refuse it
+            error = RevisionRefused if r.status_code < 500 else WeightLoadError
+            raise error(f"policy server could not load {rev.family}@r{rev.revision}: {r.text[:300]}")
         return {"reload_s": time.perf_counter() - t0}
 
 
@@ -109,7 +121,7 @@ class VllmWeights:
     reports_revision = False
 
     def __init__(self, base_url: str, *, timeout_s: float = 300.0) -> None:
-        self.root = _root(base_url)
+        self.root = server_root(base_url)
         self.timeout_s = timeout_s
 
     async def _post(self, http: httpx.AsyncClient, path: str, rev: PolicyRevision, **kw: Any) -> Any:
@@ -133,10 +145,10 @@ class VllmWeights:
         ck = rev.require_checkpoint()
         path = checkpoint_path(ck)
         if not path.is_file():
-            raise WeightLoadError(f"{rev.family}@r{rev.revision}: checkpoint {path} does not exist on this host")
+            raise RevisionRefused(f"{rev.family}@r{rev.revision}: checkpoint {path} does not exist on this host")
         digest = await asyncio.to_thread(file_sha256, path)
         if digest != ck.digest:
-            raise WeightLoadError(f"{rev.family}@r{rev.revision}: checkpoint {path} has sha256 {digest}, "
+            raise RevisionRefused(f"{rev.family}@r{rev.revision}: checkpoint {path} has sha256 {digest}, "
                                   f"its revision says {ck.digest}: refusing to serve different weights")
         t0 = time.perf_counter()
         await self._post(http, "/collective_rpc", rev, json={
@@ -145,3 +157,45 @@ class VllmWeights:
         await self._post(http, "/reset_prefix_cache", rev)
         await self._post(http, "/update_weight_version", rev, json={"new_version": f"r{rev.revision}"})
         return {"reload_s": reload_s}
+
+
+class PoolWeights:
+    """Loads each revision into every server of a pool (one ``loader(url)`` per server, concurrently); see the
+    module docstring. ``current``: the revision the pool's servers hold; a rejoining server loads it first."""
+
+    def __init__(self, pool: InferencePool, loader: Callable[[str], WeightLoader]) -> None:
+        self.pool = pool
+        self.loaders = {s.url: loader(s.url) for s in pool.servers}
+        self.reports_revision = all(x.reports_revision for x in self.loaders.values())
+        self.current: PolicyRevision | None = None
+        pool.rejoin = self._rejoin
+
+    async def load(self, http: httpx.AsyncClient, rev: PolicyRevision) -> dict[str, float]:
+        async with self.pool.membership:  # no server joins while the pool swaps
+            servers = [s for s in self.pool.servers if s.up]
+            results = await asyncio.gather(*(self.loaders[s.url].load(http, rev) for s in servers),
+                                           return_exceptions=True)
+            loaded: list[dict[str, float]] = []
+            refused: RevisionRefused | None = None
+            for server, result in zip(servers, results):
+                if isinstance(result, RevisionRefused):
+                    refused = refused or result
+                elif isinstance(result, WeightLoadError):  # this server's failure: out until it loads the current
+                    self.pool.take_out(server, f"could not load r{rev.revision}: {result}")
+                elif isinstance(result, BaseException):
+                    raise result
+                else:
+                    server.revision = rev.revision
+                    loaded.append(result)
+            if refused is not None:
+                raise refused
+            if not loaded:
+                raise WeightLoadError(f"no server of the pool took {rev.family}@r{rev.revision}: "
+                                      f"{self.pool.why_out() or 'the pool is empty'}")
+            self.current = rev
+        return {"reload_s": max(r.get("reload_s", 0.0) for r in loaded)}
+
+    async def _rejoin(self, server: Server, http: httpx.AsyncClient) -> None:
+        if self.current is not None:
+            await self.loaders[server.url].load(http, self.current)
+            server.revision = self.current.revision

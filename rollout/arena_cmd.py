@@ -18,8 +18,10 @@ revision that produced all of its tokens) and paces admission. Every arena of a 
 against the one admissions ledger on the log (``producers/arena.py``, "Admission pacing"): start as many as
 there are inference servers, all with the run's ``--run-id``, each with its own ``--arena-id`` (its identity:
 restarting one under the same id gives back what its killed predecessor had claimed at once, a new id after
-``--admission-lease-s``). ``--evaluate`` answers every environment's
-held-out questions with each revision (Rollouts marked ``evaluation``). SIGTERM (or Ctrl-C) stops admission;
+``--admission-lease-s``). ``--policy-url`` may name several servers (repeated or comma-separated): one arena
+spreads its calls over them, each to the server with the fewest requests outstanding, and loads every revision
+into all of them; a server that fails is out of the pool until it answers again (and has loaded the current
+revision). ``--evaluate`` answers every environment's held-out questions with each revision (Rollouts marked ``evaluation``). SIGTERM (or Ctrl-C) stops admission;
 the episodes in flight finish and are written before it exits.
 """
 
@@ -38,7 +40,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=32, help="rollouts in flight at most")
     p.add_argument("--policy", choices=("local", "vllm"), default="local",
                    help="what serves the learner: the tiny model's local server, or vLLM (default: local)")
-    p.add_argument("--policy-url", help="a running learner endpoint (default: start one on --policy-port)")
+    p.add_argument("--policy-url", action="append", metavar="URL",
+                   help="a running learner server (default: start one on --policy-port); repeat it, or separate "
+                        "URLs with commas, for a pool: each call goes to the server with the fewest requests "
+                        "outstanding, every revision is loaded into all of them, and a server that fails is out "
+                        "of the pool until it answers again and has loaded the current revision")
     p.add_argument("--policy-port", type=int, default=8000, help="port of the server this command starts")
     p.add_argument("--checkpoint", help="checkpoint for the local policy server (default: seeded init)")
     p.add_argument("--follow-revisions", action="store_true",
@@ -98,13 +104,13 @@ async def _main(args: argparse.Namespace) -> int:
     await topics.ensure(settings.admin_kwargs(), topics.ARENA_READS + topics.ARENA_WRITES)
     run_id = args.run_id or new_id()
     server = vllm = metrics = None
-    url = args.policy_url
+    urls = [u.strip() for arg in args.policy_url or [] for u in arg.split(",") if u.strip()]
     weights: object = "auto"
     client_options: dict = {}
     if args.policy == "vllm":
         from producers.weights import VllmWeights
 
-        if url is None and not plan.learner.base_urls:
+        if not urls and not plan.learner.base_urls:
             from policy.hf import ModelUnavailable
             from policy.served import served_model
             from producers.vllm_server import VllmServer
@@ -119,14 +125,14 @@ async def _main(args: argparse.Namespace) -> int:
             vllm = VllmServer(served.path, port=args.policy_port, served_model_name=plan.family)
             print(f"starting vLLM on port {args.policy_port} ...", flush=True)
             await vllm.start()
-            url = vllm.base_url
-            print(f"vLLM: {url} serving {plan.family}", flush=True)
-        weights = VllmWeights(url or plan.learner.base_urls[0])
+            urls = [vllm.base_url]
+            print(f"vLLM: {vllm.base_url} serving {plan.family}", flush=True)
+        weights = VllmWeights  # one per server of the learner's pool
         if args.cpu_vllm:
             from producers.vllm_server import CPU_CLIENT_OPTIONS
 
             client_options = dict(CPU_CLIENT_OPTIONS)
-    elif url is None and not plan.learner.base_urls:
+    elif not urls and not plan.learner.base_urls:
         from policy import PolicyModel
         from policy.checkpoint import load_checkpoint_info
         from producers.policy_server import PolicyServer
@@ -138,15 +144,15 @@ async def _main(args: argparse.Namespace) -> int:
         else:
             server = PolicyServer(PolicyModel.from_seed(0), family=plan.family, port=args.policy_port)
         await server.start()
-        url = server.base_url
-        print(f"local policy server: {url} serving {server.policy}")
+        urls = [server.base_url]
+        print(f"local policy server: {server.base_url} serving {server.policy}")
     try:
         arena_id = args.arena_id or default_arena_id(run_id)
         print(f"arena id: {arena_id}")
         emitter = KafkaEmitter(settings.client_kwargs(), f"arena-{arena_id}")
         follower = RevisionFollower(settings.client_kwargs(), plan.family) if args.follow_revisions else None
         arena = Arena(plan, environments, eval_environments=eval_environments, emitter=emitter,
-                      policy_base_url=url, concurrency=args.concurrency, progress=not args.no_progress,
+                      policy_base_url=urls, concurrency=args.concurrency, progress=not args.no_progress,
                       run_id=run_id, revisions=follower, seed=args.seed,
                       weights=weights, evaluate=args.evaluate, client_options=client_options,
                       admissions=KafkaLedger(settings.client_kwargs()), admission_lease_s=args.admission_lease_s,
@@ -178,7 +184,7 @@ async def _main(args: argparse.Namespace) -> int:
                           f"{'current and evaluated' if arena.evaluate else 'current'} in time{why}; exiting "
                           "without it", file=sys.stderr)
         print(json.dumps({"run_id": run_id, "plan": args.plan, **stats.as_dict(), **awaited,
-                          "reload_s": [round(x, 3) for x in arena.reload_s],
+                          "reload_s": [round(x, 3) for x in arena.reload_s], "servers": arena.pool.snapshot(),
                           "transactions": emitter.stats.transactions, "messages": emitter.stats.messages,
                           "steps_topic": emitter.steps_topic, "rollouts_topic": emitter.rollouts_topic}))
     finally:

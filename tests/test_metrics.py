@@ -180,6 +180,9 @@ def test_arena_and_policy_server_metrics(kafka_bootstrap, prefix, tmp_path):
                                                                                  **committed) >= 8
         assert total(got, "rollout_tokens_total", stage="generated") > 0
         assert total(got, "rollout_policy_requests_total", service="policy") >= 8
+        learner = {"server": f"http://127.0.0.1:{base + 1}/v1"}  # its pool of one: the server it started
+        assert total(got, "rollout_learner_requests_total", **learner) >= 8
+        assert total(got, "rollout_learner_up", **learner) == 1 and total(got, "rollout_learner_errors_total") == 0
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

@@ -35,9 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is 7 + 5? Answer with a number."
 
 
-def _plan(url: str, **update):
+def _plan(url: str | list[str], **update):
     plan = compile_plan(ROOT / "examples/plans/arithmetic-smollm2.toml")
-    targets = {k: t.model_copy(update={"base_urls": [url]}) for k, t in plan.targets.items()}
+    urls = [url] if isinstance(url, str) else url
+    targets = {k: t.model_copy(update={"base_urls": urls}) for k, t in plan.targets.items()}
     return plan.model_copy(update={"targets": targets, **update})
 
 
@@ -92,13 +93,15 @@ async def test_multi_turn_second_prompt_contains_the_first_turn_tokens(vllm_serv
         assert not first.policy_exact and not second.policy_exact  # nothing swapped: the revision is assumed
 
 
-def _distinct_checkpoint(tmp_path: Path) -> PolicyRevision:
-    """Revision 1: the packaged weights with the final norm scaled by 3 (sharper next-token distributions)."""
+def _distinct_checkpoint(tmp_path: Path, revision: int = 1) -> PolicyRevision:
+    """Revision ``revision``: the packaged weights with the final norm scaled by ``1 + 2 * revision`` (3 for
+    revision 1: sharper next-token distributions, each revision's its own)."""
     model = load_model(prepare_model().checkpoint)
     with torch.no_grad():
-        model.model.norm.weight.mul_(3.0)
-    ref = save_checkpoint(model, tmp_path, FAMILY, 1)
-    return PolicyRevision(run_id="t", producer="test", family=FAMILY, revision=1, checkpoint=ref, parent_revision=0)
+        model.model.norm.weight.mul_(1.0 + 2 * revision)
+    ref = save_checkpoint(model, tmp_path, FAMILY, revision)
+    return PolicyRevision(run_id="t", producer="test", family=FAMILY, revision=revision, checkpoint=ref,
+                          parent_revision=revision - 1)
 
 
 def _step_deltas(model, steps) -> list[float]:
@@ -122,7 +125,7 @@ async def test_revision_swapped_mid_run_stamps_every_step_exactly(vllm_server, k
     plan = _plan(vllm_server.base_url, batch_size=1000)  # no pacing pause in this test
     await _publish_revision(kw, revisions, rev0)
     arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics), policy_base_url=vllm_server.base_url,
-                  revisions=RevisionFollower(kw, FAMILY, topic=revisions), weights=VllmWeights(vllm_server.base_url),
+                  revisions=RevisionFollower(kw, FAMILY, topic=revisions), weights=VllmWeights,
                   concurrency=16, client_options=CPU_CLIENT_OPTIONS)
     async with arena:
         await _wait_for(lambda: arena.current_policy.checkpoint_digest == rev0.checkpoint.digest, 60)
@@ -151,7 +154,7 @@ async def test_vllm_unreachable_rollouts_fail_with_the_reason_nothing_lost(kafka
     dead = f"http://127.0.0.1:{free_port()}/v1"
     plan = _plan(dead, group_size=2)
     arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics), policy_base_url=dead,
-                  weights=VllmWeights(dead), client_options={"max_attempts": 2, "backoff_s": 0.01})
+                  weights=VllmWeights, client_options={"max_attempts": 2, "backoff_s": 0.01})
     async with arena:
         stats = await arena.run(num_groups=3)
     rollouts = [e for *_, e in await read_all(kafka_settings.client_kwargs(), pipeline_topics[1], expect=6)]
@@ -171,7 +174,7 @@ async def test_a_revision_that_cannot_be_loaded_stops_admission_and_is_never_sta
     await _publish_revision(kw, revisions, rev0)
     arena = Arena(_plan(vllm_server.base_url, batch_size=1000), emitter=_emitter(kafka_settings, pipeline_topics),
                   policy_base_url=vllm_server.base_url, revisions=RevisionFollower(kw, FAMILY, topic=revisions),
-                  weights=VllmWeights(vllm_server.base_url), concurrency=8, client_options=CPU_CLIENT_OPTIONS)
+                  weights=VllmWeights, concurrency=8, client_options=CPU_CLIENT_OPTIONS)
     async with arena:
         await _wait_for(lambda: arena.current_policy.checkpoint_digest == rev0.checkpoint.digest, 60)
         # no group limit: only the refused swap may end the run (50 groups once finished before the swap came)

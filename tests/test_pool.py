@@ -1,0 +1,203 @@
+"""The learner's inference pool (``producers.pool``, ``producers.weights.PoolWeights``): the pick rule; two local
+policy servers, one stopped and started again fresh, which must load the current revision before it serves;
+two real vLLM servers behind one arena following revisions on a real broker, one SIGKILLed mid-run; `rollout
+arena` with several --policy-url."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import uuid
+from collections import Counter
+
+import httpx
+import pytest
+
+from policy import PolicyModel, save_checkpoint
+from policy.hf import FAMILY, prepare_model
+from producers.arena import Arena
+from producers.inference import InferenceClient, InferenceUnavailable
+from producers.policy_server import PolicyServer
+from producers.pool import InferencePool, server_root
+from producers.vllm_server import CPU_CLIENT_OPTIONS, VllmServer
+from producers.weights import LocalPolicyWeights, PoolWeights, RevisionRefused, VllmWeights, WeightLoadError
+from schemas.events import ChatMessage
+from schemas.policy import PolicyRevision
+from streams.local_broker import free_port
+from streams.revisions import RevisionFollower
+from test_producers_kafka import _emitter, _publish_revision, _wait_for, pipeline_topics, read_all  # noqa: F401
+from test_vllm import _cli, _distinct_checkpoint, _plan
+
+MSG = [ChatMessage(role="user", content="What is 2 + 2?")]
+
+
+async def test_pick_least_outstanding_skips_servers_out_and_takes_turns_on_ties():
+    pool = InferencePool(["http://a:1/v1", "http://b:1/v1", "http://c:1/v1"], probe_s=3600)
+    a, b, c = pool.servers
+    try:
+        assert Counter(pool.pick().url for _ in range(9)) == {s.url: 3 for s in pool.servers}  # ties in turn
+        a.outstanding, b.outstanding, c.outstanding = 3, 1, 2
+        assert {pool.pick().url for _ in range(4)} == {b.url}
+        assert pool.pick(avoid=b) is c  # a retry goes elsewhere
+        with pool.sending(b), pool.sending(b):
+            assert b.outstanding == 3 and {pool.pick().url for _ in range(4)} == {c.url}
+        assert b.outstanding == 1
+        pool.failed(b, "ConnectError", take_out=True)
+        assert not b.up and b.errors == 1 and pool.pick() is c and pool.pick(avoid=c) is a
+        pool.take_out(a, "HTTP 503")
+        assert pool.pick(avoid=c) is c  # the last one up
+        pool.take_out(c, "HTTP 502")
+        assert pool.pick() in pool.servers  # nothing to restore on rejoin: an out server is still tried
+        pool.rejoin = lambda server, http: asyncio.sleep(0)
+        assert pool.pick() is None and "HTTP 502" in pool.why_out()  # weights to restore: none until rejoined
+    finally:
+        await pool.aclose()
+
+
+def _revision(tmp_path, revision: int, digest: str | None = None) -> PolicyRevision:
+    ref = save_checkpoint(PolicyModel.from_seed(revision), tmp_path, "tiny-byte-lm", revision)
+    if digest:
+        ref = ref.model_copy(update={"digest": digest})
+    return PolicyRevision(run_id="t", producer="test", family="tiny-byte-lm", revision=revision, checkpoint=ref)
+
+
+async def _calls(client: InferenceClient, n: int) -> list:
+    return await asyncio.gather(*(client.chat(MSG, sampling={"max_tokens": 8}, seed=i) for i in range(n)))
+
+
+async def test_a_server_back_from_the_dead_loads_the_current_revision_before_it_serves(tmp_path):
+    one, two = PolicyServer(), PolicyServer()
+    await one.start()
+    await two.start()
+    pool = InferencePool([one.base_url, two.base_url], probe_s=0.1)
+    weights = PoolWeights(pool, LocalPolicyWeights)
+    restarted = None
+    try:
+        async with httpx.AsyncClient(timeout=30) as http, \
+                InferenceClient(pool, "tiny-byte-lm", max_attempts=3, backoff_s=0.01) as client:
+            await weights.load(http, _revision(tmp_path, 1))
+            assert (one.policy.revision, two.policy.revision) == (1, 1)
+            assert {c.policy.revision for c in await _calls(client, 16)} == {1}
+            assert one.requests_served and two.requests_served  # both took calls
+            # a revision whose checkpoint is not its digest: every server refuses it, none is taken out
+            with pytest.raises(RevisionRefused):
+                await weights.load(http, _revision(tmp_path, 2, digest="0" * 64))
+            assert all(s.up for s in pool.servers) and one.policy.revision == 1
+
+            await two.stop()  # dies: its calls move to the other server
+            assert {c.policy.revision for c in await _calls(client, 16)} == {1}
+            out = pool.servers[1]
+            assert not out.up and out.errors >= 1
+            await weights.load(http, _revision(tmp_path, 2))  # the swap goes on without it
+            assert one.policy.revision == 2 and out.revision == 1
+
+            # started again fresh (the seeded init, revision 0): it rejoins only once it holds revision 2
+            restarted = PolicyServer(port=two.http.port)
+            await restarted.start()
+            deadline = time.monotonic() + 20
+            while not out.up:
+                assert time.monotonic() < deadline, "the restarted server never rejoined"
+                await asyncio.sleep(0.05)
+            assert restarted.policy.revision == 2 and out.revision == 2 and restarted.requests_served == 0
+            assert {c.policy.revision for c in await _calls(client, 16)} == {2}
+            assert restarted.requests_served > 0  # it serves again, revision 2 only
+
+            # every server out: calls back off and fail with the typed error, a swap has nowhere to go
+            await one.stop()
+            await restarted.stop()
+            with pytest.raises(InferenceUnavailable, match="after 3 attempts"):
+                await _calls(client, 1)
+            with pytest.raises(WeightLoadError, match="no server of the pool took"):
+                await weights.load(http, _revision(tmp_path, 3))
+    finally:
+        await pool.aclose()
+        for server in (one, two, restarted):
+            if server is not None:
+                await server.stop()
+
+
+@pytest.mark.integration
+async def test_two_vllm_servers_one_killed_mid_run_nothing_lost_every_step_exact(
+        vllm_server, kafka_settings, pipeline_topics, make_topic, tmp_path):  # noqa: F811
+    kw = kafka_settings.client_kwargs()
+    revisions = await make_topic(1, "revisions")
+    revs = [PolicyRevision(run_id="t", producer="test", family=FAMILY, revision=0,
+                           checkpoint=prepare_model().checkpoint),
+            _distinct_checkpoint(tmp_path, 1), _distinct_checkpoint(tmp_path, 2)]
+    second = VllmServer(vllm_server.model_dir, port=free_port(), kv_cache_gb=1, log_path=tmp_path / "vllm-2.log")
+    await second.start()
+    await _publish_revision(kw, revisions, revs[0])
+    # the plan's learner lists both servers: one pool
+    arena = Arena(_plan([vllm_server.base_url, second.base_url], batch_size=10**6), weights=VllmWeights,
+                  emitter=_emitter(kafka_settings, pipeline_topics), concurrency=16,
+                  revisions=RevisionFollower(kw, FAMILY, topic=revisions), client_options=CPU_CLIENT_OPTIONS)
+    survivor, killed = arena.pool.servers
+    stop = asyncio.Event()
+    try:
+        async with arena:
+            await _wait_for(lambda: arena.current_policy.checkpoint_digest == revs[0].checkpoint.digest, 60)
+            assert survivor.revision == killed.revision == 0  # both loaded
+            run = asyncio.create_task(arena.run(stop=stop))
+            await _wait_for(lambda: survivor.served >= 4 and killed.served >= 4, 120)
+            await _publish_revision(kw, revisions, revs[1])  # swapped into both while calls are in flight
+            await _wait_for(lambda: killed.served_by_revision[1] >= 4 and killed.outstanding > 0, 120)
+            os.killpg(second.proc.pid, signal.SIGKILL)
+            killed_at, before = time.monotonic(), {s.url: s.served for s in arena.pool.servers}
+            in_flight = killed.outstanding
+            await _wait_for(lambda: not killed.up, 30)
+            detect_s, served_when_out = time.monotonic() - killed_at, killed.served
+            await _publish_revision(kw, revisions, revs[2])  # the swap goes on with the survivor alone
+            await _wait_for(lambda: survivor.served_by_revision[2] >= 16, 120)
+            stop.set()
+            stats = await asyncio.wait_for(run, 120)
+        async with httpx.AsyncClient() as http:  # what vLLM itself says it holds; then the shared server's own again
+            held = (await http.get(server_root(vllm_server.base_url) + "/weight_info")).json()["weight_version"]
+            await VllmWeights(vllm_server.base_url).load(http, revs[0])
+    finally:
+        stop.set()
+        await second.stop()
+    rollouts = [e for *_, e in await read_all(kw, pipeline_topics[1], expect=stats.rollouts)]
+    steps = [e for *_, e in await read_all(kw, pipeline_topics[0], expect=stats.steps)]
+    spread = {s.url: {"served": s.served, "errors": s.errors, "by_revision": dict(s.served_by_revision)}
+              for s in arena.pool.servers}
+    print(f"\n[pool] rollouts {len(rollouts)}, steps {len(steps)}, reloads {[round(x, 2) for x in arena.reload_s]}, "
+          f"served before the kill {before}, in flight at the kill {in_flight}, dead server out after "
+          f"{detect_s * 1000:.0f} ms, attempts moved {killed.errors}; spread {spread}")
+    # nothing lost: every admitted rollout is on the log, completed
+    assert stats.failed == 0 and len(rollouts) == stats.rollouts == stats.groups * 8
+    assert all(r.status == "completed" for r in rollouts) and len(steps) == stats.steps == len(rollouts)
+    # both servers served before the kill; after it, every call went to the survivor, the dead one's included
+    # (an answer already written when the kill came may still be read: at most the calls then in flight)
+    assert all(n > 0 for n in before.values()) and in_flight > 0 and killed.errors > 0
+    assert killed.served - before[killed.url] <= in_flight and killed.served == served_when_out and not killed.up
+    assert survivor.served + killed.served == len(steps)
+    # every Step is exact: its stamp is the revision its server held when it answered, on every server
+    assert all(s.policy_exact for s in steps)
+    assert all(s.policy.checkpoint_digest == revs[s.policy.revision].checkpoint.digest for s in steps)
+    assert Counter(s.policy.revision for s in steps) == survivor.served_by_revision + killed.served_by_revision
+    assert set(killed.served_by_revision) == {0, 1} and set(survivor.served_by_revision) == {0, 1, 2}
+    assert len(arena.reload_s) == 3 and survivor.revision == 2 and killed.revision == 1 and held == "r2"
+
+
+@pytest.mark.integration
+async def test_rollout_arena_spreads_its_calls_over_every_policy_url(kafka_bootstrap):
+    servers = [await PolicyServer().start() for _ in range(3)]
+    try:
+        env = {"ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap, "ROLLOUT_TOPIC_PREFIX": f"tpool{uuid.uuid4().hex[:8]}."}
+        a, b, c = (s.base_url for s in servers)
+        out = await asyncio.to_thread(_cli, "arena", "examples/plans/arithmetic.toml", "--groups", "6",
+                                      "--concurrency", "12", "--no-progress", "--policy-url", f"{a},{b}",
+                                      "--policy-url", c, env=env)
+    finally:
+        for s in servers:
+            await s.stop()
+    assert out.returncode == 0, out.stderr[-3000:]
+    stats = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\n[pool] rollout arena over three servers: {stats['servers']}")
+    assert stats["failed"] == 0 and [s["url"] for s in stats["servers"]] == [a, b, c]
+    assert all(s["served"] > 0 and s["up"] for s in stats["servers"])  # every server took calls
+    assert [s["served"] for s in stats["servers"]] == [s.requests_served for s in servers]
+    assert sum(s["served"] for s in stats["servers"]) == stats["steps"]
