@@ -19,11 +19,13 @@ and the services before it have 12 partitions and scale out). For each record si
   credit service writes them). batched/s: records in batches stamped (broker time) from 1 s after the level's
   start to its end; achieved/s: the level's records over the time until the last of them was batched (behind:
   the seconds after the writing stopped); lag: the batcher group's (``consumers.status``) when the writing
-  stopped. A level is *saturated* when the batcher was more than 1 s + 15% of the level behind (its backlog
-  grew), and the levels stop there (or at the first the producer itself could not offer: written/s under 90%
-  of offered; this process's CPU, on a shared machine, is then the limit). CPU% is of one core: the batcher's
-  process, this process (producer and batch reader) and the local broker's; wait% is the time the batcher's
-  threads were ready to run but had no core (a starved batcher, not an idle one).
+  stopped. A level is *saturated* when achieved/s was under 90% of written/s (its backlog grew; 0.5 s of grace
+  for the last batch's trip), and the levels stop there (or at the first the producer itself could not offer:
+  written/s under 90% of offered; this process's CPU, on a shared machine, is then the limit). CPU% is of one
+  core: the batcher's
+  process, this process (producer and batch reader) and the local broker's; us/rec: the batcher's CPU
+  microseconds per record it batched; wait% is the time the batcher's threads were ready to run but had no
+  core (a starved batcher, not an idle one).
 * batch path: the TrainerBatch event of ``--batch-records`` records of that size (bytes), written to and read
   back from a one-partition topic configured as trainer-batches (plain producer, acks=all; a plain consume) and
   decoded, as the trainer does: what one partition carries, in batches/s and the records and tokens in them.
@@ -49,8 +51,8 @@ from benchmarks._shared import cpu_s, kafka_for, report
 POOL = 4096
 TICK_S = 0.1
 WARM_S = 1.0
-CATCH_UP_S = 1.0
-CATCH_UP_SHARE = 0.15
+GRACE_S = 0.5
+CATCH_UP_S = 5.0
 SATURATED = 0.9
 
 
@@ -227,12 +229,13 @@ class _Cpu:
         self.pids = {k: p for k, p in pids.items() if p}
 
     def mark(self) -> tuple[float, dict[str, float]]:
-        return time.monotonic(), {**{k: cpu_s(p) for k, p in self.pids.items()}, "wait": _waited_s(self.pids["batcher"])}
+        used = {k: cpu_s(p) for k, p in self.pids.items()}
+        return time.monotonic(), {**used, "wait": _waited_s(self.pids["batcher"])}
 
     def since(self, mark: tuple[float, dict[str, float]]) -> dict[str, int]:
         t0, c0 = mark
         t1, c1 = self.mark()
-        return {k: round(100 * (c1[k] - c0[k]) / (t1 - t0)) for k in c0}
+        return {k: round(100 * (c1[k] - c0[k]) / (t1 - t0), 1) for k in c0}
 
 
 def _waited_s(pid: int) -> float:
@@ -317,8 +320,8 @@ async def _level(kw: dict[str, Any], offer: _Offer, log: _BatchLog, cpu: _Cpu, r
     lag = await _lag(kw)
     batched = log.between(t0 + WARM_S, t1)
     owed = offer.sent - (args.batch_records - 1)  # all but a partial batch, which waits for its flush timer
-    allowed = CATCH_UP_S + CATCH_UP_SHARE * took
-    caught_up = await log.until(owed, max(allowed, t1 + 2 * allowed - time.time()))
+    allowed = GRACE_S + (1 / SATURATED - 1) * took  # achieved >= 90% of written, but for the last batch's trip
+    caught_up = await log.until(owed, max(CATCH_UP_S, t1 + CATCH_UP_S + 2 * allowed - time.time()))
     behind_s = max(0.0, log.reached(owed) - t1) if caught_up else None
     state = ("producer-bound" if written / took < SATURATED * rate else
              "ok" if behind_s is not None and behind_s <= allowed else "saturated")
@@ -330,20 +333,23 @@ async def _level(kw: dict[str, Any], offer: _Offer, log: _BatchLog, cpu: _Cpu, r
             "written_per_s": round(written / took), "batched_per_s": round(in_window),
             "achieved_per_s": round(achieved), "tokens_per_s": round(achieved * tokens), "lag_at_end": lag,
             "behind_s": round(behind_s, 2) if behind_s is not None else None,
+            "batcher_cpu_us_per_record": round(used["batcher"] / 100 * (t1 - t0) / max(log.between(t0, t1), 1) * 1e6),
             "cpu_pct": used, "load_avg_1m": round(os.getloadavg()[0], 1), "state": state}
 
 
-HEADER = (f"{'tokens':>6} {'offered/s':>9} {'written/s':>9} {'batched/s':>9} {'achieved/s':>10} {'tokens/s':>11} {'lag':>7} {'behind':>6} "
-          f"{'batcher%':>8} {'wait%':>6} {'this%':>6} {'broker%':>7} {'load':>5}  state")
+HEADER = (f"{'tokens':>6} {'offered/s':>9} {'written/s':>9} {'batched/s':>9} {'achieved/s':>10} {'tokens/s':>11} "
+          f"{'lag':>7} {'behind':>6} {'batcher%':>8} {'us/rec':>6} {'wait%':>6} {'this%':>6} {'broker%':>7} "
+          f"{'load':>5}  state")
 
 
 def _row(lv: dict[str, Any]) -> str:
-    c = lv["cpu_pct"]
+    c, dash = lv["cpu_pct"], "-"
+    lag = dash if lv["lag_at_end"] is None else lv["lag_at_end"]
+    behind = dash if lv["behind_s"] is None else lv["behind_s"]
     return (f"{lv['completion_tokens']:>6} {lv['offered_per_s']:>9,} {lv['written_per_s']:>9,} "
-            f"{lv['batched_per_s']:>9,} {lv['achieved_per_s']:>10,} {lv['tokens_per_s']:>11,} {lv['lag_at_end'] if lv['lag_at_end'] is not None else '-':>7} "
-            f"{lv['behind_s'] if lv['behind_s'] is not None else '-':>6} "
-            f"{c.get('batcher', '-'):>8} {c.get('wait', '-'):>6} {c.get('this', '-'):>6} {c.get('broker', '-'):>7} {lv['load_avg_1m']:>5}  "
-            f"{lv['state']}")
+            f"{lv['batched_per_s']:>9,} {lv['achieved_per_s']:>10,} {lv['tokens_per_s']:>11,} {lag:>7} {behind:>6} "
+            f"{c.get('batcher', dash):>8} {lv['batcher_cpu_us_per_record']:>6} {c.get('wait', dash):>6} "
+            f"{c.get('this', dash):>6} {c.get('broker', dash):>7} {lv['load_avg_1m']:>5}  {lv['state']}")
 
 
 async def _batch_path(kw: dict[str, Any], pool: list[tuple[bytes, bytes, list]], tokens: int,
@@ -425,12 +431,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{s['completion_tokens']} tokens/record: {s['error']}; a batch of {b['batch_records']}: "
                   f"{b['batch_bytes']:,} B" + (f", refused ({b['refused']})" if "refused" in b else ""), flush=True)
             continue
-        print(f"{s['completion_tokens']} tokens/record ({s['record_bytes']:,} B): transport {s['transport']['records_per_s']:,}/s, "
-              f"decode {s['decode']['records_per_s']:,}/s, batcher drain {s['drain']['records_per_s']:,}/s; sustained "
-              f"{s['sustained_records_per_s']:,} records/s = {s['sustained_tokens_per_s']:,} tokens/s, peak "
-              f"{s['peak_records_per_s']:,} = {s['peak_tokens_per_s']:,}, saturated at {s['saturated_at'] or 'none of the levels'}; a batch of {b['batch_records']}: {b['batch_bytes']:,} B, "
-              + (f"refused ({b['refused']})" if "refused" in b else
-                 f"one partition carries {b['batches_per_s']}/s = {b['tokens_per_s']:,} tokens/s"), flush=True)
+        print(f"{s['completion_tokens']} tokens/record ({s['record_bytes']:,} B): transport "
+              f"{s['transport']['records_per_s']:,}/s, decode {s['decode']['records_per_s']:,}/s, batcher drain "
+              f"{s['drain']['records_per_s']:,}/s; sustained {s['sustained_records_per_s']:,} records/s = "
+              f"{s['sustained_tokens_per_s']:,} tokens/s, peak {s['peak_records_per_s']:,} = "
+              f"{s['peak_tokens_per_s']:,}, "
+              f"saturated at {s['saturated_at'] or 'none of the levels'}; a batch of {b['batch_records']}: "
+              f"{b['batch_bytes']:,} B, " + (f"refused ({b['refused']})" if "refused" in b else
+                                             f"one partition carries {b['batches_per_s']}/s = {b['tokens_per_s']:,} "
+                                             "tokens/s"), flush=True)
     return {"benchmark": "saturation", "batch_records": args.batch_records, "rates": args.rates,
             "level_s": args.level_s, "sizes": sizes, "topic": {"training_records_partitions":
             topics.TRAINING_RECORDS.partitions, "trainer_batches_partitions": topics.TRAINER_BATCHES.partitions},
