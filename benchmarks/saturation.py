@@ -56,11 +56,13 @@ CATCH_UP_S = 5.0
 SATURATED = 0.9
 
 
-def _pool(tokens: int, prompt: int) -> list[tuple[bytes, bytes, list]]:
+def _pool(tokens: int, prompt: int, batch_records: int) -> list[tuple[bytes, bytes, list]]:
+    """Distinct records, many batches' worth: a record id never comes back while it may still wait for a batch."""
     from consumers import testing
     from streams import serde
 
-    return [serde.to_message(testing.training_record(i, n=tokens, prompt=prompt)) for i in range(POOL)]
+    return [serde.to_message(testing.training_record(i, n=tokens, prompt=prompt))
+            for i in range(max(POOL, 4 * batch_records))]
 
 
 class _Offer:
@@ -107,7 +109,7 @@ class _Offer:
 
 
 class _BatchLog:
-    """Every TrainerBatch as it is committed: (broker timestamp s, records, completion tokens)."""
+    """Every TrainerBatch as it is committed: (broker timestamp s, records)."""
 
     def __init__(self, kw: dict[str, Any]) -> None:
         from aiokafka import AIOKafkaConsumer
@@ -115,7 +117,7 @@ class _BatchLog:
         from streams import topics
         from streams.settings import FETCH_OPTIONS
 
-        self.batches: list[tuple[float, int, int]] = []
+        self.batches: list[tuple[float, int]] = []
         self.consumer = AIOKafkaConsumer(topics.TRAINER_BATCHES.name, **kw, group_id=None,
                                          isolation_level="read_committed", auto_offset_reset="earliest",
                                          **FETCH_OPTIONS)
@@ -133,20 +135,19 @@ class _BatchLog:
             for recs in (await self.consumer.getmany(timeout_ms=200)).values():
                 for r in recs:
                     if codec.peek(r.value)[0] == TrainerBatch.EVENT_TYPE:  # ids only: no need to validate
-                        b = codec.header(r.value)
-                        self.batches.append((r.timestamp / 1000, len(b["records"]), b["completion_tokens"]))
+                        self.batches.append((r.timestamp / 1000, len(codec.header(r.value)["records"])))
 
     @property
     def records(self) -> int:
-        return sum(n for _, n, _ in self.batches)
+        return sum(n for _, n in self.batches)
 
     def between(self, t0: float, t1: float) -> int:
-        return sum(n for ts, n, _ in self.batches if t0 <= ts <= t1)
+        return sum(n for ts, n in self.batches if t0 <= ts <= t1)
 
     def reached(self, records: int) -> float:
         """The timestamp of the batch that brought the count to ``records``."""
         total = 0
-        for ts, n, _ in self.batches:
+        for ts, n in self.batches:
             total += n
             if total >= records:
                 return ts
@@ -182,14 +183,14 @@ async def _consume(kw: dict[str, Any], n: int, decode: bool) -> dict[str, float]
     try:
         await c.getmany(timeout_ms=1000, max_records=1)  # connected and positioned; that record is read again
         await c.seek_to_beginning()
-        count, toks = 0, 0
+        count = 0
         t0, c0 = time.monotonic(), time.process_time()
         while count < n and time.monotonic() - t0 < 120:
             for recs in (await c.getmany(timeout_ms=500)).values():
                 for r in recs:
                     count += 1
                     if decode:
-                        toks += len(codec.decode(r.value, TrainingRecord).completion_token_ids)
+                        codec.decode(r.value, TrainingRecord)
         dt, cpu = time.monotonic() - t0, time.process_time() - c0
     finally:
         await c.stop()
@@ -232,7 +233,7 @@ class _Cpu:
         used = {k: cpu_s(p) for k, p in self.pids.items()}
         return time.monotonic(), {**used, "wait": _waited_s(self.pids["batcher"])}
 
-    def since(self, mark: tuple[float, dict[str, float]]) -> dict[str, int]:
+    def since(self, mark: tuple[float, dict[str, float]]) -> dict[str, float]:
         t0, c0 = mark
         t1, c1 = self.mark()
         return {k: round(100 * (c1[k] - c0[k]) / (t1 - t0), 1) for k in c0}
@@ -252,15 +253,14 @@ def _waited_s(pid: int) -> float:
 
 async def _size(kw: dict[str, Any], bootstrap: str, broker_pid: int | None, args: argparse.Namespace,
                 tokens: int) -> dict[str, Any]:
+    from consumers import testing
     from streams import topics
     from streams.revisions import publish
-
-    from consumers import testing
 
     os.environ["ROLLOUT_TOPIC_PREFIX"] = f"{args.prefix}t{tokens}."
     await topics.create_topics(kw)
     await publish(kw, testing.revision(0))
-    pool = _pool(tokens, args.prompt_tokens)
+    pool = _pool(tokens, args.prompt_tokens, args.batch_records)
     offer = _Offer(kw, pool)
     await offer.prod.start()
     log = _BatchLog(kw)
@@ -277,10 +277,10 @@ async def _size(kw: dict[str, Any], bootstrap: str, broker_pid: int | None, args
         proc = _batcher(bootstrap, args.batch_records, proc_log)
         cpu = _Cpu({"batcher": proc.pid, "this": os.getpid(), "broker": broker_pid})
         if await log.until(backlog, 60 + backlog / 500):
-            first, last = log.batches[0][0], log.batches[-1][0]
-            out["drain"] = {"records": backlog, "seconds": round(last - first, 3),
-                            "records_per_s": round(backlog / max(last - first, 1e-3)),
-                            "tokens_per_s": round(backlog * tokens / max(last - first, 1e-3))}
+            (first, n0), last = log.batches[0], log.batches[-1][0]  # the clock starts at the first batch
+            per_s = (backlog - n0) / max(last - first, 1e-3)
+            out["drain"] = {"records": backlog, "seconds": round(last - first, 3), "records_per_s": round(per_s),
+                            "tokens_per_s": round(per_s * tokens)}
         else:  # no levels then: what the batcher said instead is the figure
             out["error"] = (f"the batcher batched {log.records} of {backlog} records in {60 + backlog / 500:.0f} s; "
                             f"its last warning: {_last_warning(proc_log.name)}")
