@@ -24,6 +24,13 @@ def kafka_for(benchmark: str) -> Any:  # -> streams.config.KafkaSettings
     return settings
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def report(run: Callable[[Any], Awaitable[dict]], args: Any) -> int:
     """``run(args)``'s figures, with --quick and the wall time, as the one JSON line a benchmark ends with."""
     t0 = time.perf_counter()

@@ -215,13 +215,9 @@ class _Forked:
 
     def cpu_s(self) -> float:
         """CPU seconds the children have used so far (utime + stime from /proc)."""
-        ticks = os.sysconf("SC_CLK_TCK")
-        total = 0
-        for proc, _ in self._children.values():
-            with open(f"/proc/{proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        return total / ticks
+        from benchmarks._shared import cpu_s
+
+        return sum(cpu_s(proc.pid) for proc, _ in self._children.values())
 
     async def stop_all(self) -> dict[str, dict[str, Any]]:
         out = {}

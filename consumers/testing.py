@@ -65,11 +65,13 @@ def arithmetic_group(group_id: str, size: int = 4, *, revision_: int = 0, family
     return out
 
 
-def training_record(i: int, *, revision_: int = 0, family: str = FAMILY, n: int = 8, reward: float = 1.0) -> TrainingRecord:
+def training_record(i: int, *, revision_: int = 0, family: str = FAMILY, n: int = 8, reward: float = 1.0,
+                    prompt: int = 4) -> TrainingRecord:
+    """``n`` completion tokens after ``prompt`` prompt tokens."""
     return TrainingRecord(run_id="run", producer="test", record_id=f"rec-{i:06d}", rollout_id=f"ro-{i}",
                           step_ids=[f"ro-{i}-s0"], member_id="solver", group_id=f"g-{i // 4}", environment=ENV,
                           policy=PolicyRef(family=family, revision=revision_),
-                          prompt_token_ids=np.arange(4, dtype=np.int32),
+                          prompt_token_ids=np.arange(prompt, dtype=np.int32),
                           completion_token_ids=np.arange(n, dtype=np.int32),
                           completion_logprobs=np.full(n, -1.0, dtype=np.float32),
                           loss_mask=np.ones(n, dtype=np.uint8), reward=reward, advantage=reward - 0.5, credit="test")

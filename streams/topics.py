@@ -80,8 +80,9 @@ SCORES = Topic("scores", 12, doc="rewards/scores per rollout", event=RolloutScor
 TRAINING_RECORDS = Topic("training-records", 1, event=TrainingRecord,
                          doc="rollouts joined with scores, ready for training; one partition, so one batcher "
                              "builds each optimizer step from all of them")
-TRAINER_BATCHES = Topic("trainer-batches", 1, doc="batches handed to the trainer; 1 partition keeps batch order",
-                        event=TrainerBatch)
+TRAINER_BATCHES = Topic("trainer-batches", 1, _BIG, event=TrainerBatch,
+                        doc="batches handed to the trainer; 1 partition keeps batch order. A batch is one message: "
+                            "128 records of 1,024 completion tokens are 1.4 MB, over the broker's 1 MiB default")
 DEAD_LETTERS = Topic("dead-letters", 3, doc="records a stage could not process", event=DeadLetter)
 ADMISSIONS = Topic("admissions", 1, {"message.timestamp.type": "LogAppendTime"},
                    doc="the arenas' admissions ledger (schemas.admission's three events); 1 partition: one order "

@@ -154,7 +154,7 @@ async def test_create_topics_idempotent_with_configs(kafka_settings: KafkaSettin
         assert cfg["cleanup.policy"] == "delete"
         assert cfg["retention.ms"] == ("86400000" if key == "steps" else "-1"), key
         assert cfg["retention.bytes"] == "-1"
-        if key in ("steps", "rollouts"):
+        if key in ("steps", "rollouts", "trainer-batches"):
             assert cfg["max.message.bytes"] == str(8 * 1024 * 1024)
     assert topics.STEPS.name.endswith(".steps")
 
