@@ -239,6 +239,24 @@ def test_batcher_token_budget():
     assert [x.completion_tokens for x, _ in batches] == [24]
 
 
+def test_a_batch_never_outgrows_one_message():
+    """128 records of 1,024 tokens are 1.4 MB encoded: with a message limit of 100 KB the batcher emits smaller
+    steps at once (not waiting for a flush), each one message the broker takes, and every record exactly once. Before,
+    a batch over the trainer-batches topic's limit was refused by the broker and retried for ever."""
+    from schemas import codec
+
+    limit = 100_000
+    b = Batcher(BatchPolicy(family="tiny", batch_records=128, max_batch_bytes=limit, flush_after_s=100))
+    for i in range(40):
+        b.add(testing.training_record(i, n=1024), now=0.0)
+    batches, _ = b.poll(testing.revision(0), now=0.0)
+    sizes = [len(codec.encode(x)) for x, _ in batches]
+    assert len(batches) == 4 and all(limit * 0.7 < n <= limit for n in sizes), sizes  # 8 records of ~10 KB each
+    rest, _ = b.poll(testing.revision(0), now=200.0)
+    assert sorted(r.record_id for x, _ in batches + rest for r in x.records) == [f"rec-{i:06d}" for i in range(40)]
+    assert all(len(codec.encode(x)) <= limit for x, _ in rest)
+
+
 def test_batcher_refuses_stale_and_cross_family_with_reasons_waits_for_future():
     b = Batcher(BatchPolicy(family="tiny", batch_records=2, max_off_policy_steps=1, flush_after_s=0))
     assert b.add(testing.training_record(0, revision_=0), 0) is None

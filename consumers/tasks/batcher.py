@@ -17,6 +17,7 @@ from schemas.errors import EventDecodeError
 from schemas.events import TrainingRecord
 from streams import topics
 from streams.revisions import RevisionWatcher
+from streams.settings import MAX_MESSAGE_BYTES
 from streams.transactions import Out
 
 NAME = "batcher"
@@ -30,6 +31,7 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records, and a 
         self.batcher: Batcher[Any] = Batcher(BatchPolicy(
             family=cfg.family, max_off_policy_steps=cfg.max_off_policy_steps,
             batch_records=None if cfg.batch_tokens else cfg.batch_records, batch_tokens=cfg.batch_tokens,
+            max_batch_bytes=MAX_MESSAGE_BYTES * 9 // 10,
             flush_after_s=cfg.flush_after_s, ahead_timeout_s=cfg.ahead_timeout_s,
             history=cfg.derivation.rule() if cfg.derivation else None), producer=f"{NAME}{cfg.instance}")
 
