@@ -104,7 +104,7 @@ async def _main(args: argparse.Namespace) -> int:
     await topics.ensure(settings.admin_kwargs(), topics.ARENA_READS + topics.ARENA_WRITES)
     run_id = args.run_id or new_id()
     server = vllm = metrics = None
-    urls = [u.strip() for arg in args.policy_url or [] for u in arg.split(",") if u.strip()]
+    urls = policy_urls(args)
     weights: object = "auto"
     client_options: dict = {}
     if args.policy == "vllm":
@@ -195,6 +195,11 @@ async def _main(args: argparse.Namespace) -> int:
         if vllm is not None:
             await vllm.stop()
     return 0
+
+
+def policy_urls(args: argparse.Namespace) -> list[str]:
+    """The learner servers ``--policy-url`` names: repeated, comma-separated, or both."""
+    return [u.strip() for arg in args.policy_url or [] for u in arg.split(",") if u.strip()]
 
 
 def cmd_arena(args: argparse.Namespace) -> int:

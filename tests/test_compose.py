@@ -131,7 +131,9 @@ def test_compose_vllm_profile_commands_are_valid():
     vllm = build_parser().parse_args(services["vllm"]["command"][1:])
     arena = build_parser().parse_args(services["arena-vllm"]["command"][1:])
     assert (vllm.service, vllm.host, vllm.port) == ("vllm", "0.0.0.0", 8000)
-    assert arena.policy == "vllm" and arena.policy_url == "http://vllm:8000/v1" and arena.evaluate
+    from rollout.arena_cmd import policy_urls
+
+    assert arena.policy == "vllm" and policy_urls(arena) == ["http://vllm:8000/v1"] and arena.evaluate
     assert services["arena-vllm"]["depends_on"]["vllm"]["condition"] == "service_healthy"
     # the default stack stays the tiny loop: both only start with --profile vllm
     assert services["vllm"]["profiles"] == services["arena-vllm"]["profiles"] == ["vllm"]

@@ -346,12 +346,15 @@ def fleet_problems(pods: list[Pod], by: dict[tuple[str, str], dict[str, Any]], s
     # arena N drives vLLM N
     args, plan = arena.runs["arena"]
     vc, vargs = vllm.runs["vllm"]
-    url = urlparse(args.policy_url or "")
+    from rollout.arena_cmd import policy_urls
+
+    urls = policy_urls(args)
+    url = urlparse(urls[0] if len(urls) == 1 else "")  # one server per arena: arena N drives vLLM N
     if arena.kind != "StatefulSet" or arena.doc["spec"]["replicas"] != vllm.doc["spec"]["replicas"]:
         out.append("the arenas are not a StatefulSet with as many replicas as vLLM (one per server)")
     if args.policy != "vllm" or url.hostname != f"{vllm.name}-0.{vllm.doc['spec'].get('serviceName')}" \
             or url.port != vargs.port or url.path != "/v1" or args.cpu_vllm:
-        out.append(f"arena 0 does not drive vLLM 0 (--policy vllm --gpu-vllm --policy-url {args.policy_url})")
+        out.append(f"arena 0 does not drive vLLM 0 (--policy vllm --gpu-vllm --policy-url {','.join(urls)})")
     if args.arena_id != f"{arena.name}-0" or not args.run_id:
         out.append("each arena needs its pod name as --arena-id and the run's --run-id")
     # vLLM as producers/vllm_server.py runs it, under the names the plan's requests use, the model where
