@@ -33,12 +33,13 @@ import duckdb
 import pyarrow as pa
 
 from replay import columns as C
-from replay import frames
+from replay import frames, record_sets
 from replay import tables as T
 from schemas.errors import EventDecodeError
 from streams.settings import FETCH_OPTIONS
 
 NO_RUN = "?"  # the run of messages without a run_id header, as listed
+FETCH_MAX_WAIT_MS = 50  # how long the broker may hold a fetch for more data (replay reads what is there)
 
 
 class ReplayError(Exception):
@@ -175,7 +176,7 @@ def consumer_kwargs(settings: Any, **extra: Any) -> dict[str, Any]:
     kw = settings.client_kwargs()
     kw["client_id"] = f"{kw.get('client_id', 'rollout-log')}-replay"
     kw.update(group_id=None, enable_auto_commit=False, isolation_level="read_committed",
-              auto_offset_reset="earliest", fetch_max_wait_ms=50, **FETCH_OPTIONS)
+              auto_offset_reset="earliest", fetch_max_wait_ms=FETCH_MAX_WAIT_MS, **FETCH_OPTIONS)
     kw.update(extra)
     return kw
 
@@ -286,14 +287,32 @@ class _Buffer:
         self.events: dict[str, list] = defaultdict(list)
         self.metas: dict[str, list] = defaultdict(list)
         self.bad: list[C.BadMessage] = []
-        self.count = 0
+        self.count = 0  # messages decoded in Python
         self.nbytes = 0
+        native = record_sets.native_reader()
+        self.steps = native.StepColumns() if native else None  # steps the compiled reader decoded
+        self.taken = (0, 0)  # messages and bytes of the steps' rows once ``tables`` has taken them
+
+    @property
+    def messages(self) -> int:
+        return self.count + self.taken[0] + (len(self.steps) if self.steps is not None else 0)
+
+    @property
+    def size(self) -> int:
+        return self.nbytes + self.taken[1] + (self.steps.nbytes if self.steps is not None else 0)
 
     def tables(self) -> dict[str, list[pa.Table]]:
         out: dict[str, list[pa.Table]] = defaultdict(list)
         for event_type, events in self.events.items():
             for name, table in C.BUILDERS[event_type](events, self.metas[event_type]).items():
                 out[name].append(table)
+        if self.steps is not None and len(self.steps):
+            self.taken = (self.taken[0] + len(self.steps), self.taken[1] + self.steps.nbytes)
+            native = record_sets.step_table(self.steps)
+            if out.get("steps"):  # steps of both decoders (a rare frame the compiled one left): in log order again
+                native = pa.concat_tables([native, *out["steps"]]).sort_by(
+                    [("_topic", "ascending"), ("_partition", "ascending"), ("_offset", "ascending")])
+            out["steps"] = [native]
         if self.bad:
             for name, table in C.replay_errors(self.bad).items():
                 out[name].append(table)
@@ -439,6 +458,7 @@ class Replayer:
         loop = asyncio.get_running_loop()
         writer = ThreadPoolExecutor(1, thread_name_prefix="replay-writer")
         pending: asyncio.Future | None = None
+        fetching: asyncio.Future | None = None  # the next fetch, sent while the last one is read
         gc_was_enabled = gc.isenabled()
         gc.disable()  # decoded events are long-lived until flushed: cyclic GC passes over them cost, free nothing
         switch_interval = sys.getswitchinterval()
@@ -451,6 +471,7 @@ class Replayer:
                 raise ReplayError(f"none of the topics {sorted(topic_names)} exists")
             stored = stored_offsets(con)
             consumer.assign(tps)  # before the offset lookups: they need the topics in the client's metadata
+            consumer.pause(*tps)  # replay sends fetch requests of its own (replay.record_sets)
             begin = await consumer.beginning_offsets(tps)
             end = await consumer.end_offsets(tps)  # read_committed: the last stable offsets
             until_ts = self.until.timestamp_ms if self.until else None
@@ -480,8 +501,8 @@ class Replayer:
             t1 = time.perf_counter()
             tm["setup"] = t1 - t0
 
-            async def flush() -> float:
-                """Hand ``buf`` to the writer and start a new one; the seconds it took on this loop."""
+            async def flush() -> None:
+                """Hand ``buf`` to the writer and start a new one."""
                 nonlocal pending, buf
                 t = time.perf_counter()
                 tables = build(buf, result)  # while the previous flush is being inserted
@@ -497,75 +518,128 @@ class Replayer:
                 buf = _Buffer()
                 if self.progress:
                     self.progress(result)
-                return time.perf_counter() - t
+                tm["flush"] += time.perf_counter() - t
 
+            fetcher = record_sets.Fetcher(consumer, max_wait_ms=FETCH_MAX_WAIT_MS, max_bytes=FETCH_OPTIONS["fetch_max_bytes"],
+                                          partition_max_bytes=FETCH_OPTIONS["max_partition_fetch_bytes"])
+            native = record_sets.native_reader()
+
+            def take(tp: Any, off: int, ts: int, key: bytes | None, value: bytes | None, headers: Any) -> list | None:
+                """One record of this run (by its header, if it has one) into ``buf``: its event list, or None."""
+                topic = tp.topic
+                want, want_b = accept[topic]
+                hrun = None
+                for k, v in headers:
+                    if k == "run_id":
+                        hrun = v
+                        break
+                if hrun is not None and hrun != want_b:
+                    result.other_runs += 1
+                    return None
+                meta = Meta(topic, tp.partition, off, ts)
+                buf.count += 1
+                buf.nbytes += len(value) if value is not None else 0
+                try:
+                    if value is None:
+                        raise EventDecodeError("message has no value (a tombstone?)")
+                    event = decode(value)
+                    if event.run_id != want:
+                        if hrun is None:  # no header: the envelope decides
+                            buf.count -= 1
+                            result.other_runs += 1
+                            return None
+                        raise EventDecodeError(f"header run_id {want!r} but envelope run_id {event.run_id!r}")
+                except EventDecodeError as exc:
+                    buf.bad.append(C.BadMessage(meta, key, value, headers, f"{type(exc).__name__}: {exc}"))
+                    return None
+                et = event.event_type
+                typed = buf.events[et]
+                typed.append(event)
+                buf.metas[et].append(meta)
+                return typed
+
+            async def read_records(tp: Any, records: Any, stop: int) -> str | None:
+                """aiokafka's records of one partition, one by one: "end" at ``stop``, "until" past --until."""
+                for r in records:
+                    off = r.offset
+                    if off >= stop:
+                        return "end"
+                    if until_ts is not None and r.timestamp > until_ts:
+                        return "until"
+                    next_off[tp] = off + 1
+                    typed = take(tp, off, r.timestamp, r.key, r.value, r.headers)
+                    if typed is not None and len(typed) == FLUSH_ROWS:
+                        await flush()  # exact: every record below next_off is in buf
+                return None
+
+            async def read_set(tp: Any, reader: Any, fetched_at: int, stop: int) -> str | None:
+                """A record set through the compiled reader: "end", "until", or None (all of it read)."""
+                want = accept[tp.topic][0]
+                while True:
+                    limit = max(1, FLUSH_ROWS - len(buf.events.get("step", ())))
+                    why, leftovers, *batch = reader.read(buf.steps, limit, stop, until_ts, want, tp.topic, tp.partition)
+                    full = why == "full"
+                    for off, ts, key, value, headers in leftovers:
+                        typed = take(tp, off, ts, key, value, headers)
+                        full = full or (typed is not None and len(typed) >= FLUSH_ROWS)
+                    next_off[tp] = max(next_off[tp], reader.next_offset)
+                    if full:  # only now: the reader's rows run up to next_off, past the leftovers
+                        await flush()
+                    if why == "batch":
+                        data, _ = batch
+                        records = record_sets.python_records(tp, data, fetched_at, [])  # (aborts: decided)
+                        why = await read_records(tp, records, stop)
+                        if why:
+                            return why
+                        reader.note(next_off[tp])
+                        reader.skip_batch()
+                    elif why != "full":
+                        return None if why == "done" else why
+
+            position = {tp: next_off[tp] for tp in todo}
+            fetching = asyncio.ensure_future(fetcher.fetch(position))
             last_progress = time.monotonic()
             while todo:
                 tf = time.perf_counter()
-                batch = await consumer.getmany(*todo, timeout_ms=200, max_records=self.flush_messages)
+                got = await fetching
                 td = time.perf_counter()
                 tm["fetch"] += td - tf
-                if batch:
+                readers = {}
+                for tp, (data, aborted) in got.items():
+                    if tp in todo:
+                        readers[tp] = (native.RecordSet(data, position[tp], aborted, next_off[tp]) if native
+                                       else record_sets.python_records(tp, data, position[tp], aborted), position[tp])
+                        if native:
+                            position[tp] = readers[tp][0].position
+                if native:  # the next fetch is on its way while this one is read
+                    ahead = {tp: position[tp] for tp in todo if position[tp] < end[tp]}
+                    fetching = asyncio.ensure_future(fetcher.fetch(ahead))
+                    await asyncio.sleep(0)  # (sends it)
+                if readers:
                     last_progress = time.monotonic()
                 elif time.monotonic() - last_progress > self.stall_timeout_s:
-                    behind = ", ".join(f"{tp.topic}:{tp.partition} at {await consumer.position(tp)} of {end[tp]}"
-                                       for tp in sorted(todo)[:5])
+                    behind = ", ".join(f"{tp.topic}:{tp.partition} at {position[tp]} of {end[tp]}" for tp in sorted(todo)[:5])
                     raise ReplayError(f"no progress for {self.stall_timeout_s:.0f} s reading {behind} "
                                       "(broker unreachable?); what was flushed is kept: run the replay again to continue")
-                in_flush = 0.0  # flushes at whole row groups, inside the loop (not decode time)
-                for tp, records in batch.items():
-                    if tp not in todo:
-                        continue
-                    stop = end[tp]
-                    topic, partition = tp.topic, tp.partition
-                    want, want_b = accept[topic]
-                    for r in records:
-                        off = r.offset
-                        if off >= stop:
-                            break
-                        if until_ts is not None and r.timestamp > until_ts:
-                            todo.discard(tp)
-                            stopped.add(tp)
-                            break
-                        next_off[tp] = off + 1
-                        headers = r.headers
-                        hrun = None
-                        for k, v in headers:
-                            if k == "run_id":
-                                hrun = v
-                                break
-                        if hrun is not None and hrun != want_b:
-                            result.other_runs += 1
-                            continue
-                        value = r.value
-                        meta = Meta(topic, partition, off, r.timestamp)
-                        buf.count += 1
-                        buf.nbytes += len(value) if value is not None else 0
-                        try:
-                            if value is None:
-                                raise EventDecodeError("message has no value (a tombstone?)")
-                            event = decode(value)
-                            if event.run_id != want:
-                                if hrun is None:  # no header: the envelope decides
-                                    buf.count -= 1
-                                    result.other_runs += 1
-                                    continue
-                                raise EventDecodeError(f"header run_id {want!r} but envelope run_id {event.run_id!r}")
-                        except EventDecodeError as exc:
-                            buf.bad.append(C.BadMessage(meta, r.key, value, headers, f"{type(exc).__name__}: {exc}"))
-                            continue
-                        et = event.event_type
-                        typed = buf.events[et]
-                        typed.append(event)
-                        buf.metas[et].append(meta)
-                        if len(typed) == FLUSH_ROWS:
-                            in_flush += await flush()
-                for tp in list(todo):
-                    if await consumer.position(tp) >= end[tp]:
+                t_in = time.perf_counter()
+                flushed_before = tm["flush"]
+                for tp, (reader, fetched_at) in readers.items():
+                    if native:
+                        why = await read_set(tp, reader, fetched_at, end[tp])
+                        result.other_runs += reader.other_runs
+                    else:
+                        why = await read_records(tp, reader, end[tp])
+                        position[tp] = reader.next_fetch_offset
+                    if why == "until":
+                        todo.discard(tp)
+                        stopped.add(tp)
+                    elif why == "end" or position[tp] >= end[tp]:
                         next_off[tp] = max(next_off[tp], end[tp])
                         todo.discard(tp)
-                tm["decode"] += time.perf_counter() - td - in_flush
-                if buf.count >= self.flush_messages or buf.nbytes >= self.flush_bytes:
+                if not native and todo:
+                    fetching = asyncio.ensure_future(fetcher.fetch({tp: position[tp] for tp in todo}))
+                tm["decode"] += time.perf_counter() - t_in - (tm["flush"] - flushed_before)
+                if buf.messages >= self.flush_messages or buf.size >= self.flush_bytes:
                     await flush()
             # the last flush also advances partitions with nothing of this run
             await flush()
@@ -576,6 +650,8 @@ class Replayer:
                 pending = None
             result.complete = not stopped and not (self.until and self.until.offsets)
         finally:
+            if fetching is not None and not fetching.done():
+                fetching.cancel()
             if pending is not None:  # an error: let the writer finish its transaction before closing
                 await asyncio.wait([pending])
             writer.shutdown(wait=True)
@@ -645,8 +721,8 @@ def write(con: duckdb.DuckDBPyConnection, buf: _Buffer, next_offsets: Mapping[tu
     for name, parts in tables.items():
         result.rows[name] += sum(t.num_rows for t in parts)
     result.timings["insert"] += time.perf_counter() - t1
-    result.messages += buf.count
-    result.bytes += buf.nbytes
+    result.messages += buf.messages
+    result.bytes += buf.size
     result.errors += len(buf.bad)
 
 

@@ -240,8 +240,10 @@ def generate_steps_run(run_id: str, *, steps: int, completion_tokens: int = 512,
 
 
 async def produce(transactions: Iterable[Sequence[tuple[str, Event]]], producer_kwargs: Mapping[str, Any],
-                  topics: Mapping[str, str], *, transactional_id: str) -> int:
-    """Produce each transaction atomically with a transactional producer; returns bytes produced once readable."""
+                  topics: Mapping[str, str], *, transactional_id: str, abort: bool = False,
+                  compression_type: str | None = None) -> int:
+    """Produce each transaction atomically with a transactional producer; returns bytes produced once readable.
+    ``abort``: every transaction is aborted instead (what a reader must never see)."""
     from aiokafka import AIOKafkaProducer, TopicPartition
 
     from streams.serde import to_message
@@ -249,13 +251,15 @@ async def produce(transactions: Iterable[Sequence[tuple[str, Event]]], producer_
     from streams.commits import wait_visible
 
     producer = AIOKafkaProducer(**dict(producer_kwargs), transactional_id=transactional_id, enable_idempotence=True,
-                                acks="all", linger_ms=5, max_batch_size=1024 * 1024, max_request_size=MAX_MESSAGE_BYTES)
+                                acks="all", linger_ms=5, max_batch_size=1024 * 1024, max_request_size=MAX_MESSAGE_BYTES,
+                                compression_type=compression_type)
     await producer.start()
     total = 0
     written: dict[TopicPartition, int] = {}
     try:
         for tx in transactions:
-            async with producer.transaction():
+            await producer.begin_transaction()
+            try:
                 futures = []
                 for key, event in tx:
                     k, v, h = to_message(event)
@@ -264,6 +268,10 @@ async def produce(transactions: Iterable[Sequence[tuple[str, Event]]], producer_
                 for f in futures:
                     md = await f
                     written[TopicPartition(md.topic, md.partition)] = md.offset
+            except BaseException:
+                await producer.abort_transaction()
+                raise
+            await (producer.abort_transaction() if abort else producer.commit_transaction())
     finally:
         await producer.stop()
     await wait_visible(dict(producer_kwargs), written)

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from replay import columns as C
-from replay import frames
+from replay import frames, record_sets
 from schemas import codec
 from schemas.errors import EventDecodeError
 from schemas.events import Step
@@ -38,9 +38,19 @@ def outcome(decode, frame: bytes) -> tuple:
     return ("rows", event.event_type, {name: repr(t.to_pylist()) for name, t in sorted(tables.items())})
 
 
+def native_outcome(frame: bytes) -> tuple:
+    """What replay stores when the compiled reader (replay.record_sets) meets the frame: its row, or, where it
+    leaves the frame to Python, the Python decoder's outcome."""
+    cols = record_sets.native_reader().StepColumns()
+    if cols.push_frame(frame, META.topic, META.partition, META.offset, META.timestamp_ms):
+        return ("rows", "step", {"steps": repr(record_sets.step_table(cols).to_pylist())})
+    return outcome(frames.decode, frame)
+
+
 def assert_same(frame: bytes) -> tuple:
-    fast, model = outcome(frames.decode, frame), outcome(codec.decode, frame)
+    fast, model, native = outcome(frames.decode, frame), outcome(codec.decode, frame), native_outcome(frame)
     assert fast == model
+    assert native == model
     return fast
 
 
@@ -55,6 +65,17 @@ def test_every_fixture_event_gives_the_same_rows() -> None:
         assert assert_same(frame)[0] == "rows"
         fast += isinstance(frames.decode(frame), msgspec.Struct)
     assert fast >= 4  # the fast path really ran (structs, not models)
+
+
+def test_the_compiled_reader_takes_the_common_steps() -> None:
+    """Built by .ci/setup (pip install ./native); its columns are replay.tables.STEPS'."""
+    assert record_sets.native_reader() is not None, "rollout_native is not built: run `pip install ./native`"
+    record_sets.check_columns()
+    step = codec.encode(fixture_events()["step"])
+    assert record_sets.native_reader().StepColumns().push_frame(step, "t", 0, 0, 0)
+    for frame in _frames():
+        if frame[6:6 + frame[5]] == b"step":
+            assert record_sets.native_reader().StepColumns().push_frame(frame, "t", 0, 0, 0)
 
 
 def test_checked_in_frames_give_the_same_rows() -> None:
@@ -109,3 +130,12 @@ def test_corrupted_frames_give_the_same_outcome(which: int, flips: list[tuple[in
     for pos, byte in flips:
         frame[pos % len(frame)] = byte
     assert_same(bytes(frame))
+
+
+@FUZZ
+@given(latency=st.floats(min_value=0, allow_nan=False, allow_infinity=False) | st.integers(0, 2**64))
+def test_every_latency_reads_back_to_the_same_double(latency) -> None:
+    """JSON numbers are parsed alike: a float the compiled reader rounded differently is a different row."""
+    kind, header, blobs = _split(codec.encode(fixture_events()["step"]))
+    header["latency_s"] = latency
+    assert_same(_reframe(kind, json.dumps(header).encode(), blobs))
