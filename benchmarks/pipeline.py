@@ -1,6 +1,7 @@
 """Rollout -> TrainerBatch through verifier, credit and batcher (exactly-once) vs a raw 3-hop aiokafka pipe.
 
     python -m benchmarks pipeline [--quick] [--rollouts N] [--tokens T] [--latency-rollouts M] [--layout L] [--rounds R]
+                                  [--metrics off|on|both]
 
 Broker: ROLLOUT_BOOTSTRAP_SERVERS, else the local one (streams.local_broker). Each run uses fresh topics
 (a random ROLLOUT_TOPIC_PREFIX). ``--layout`` decides where the workers run, the same for both sides:
@@ -22,6 +23,10 @@ Broker: ROLLOUT_BOOTSTRAP_SERVERS, else the local one (streams.local_broker). Ea
   is batch write time - rollout write time (broker CreateTime of each message), p50/p99; for the raw pipe,
   hop-3 write time - source write time. For the services, each hop's p50 too (rollout -> score -> training
   record -> batch, from the write times of each rollout's outputs).
+* metrics (``--metrics``): the services serve their Prometheus endpoints (ROLLOUT_METRICS_PORT, streams.metrics) or
+  not (off, the default); ``both`` runs the services twice a round, metrics off and on in turns (the order swaps each
+  round), and reports ``services_cpu_ms_per_rollout`` of each and their ratio. The endpoints are scraped once after
+  each run with metrics on (a check that they counted: ``metrics_scraped_records_in``), outside the CPU clock.
 * refusals: stale/cross-family refusals are counted from the dead-letter topic (reported, expected 0 here:
   the arena paces admission; refusal is the last line of defence).
 """
@@ -254,9 +259,49 @@ async def _service(name: str, settings: Any, kw: dict[str, Any], stop: asyncio.E
         return {"transactions": system.processors[name].stats.transactions}
 
 
+def _free_metrics_base() -> int:
+    """A base port whose services' ports (base + 10, 11, 12: verifier, credit, batcher) are free now."""
+    import random
+    import socket
+
+    from streams.metrics import SERVICE_OFFSET
+
+    for _ in range(100):
+        base = random.randrange(20000, 40000)
+        try:
+            for off in range(SERVICE_OFFSET, SERVICE_OFFSET + 3):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + off))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free ports for the metrics endpoints")
+
+
+async def _scrape(base: int, names: tuple[str, ...]) -> float:
+    """Sum of rollout_records_in over the services' endpoints (0.0 if none answered)."""
+    import urllib.request
+
+    from consumers.registry import SERVICES
+    from streams.metrics import SERVICE_OFFSET
+
+    def get(port: int) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    total = 0.0
+    for name in names:
+        text = await asyncio.to_thread(get, base + SERVICE_OFFSET + list(SERVICES).index(name))
+        total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("rollout_records_in_total{"))
+    return total
+
+
 async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int, rate: float,
-                         layout: str = "process") -> dict[str, Any]:
+                         layout: str = "process", metrics: bool = False) -> dict[str, Any]:
     os.environ["ROLLOUT_TOPIC_PREFIX"] = f"bench{uuid.uuid4().hex[:6]}."
+    metrics_base = _free_metrics_base() if metrics else 0
+    os.environ["ROLLOUT_METRICS_PORT"] = str(metrics_base)  # 0: no endpoint, nothing counted
     from consumers import testing
     from consumers.runner import System
     from consumers.settings import ServiceSettings
@@ -305,11 +350,13 @@ async def bench_services(kw, n: int, tokens: int, m: int, batch_records: int, ra
             lat = {"rate_rollouts_per_s": round(rate, 1), "p50_ms": _pct(lats, 0.5), "p99_ms": _pct(lats, 0.99),
                    "samples": len(lats), "hops_p50_ms": await _hops(kw, written)}
         ref = await _refusals(kw)
+        scraped = await _scrape(metrics_base, names) if metrics_base else None
         if forked is None:
             txns = {name: proc.stats.transactions for name, proc in system.processors.items()}
         else:
             txns = {name: stats.get("transactions") for name, stats in (await forked.stop_all()).items()}
-    return {"throughput": thr, "latency": lat, "dead_letters": ref, "transactions": txns}
+    return {"throughput": thr, "latency": lat, "dead_letters": ref, "transactions": txns, "metrics": metrics,
+            "metrics_scraped_records_in": scraped}
 
 
 async def bench_raw(kw, n: int, tokens: int, m: int, rate: float, layout: str = "process") -> dict[str, Any]:
@@ -392,7 +439,9 @@ async def bench_raw(kw, n: int, tokens: int, m: int, rate: float, layout: str = 
     return {"throughput": thr, "latency": lat}
 
 
-def _summary(raw: dict[str, Any], svc: dict[str, Any], args: argparse.Namespace, n: int, m: int) -> dict[str, Any]:
+def _summary(raw: dict[str, Any], svc: dict[str, Any], args: argparse.Namespace, n: int, m: int,
+             svc_on: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The figures of one round; ``svc_on``: the services' run with metrics on (``--metrics both``)."""
     ratio = raw["throughput"]["rollouts_per_s"] / max(svc["throughput"]["rollouts_per_s"], 1e-9)
     steady_ratio = raw["throughput"]["steady_rollouts_per_s"] / max(svc["throughput"]["steady_rollouts_per_s"], 1e-9)
     refused = sum(v for k, v in svc["dead_letters"].items() if k in ("StaleRecordError", "CrossFamilyMixError"))
@@ -412,9 +461,21 @@ def _summary(raw: dict[str, Any], svc: dict[str, Any], args: argparse.Namespace,
         "commit_interval_ms": int(os.environ.get("ROLLOUT_COMMIT_INTERVAL_MS") or 0),
         "services_transactions": svc["transactions"],
         "services_cpu_ms_per_rollout": svc["throughput"]["process_cpu_ms_per_rollout"], "load_avg_1m": round(os.getloadavg()[0], 1),
+        "metrics": args.metrics, **_metrics_figures(svc, svc_on),
         "machine": f"{os.cpu_count()} cpu, {platform.python_version()}",
-        "detail": {"services": svc, "raw": raw},
+        "detail": {"services": svc, "raw": raw, **({"services_metrics_on": svc_on} if svc_on else {})},
     }
+
+
+def _metrics_figures(svc: dict[str, Any], svc_on: dict[str, Any] | None) -> dict[str, Any]:
+    if svc_on is None:
+        return {"metrics_scraped_records_in": svc.get("metrics_scraped_records_in")}
+    off, on = (s["throughput"]["process_cpu_ms_per_rollout"] for s in (svc, svc_on))
+    return {"services_cpu_ms_per_rollout_metrics_off": off, "services_cpu_ms_per_rollout_metrics_on": on,
+            "metrics_cpu_ratio": round(on / off, 3) if off else None,
+            "services_p50_ms_metrics_on": svc_on["latency"].get("p50_ms"),
+            "services_rollouts_per_s_metrics_on": svc_on["throughput"]["rollouts_per_s"],
+            "metrics_scraped_records_in": svc_on.get("metrics_scraped_records_in")}
 
 
 def _medians(outs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -422,15 +483,18 @@ def _medians(outs: list[dict[str, Any]]) -> dict[str, Any]:
     median, the rounds' own figures are listed, the rest is the last round's."""
     out = dict(outs[-1])
     for key, value in out.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = statistics.median(o[key] for o in outs if o[key] is not None)
-    out["rounds"] = [{k: o[k] for k in ROUND_KEYS} for o in outs]
+        values = [o[key] for o in outs if o.get(key) is not None]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and values:
+            out[key] = statistics.median(values)
+    out["rounds"] = [{k: o[k] for k in (*ROUND_KEYS, *METRICS_KEYS) if k in o} for o in outs]
     out["detail"] = [o["detail"] for o in outs]
     return out
 
 
 ROUND_KEYS = ("raw_over_services", "services_rollouts_per_s", "raw_rollouts_per_s", "services_p50_ms",
               "services_p99_ms", "services_cpu_ms_per_rollout")
+METRICS_KEYS = ("services_cpu_ms_per_rollout_metrics_off", "services_cpu_ms_per_rollout_metrics_on",
+                "metrics_cpu_ratio", "services_p50_ms_metrics_on")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit-interval-ms", type=int, default=None,
                     help="the services' ROLLOUT_COMMIT_INTERVAL_MS (default: the environment's, else 0: commit "
                          "after every fetch); more: fewer, larger transactions, later outputs")
+    ap.add_argument("--metrics", choices=("off", "on", "both"), default="off",
+                    help="the services' Prometheus endpoints: off (default), on, or both: the services run twice a "
+                         "round, off and on in turns, each with its own CPU per rollout")
     args = ap.parse_args(argv)
     if args.commit_interval_ms is not None:
         os.environ["ROLLOUT_COMMIT_INTERVAL_MS"] = str(args.commit_interval_ms)
@@ -470,18 +537,30 @@ def main(argv: list[str] | None = None) -> int:
 
     tune_gc()  # before both sides, not only where System sets it for the services
 
-    async def both():
+    async def both(i: int):
         raw = await bench_raw(kw, n, args.tokens, m, args.latency_rate, args.layout)
-        svc = await bench_services(kw, n, args.tokens, m, args.batch_records, args.latency_rate, args.layout)
-        return raw, svc
+        if args.metrics != "both":
+            svc = await bench_services(kw, n, args.tokens, m, args.batch_records, args.latency_rate, args.layout,
+                                       metrics=args.metrics == "on")
+            return raw, svc, None
+        runs = {}
+        for on in ((False, True) if i % 2 == 0 else (True, False)):
+            runs[on] = await bench_services(kw, n, args.tokens, m, args.batch_records, args.latency_rate,
+                                            args.layout, metrics=on)
+        return raw, runs[False], runs[True]
 
     outs = []
     for i in range(args.rounds):
-        outs.append(_summary(*asyncio.run(both()), args, n, m))
+        raw, svc, svc_on = asyncio.run(both(i))
+        outs.append(_summary(raw, svc, args, n, m, svc_on))
         if args.rounds > 1:
             o = outs[-1]
             print(f"round {i + 1}: raw / services {o['raw_over_services']} (services {o['services_rollouts_per_s']}, "
-                  f"raw {o['raw_rollouts_per_s']} rollouts/s), p50 {o['services_p50_ms']} ms", flush=True)
+                  f"raw {o['raw_rollouts_per_s']} rollouts/s), p50 {o['services_p50_ms']} ms, cpu "
+                  f"{o['services_cpu_ms_per_rollout']} ms/rollout"
+                  + (f", metrics on: cpu {o['services_cpu_ms_per_rollout_metrics_on']} ms/rollout, p50 "
+                     f"{o['services_p50_ms_metrics_on']} ms" if svc_on else "")
+                  + f", load {o['load_avg_1m']}", flush=True)
     out = outs[0] if len(outs) == 1 else _medians(outs)
     print(json.dumps(out))
     return 0

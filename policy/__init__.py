@@ -6,9 +6,13 @@ reference trainer. Depends on ``schemas`` only.
     from policy import ByteTokenizer, PolicyModel, generate, token_logprobs, save_checkpoint, load_checkpoint
 """
 
-from policy.checkpoint import load_checkpoint, save_checkpoint
-from policy.model import ModelConfig, PolicyModel, generate, generate_batch, token_logprobs
-from policy.tokenizer import ByteTokenizer, TOKENIZER
+from schemas._lazy import exports
 
-__all__ = ["ByteTokenizer", "ModelConfig", "PolicyModel", "TOKENIZER", "generate", "generate_batch",
-           "load_checkpoint", "save_checkpoint", "token_logprobs"]
+# Imported on first use (torch): ``policy.hf.model_dir()`` or a ``policy.tokenizer`` constant do not load the model.
+_WHERE = {
+    **dict.fromkeys(("load_checkpoint", "save_checkpoint"), "policy.checkpoint"),
+    **dict.fromkeys(("ModelConfig", "PolicyModel", "generate", "generate_batch", "token_logprobs"), "policy.model"),
+    **dict.fromkeys(("ByteTokenizer", "TOKENIZER"), "policy.tokenizer"),
+}
+__all__ = sorted(_WHERE)
+__getattr__ = exports(__name__, _WHERE)

@@ -2,7 +2,11 @@
 
 Each area registers its subcommand from its own module: add the module to SUBCOMMANDS; it must
 define `register(subparsers)` that adds a parser and sets `func=<callable(args) -> int | None>`
-via `set_defaults`. Keep module top levels light (import heavy things inside the functions).
+via `set_defaults`. Keep module top levels light (import heavy things inside the functions): every
+`rollout ... --help` imports every module listed here. A sub-command whose options need heavy imports to build
+(`serve`: one parser per service, with flags derived from the settings model) passes `fill=FUNCTION` to
+`add_parser`: `fill(parser)` adds them when that sub-command is parsed or its help is shown, not before
+(`python -m benchmarks coldstart`; tests/test_coldstart.py keeps `rollout --help` free of torch, pandas and the like).
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 SUBCOMMANDS: list[str] = [
     "rollout.kafka_cmd",  # rollout kafka up|down|status|logs
@@ -30,8 +35,32 @@ SUBCOMMANDS: list[str] = [
 ]
 
 
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that may add its arguments on first use: ``fill(self)``, when it parses or formats
+    its help or usage (``add_parser(name, fill=...)``; its own sub-parsers are of this class too)."""
+
+    def __init__(self, *args: Any, fill: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._fill = fill
+
+    def filled(self) -> Parser:
+        fill, self._fill = self._fill, None
+        if fill is not None:
+            fill(self)
+        return self
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        return super(Parser, self.filled()).parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        return super(Parser, self.filled()).format_help()
+
+    def format_usage(self) -> str:
+        return super(Parser, self.filled()).format_usage()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollout", description="Event-sourced rollout pipeline on Apache Kafka")
+    parser = Parser(prog="rollout", description="Event-sourced rollout pipeline on Apache Kafka")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in SUBCOMMANDS:
@@ -47,21 +76,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if "ROLLOUT_LOG_LEVEL" not in os.environ:
         logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    from producers.environment import EnvironmentUnavailable
-    from schemas.plan import PlanError
-    from streams.config import KafkaError
-
     try:
         rc = args.func(args)
-    except KafkaError as e:
-        print(f"rollout: error: {e}", file=sys.stderr)
-        return 1
-    except (PlanError, EnvironmentUnavailable) as e:  # each says what to do, in one line
-        print(f"rollout {args.command}: error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        # errors that say what to do in one line; their modules are looked up, not imported: an error of a class
+        # from a module the command never imported cannot have been raised (and `rollout kafka status` need not
+        # load the plan models to find that out)
+        if _raised(e, "streams.config", "KafkaError"):
+            print(f"rollout: error: {e}", file=sys.stderr)
+            return 1
+        if _raised(e, "schemas.plan", "PlanError") or _raised(e, "producers.environment", "EnvironmentUnavailable"):
+            print(f"rollout {args.command}: error: {e}", file=sys.stderr)
+            return 1
+        raise
     return int(rc or 0)
+
+
+def _raised(e: BaseException, module: str, name: str) -> bool:
+    m = sys.modules.get(module)
+    return m is not None and isinstance(e, getattr(m, name))
 
 
 if __name__ == "__main__":

@@ -13,16 +13,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from schemas.policy import TINY_FAMILY
-
 METRICS_HELP = ("serve Prometheus metrics on this port (default: ROLLOUT_METRICS_PORT + this process's offset, "
                 "see README 'Metrics'; 0: off)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    # the services' parsers (flags from the settings model, inputs from the registry) are built when `serve` is used
+    sub.add_parser("serve", help="run a long-lived service (policy server, verifier, ...)", fill=_fill)
+
+
+def _fill(p: argparse.ArgumentParser) -> None:
     from consumers.cli import register_serve as register_services
 
-    p = sub.add_parser("serve", help="run a long-lived service (policy server, verifier, ...)")
     ssub = p.add_subparsers(dest="service", metavar="SERVICE")
     ssub.required = True
     register_servers(ssub)
@@ -30,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def register_servers(ssub: argparse._SubParsersAction) -> None:
+    from schemas.policy import TINY_FAMILY
+
     p = ssub.add_parser("policy", help="the local tiny-LM policy server (OpenAI/vLLM-compatible HTTP API)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -3,20 +3,19 @@
 Everything that crosses a topic is defined here; ``schemas.codec`` turns it into bytes and back.
 """
 
-from schemas.batch import assemble_batch, stale_reason, staleness, verify_batch
-from schemas.envelope import Event, Record
-from schemas.errors import (ContractError, CrossFamilyMixError, EmptyBatchError, EventDecodeError,
-                            MissingCheckpointError, StaleRecordError, UnknownEventTypeError,
-                            UnknownSchemaVersionError)
-from schemas.events import (ALL_EVENTS, EVENTS_BY_TYPE, Aggregates, ChatMessage, DeadLetter, RevisionCount,
-                            Rollout, RolloutScored, Step, StepTokens, ToolCall, TrainerBatch, TrainingRecord)
-from schemas.policy import CheckpointRef, PolicyRef, PolicyRevision
+from schemas._lazy import exports
 
-__all__ = [
-    "ALL_EVENTS", "EVENTS_BY_TYPE", "Aggregates", "ChatMessage", "CheckpointRef", "ContractError",
-    "CrossFamilyMixError", "DeadLetter", "EmptyBatchError", "Event", "EventDecodeError",
-    "MissingCheckpointError", "PolicyRef", "PolicyRevision", "Record", "RevisionCount", "Rollout",
-    "RolloutScored", "StaleRecordError", "Step", "StepTokens", "ToolCall", "TrainerBatch",
-    "TrainingRecord", "UnknownEventTypeError", "UnknownSchemaVersionError", "assemble_batch",
-    "stale_reason", "staleness", "verify_batch",
-]
+# Imported on first use: ``from schemas import Step`` loads the events, ``import schemas.plan`` alone does not.
+_WHERE = {
+    **dict.fromkeys(("assemble_batch", "stale_reason", "staleness", "verify_batch"), "schemas.batch"),
+    **dict.fromkeys(("Event", "Record"), "schemas.envelope"),
+    **dict.fromkeys(("ContractError", "CrossFamilyMixError", "EmptyBatchError", "EventDecodeError",
+                     "MissingCheckpointError", "StaleRecordError", "UnknownEventTypeError",
+                     "UnknownSchemaVersionError"), "schemas.errors"),
+    **dict.fromkeys(("ALL_EVENTS", "EVENTS_BY_TYPE", "Aggregates", "ChatMessage", "DeadLetter", "RevisionCount",
+                     "Rollout", "RolloutScored", "Step", "StepTokens", "ToolCall", "TrainerBatch", "TrainingRecord"),
+                    "schemas.events"),
+    **dict.fromkeys(("CheckpointRef", "PolicyRef", "PolicyRevision"), "schemas.policy"),
+}
+__all__ = sorted(_WHERE)
+__getattr__ = exports(__name__, _WHERE)

@@ -144,6 +144,18 @@ class ServiceMetrics:
         self.mismatch = Gauge("rollout_trainer_logprob_mismatch", "trainer-inference |logprob difference| over "
                               "the last step's tokens", (*lb, "stat"), registry=registry)
         registry.register(_Reader(self._collect))
+        # children looked up once per label values: ``labels()`` validates and locks on every call, and a commit
+        # of the batcher observes the staleness of every record of its batch
+        self._children: dict[tuple[Any, ...], Any] = {}
+        self._staleness = self.staleness.labels(service)
+        self._batched = self.tokens.labels(service, "batched")
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(self.service, *labels)
+        return child
 
     def attach(self, proc: Any) -> None:
         proc.on_commit = self.observe_commit
@@ -154,22 +166,24 @@ class ServiceMetrics:
             self._live = proc
 
     def observe_commit(self, partition: int, records: list[Any], outs: list[Any]) -> None:
-        s = self.service
+        child = self._child
         for topic, n in collections.Counter(r.topic for r in records).items():
-            self.records_in.labels(s, topic).inc(n)
+            child(self.records_in, topic).inc(n)
         for (topic, kind), n in collections.Counter((o.topic, o.event.EVENT_TYPE) for o in outs).items():
-            self.records_out.labels(s, topic, kind).inc(n)
+            child(self.records_out, topic, kind).inc(n)
         for o in outs:
             ev = o.event
             if isinstance(ev, DeadLetter):
-                self.dead_letters.labels(s, ev.error_type).inc()
+                child(self.dead_letters, ev.error_type).inc()
                 if ev.error_type in self.refusals:
-                    self.refused.labels(s, ev.error_type).inc()
+                    child(self.refused, ev.error_type).inc()
             elif isinstance(ev, TrainerBatch):
-                self.tokens.labels(s, "batched").inc(ev.completion_tokens)
+                self._batched.inc(ev.completion_tokens)
+                observe = self._staleness.observe
                 for src in ev.source_revisions:
+                    lag = ev.target.revision - src.policy.revision
                     for _ in range(src.records):
-                        self.staleness.labels(s).observe(ev.target.revision - src.policy.revision)
+                        observe(lag)
             elif isinstance(ev, RolloutScored):
                 self._scored(ev)
             elif isinstance(ev, PolicyRevision):
@@ -181,11 +195,11 @@ class ServiceMetrics:
             return
         rev, reward, correct = outcome
         if not ev.evaluation:
-            self.reward.labels(self.service, str(rev)).observe(reward)
+            self._child(self.reward, str(rev)).observe(reward)
             return
-        self.eval_answers.labels(self.service, str(rev)).inc()
+        self._child(self.eval_answers, str(rev)).inc()
         if correct:
-            self.eval_correct.labels(self.service, str(rev)).inc()
+            self._child(self.eval_correct, str(rev)).inc()
 
     def _revision(self, ev: PolicyRevision) -> None:
         self.revision.labels(self.service).set(ev.revision)
