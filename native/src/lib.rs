@@ -609,40 +609,93 @@ impl RecordSet {
     /// in all); every other record of the run is returned, in log order, as (offset, timestamp ms, key, value,
     /// headers) for the Python decoder, which also counts it. Records of other runs (by their run_id header)
     /// are counted and skipped. Returns (why it stopped, leftovers); for "batch", also the batch's bytes and
-    /// its next offset: Python reads that batch, then calls `skip_batch`.
+    /// its next offset: Python reads that batch, then calls `skip_batch`. The record set is read without the
+    /// GIL, so replay's DuckDB writer thread runs meanwhile.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (cols, limit, stop, until_ms, run, topic, partition, check_crcs=true))]
     fn read<'py>(&mut self, py: Python<'py>, cols: &mut StepColumns, limit: usize, stop: i64, until_ms: Option<i64>,
                  run: &str, topic: &str, partition: i32, check_crcs: bool) -> PyResult<Bound<'py, PyTuple>> {
-        let held = self.data.clone_ref(py); // (borrowed apart from self, which the loop updates)
+        let held = self.data.clone_ref(py); // (borrowed apart from self, which the scan updates)
         let data = held.bind(py).as_bytes();
+        let (why, lefts, batch) = py
+            .detach(|| self.scan(data, cols, limit, stop, until_ms, run, topic, partition, check_crcs))
+            .map_err(PyValueError::new_err)?;
         let leftovers = PyList::empty(py);
+        for l in &lefts {
+            let hs = PyList::empty(py);
+            for (k, v) in &l.headers {
+                hs.append((String::from_utf8_lossy(&data[k.0..k.1]), v.map(|v| PyBytes::new(py, &data[v.0..v.1]))))?;
+            }
+            leftovers.append((l.offset, l.ts, l.key.map(|k| PyBytes::new(py, &data[k.0..k.1])),
+                              l.value.map(|v| PyBytes::new(py, &data[v.0..v.1])), hs))?;
+        }
+        match batch {
+            Some((start, end, next)) => (why, leftovers, PyBytes::new(py, &data[start..end]), next).into_pyobject(py),
+            None => (why, leftovers).into_pyobject(py),
+        }
+    }
+
+    /// Past the batch `read` returned as "batch" (Python has read its records).
+    fn skip_batch(&mut self, py: Python<'_>) -> PyResult<()> {
+        let held = self.data.clone_ref(py);
+        let b = &held.bind(py).as_bytes()[self.pos..];
+        let size = 12 + be_i32(b, 8) as usize;
+        let next = be_i64(b, 0) + be_i32(b, 23) as i64 + 1;
+        self.skip(size, next);
+        Ok(())
+    }
+
+    /// Records of this run that Python decoded from a returned batch or from leftovers count here too.
+    fn note(&mut self, next_offset: i64) {
+        self.next_offset = self.next_offset.max(next_offset);
+    }
+}
+
+type Range = (usize, usize);
+
+/// A record handed back to Python: where its parts lie in the record set.
+struct Left {
+    offset: i64,
+    ts: i64,
+    key: Option<Range>,
+    value: Option<Range>,
+    headers: Vec<(Range, Option<Range>)>,
+}
+
+impl RecordSet {
+    /// `read` without Python objects: (why, leftovers, the batch Python must read: (start, end, next offset)).
+    #[allow(clippy::too_many_arguments)]
+    fn scan(&mut self, data: &[u8], cols: &mut StepColumns, limit: usize, stop: i64, until_ms: Option<i64>,
+            run: &str, topic: &str, partition: i32, check_crcs: bool)
+            -> Result<(&'static str, Vec<Left>, Option<(usize, usize, i64)>), String> {
+        let mut lefts = Vec::new();
         let run_b = run.as_bytes();
         loop {
             if data.len() - self.pos < BATCH_HEADER {
-                return (DONE, leftovers).into_pyobject(py);
+                return Ok((DONE, lefts, None));
             }
             let b = &data[self.pos..];
             let base_offset = be_i64(b, 0);
             let size = 12 + be_i32(b, 8) as i64;
             if size < BATCH_HEADER as i64 || size as usize > b.len() {
                 if size < 12 {
-                    return Err(PyValueError::new_err(format!("{topic}:{partition}: corrupt record batch at offset {base_offset}")));
+                    return Err(format!("{topic}:{partition}: corrupt record batch at offset {base_offset}"));
                 }
                 // the broker cut the response inside this batch: the next fetch brings it whole
-                return (DONE, leftovers).into_pyobject(py);
+                return Ok((DONE, lefts, None));
             }
             let batch = &b[..size as usize];
+            let at = self.pos;
             let magic = batch[16];
             let last_offset_delta = be_i32(batch, 23) as i64;
             let batch_next = base_offset + last_offset_delta + 1;
             if magic != 2 {
-                return (BATCH, leftovers, PyBytes::new(py, batch), batch_next).into_pyobject(py);
+                return Ok((BATCH, lefts, Some((at, at + size as usize, batch_next))));
             }
             if self.record == 0 && check_crcs {
                 let crc = u32::from_be_bytes(batch[17..21].try_into().unwrap());
                 if crc32c::crc32c(&batch[21..]) != crc {
-                    return Err(PyValueError::new_err(format!("{topic}:{partition}: invalid CRC of the record batch at offset {base_offset}")));
+                    return Err(format!("{topic}:{partition}: invalid CRC of the record batch at offset {base_offset}"));
                 }
             }
             let attributes = be_i16(batch, 21);
@@ -671,14 +724,18 @@ impl RecordSet {
                 continue;
             }
             if attributes & 0x07 != 0 {
-                return (BATCH, leftovers, PyBytes::new(py, batch), batch_next).into_pyobject(py);
+                return Ok((BATCH, lefts, Some((at, at + size as usize, batch_next))));
             }
             let log_append = attributes & 0x08 != 0;
             let base_ts = be_i64(batch, 27);
             let max_ts = be_i64(batch, 35);
             let n_records = be_i32(batch, 57).max(0) as usize;
             let mut cur = Cursor { b: batch, pos: BATCH_HEADER };
-            let corrupt = || PyValueError::new_err(format!("{topic}:{partition}: corrupt record in the batch at offset {base_offset}"));
+            let corrupt = || format!("{topic}:{partition}: corrupt record in the batch at offset {base_offset}");
+            let range = |s: &[u8]| {
+                let start = s.as_ptr() as usize - data.as_ptr() as usize;
+                (start, start + s.len())
+            };
             for i in 0..n_records {
                 let len = cur.varint().ok_or_else(corrupt)?;
                 let start = cur.pos;
@@ -709,11 +766,11 @@ impl RecordSet {
                     continue;
                 }
                 if off >= stop {
-                    return (END, leftovers).into_pyobject(py);
+                    return Ok((END, lefts, None));
                 }
                 let ts = if log_append { max_ts } else { base_ts + ts_delta };
                 if until_ms.is_some_and(|u| ts > u) {
-                    return (UNTIL, leftovers).into_pyobject(py);
+                    return Ok((UNTIL, lefts, None));
                 }
                 self.next_offset = off + 1;
                 self.record = i + 1;
@@ -737,38 +794,18 @@ impl RecordSet {
                             if i + 1 == n_records {
                                 self.skip(size as usize, batch_next);
                             }
-                            return (FULL, leftovers).into_pyobject(py);
+                            return Ok((FULL, lefts, None));
                         }
                         continue;
                     }
                 }
-                let hs = PyList::empty(py);
-                for (k, v) in &headers {
-                    hs.append((String::from_utf8_lossy(k), v.map(|v| PyBytes::new(py, v))))?;
-                }
-                leftovers.append((off, ts, key.map(|k| PyBytes::new(py, k)), value.map(|v| PyBytes::new(py, v)), hs))?;
+                lefts.push(Left { offset: off, ts, key: key.map(range), value: value.map(range),
+                                  headers: headers.iter().map(|(k, v)| (range(k), v.map(range))).collect() });
             }
             self.skip(size as usize, batch_next);
         }
     }
 
-    /// Past the batch `read` returned as "batch" (Python has read its records).
-    fn skip_batch(&mut self, py: Python<'_>) -> PyResult<()> {
-        let held = self.data.clone_ref(py);
-        let b = &held.bind(py).as_bytes()[self.pos..];
-        let size = 12 + be_i32(b, 8) as usize;
-        let next = be_i64(b, 0) + be_i32(b, 23) as i64 + 1;
-        self.skip(size, next);
-        Ok(())
-    }
-
-    /// Records of this run that Python decoded from a returned batch or from leftovers count here too.
-    fn note(&mut self, next_offset: i64) {
-        self.next_offset = self.next_offset.max(next_offset);
-    }
-}
-
-impl RecordSet {
     fn skip(&mut self, size: usize, batch_next: i64) {
         self.pos += size;
         self.record = 0;
