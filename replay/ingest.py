@@ -339,15 +339,21 @@ FLUSH_ROWS = 2 * ROW_GROUP_ROWS
 WRITER_SWITCH_INTERVAL_S = 0.0001
 
 
-def open_db(path: str, *, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+def open_db(path: str, *, read_only: bool = False, schema: bool = True) -> duckdb.DuckDBPyConnection:
+    """The replay database, its tables made or upgraded (``schema``)."""
     if read_only:
         return duckdb.connect(path, read_only=True)
     con = duckdb.connect()
     quoted = path.replace("'", "''")
     con.execute(f"ATTACH '{quoted}' AS replay_db (ROW_GROUP_SIZE {ROW_GROUP_ROWS})")
     con.execute("USE replay_db")
-    T.ensure_schema(con)
+    if schema:
+        T.ensure_schema(con)
     return con
+
+
+def _is_new(con: duckdb.DuckDBPyConnection) -> bool:
+    return con.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = current_database()").fetchone()[0] == 0
 
 
 def _meta(con: duckdb.DuckDBPyConnection, key: str) -> str | None:
@@ -391,21 +397,28 @@ class Replayer:
         self.duckdb_threads = duckdb_threads or max(1, (os.cpu_count() or 2) // 2)
 
     async def run(self) -> ReplayResult:
-        con = open_db(self.db)
+        con = open_db(self.db, schema=False)
         # The writer thread shares the machine with the fetch/decode loop: one DuckDB thread for inserts,
         # and checkpoint (compress) rarely, not every 16 MB of WAL.
         con.execute(f"SET threads = {self.duckdb_threads}")
         con.execute("SET checkpoint_threshold = '256MB'")
         if not self.compress:  # lists of random-looking token ids barely compress; writing them raw is ~2x faster
             con.execute("SET force_compression = 'uncompressed'")
+        # A new file's ~60 tables and views take 40-150 ms to make: on a thread, while Kafka is set up (a new file
+        # holds no run, prefix or offsets to look up meanwhile); the first flush waits for them.
+        schema = asyncio.get_running_loop().run_in_executor(None, T.ensure_schema, con) if _is_new(con) else None
         try:
-            return await self._run(con)
+            if schema is None:
+                T.ensure_schema(con)
+            return await self._run(con, schema)
         finally:
+            if schema is not None:
+                await asyncio.wait([schema])  # (never close the file under it)
             con.close()
 
-    async def _resolve_run(self, con: duckdb.DuckDBPyConnection) -> tuple[str, str]:
-        """(run id, topic prefix): given, else stored in the database, else found on the log."""
-        stored, stored_prefix = _meta(con, "run_id"), _meta(con, "topic_prefix")
+    async def _resolve_run(self, con: duckdb.DuckDBPyConnection, new: bool) -> tuple[str, str]:
+        """(run id, topic prefix): given, else stored in the database (unless ``new``), else found on the log."""
+        stored, stored_prefix = (None, None) if new else (_meta(con, "run_id"), _meta(con, "topic_prefix"))
         if self.run_id and stored and self.run_id != stored:
             raise ReplayError(f"{self.db} holds run {stored}; replay run {self.run_id} into another --db")
         want = self.prefix if self.prefix is not None else explicit_prefix()
@@ -431,12 +444,13 @@ class Replayer:
                 raise ReplayError("no run found on the log" + (f" under topics {prefix}*" if prefix is not None else ""))
         return runs[0].run_id, runs[0].prefix
 
-    async def _run(self, con: duckdb.DuckDBPyConnection) -> ReplayResult:
+    async def _run(self, con: duckdb.DuckDBPyConnection, schema: asyncio.Future | None) -> ReplayResult:
+        """``schema``: the new file's tables, still being made (nothing of this file is read until they are)."""
         from aiokafka import AIOKafkaConsumer
 
         t0 = time.perf_counter()
-        run_id, prefix = await self._resolve_run(con)
-        if self.until and self.until.timestamp_ms is not None:
+        run_id, prefix = await self._resolve_run(con, new=schema is not None)
+        if schema is None and self.until and self.until.timestamp_ms is not None:
             newest = _max_ts_ms(con)
             if newest is not None and newest > self.until.timestamp_ms:
                 raise ReplayError(f"{self.db} already holds events after --until {self.until.describe()}; "
@@ -469,7 +483,7 @@ class Replayer:
             result.partitions = len(tps)
             if not tps:
                 raise ReplayError(f"none of the topics {sorted(topic_names)} exists")
-            stored = stored_offsets(con)
+            stored = {} if schema is not None else stored_offsets(con)
             consumer.assign(tps)  # before the offset lookups: they need the topics in the client's metadata
             consumer.pause(*tps)  # replay sends fetch requests of its own (replay.record_sets)
             begin = await consumer.beginning_offsets(tps)
@@ -503,8 +517,11 @@ class Replayer:
 
             async def flush() -> None:
                 """Hand ``buf`` to the writer and start a new one."""
-                nonlocal pending, buf
+                nonlocal pending, buf, schema
                 t = time.perf_counter()
+                if schema is not None:
+                    await schema
+                    schema = None
                 tables = build(buf, result)  # while the previous flush is being inserted
                 if pending is not None:
                     tw = time.perf_counter()
