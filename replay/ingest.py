@@ -537,7 +537,7 @@ class Replayer:
                     self.progress(result)
                 tm["flush"] += time.perf_counter() - t
 
-            fetcher = record_sets.Fetcher(consumer, max_wait_ms=FETCH_MAX_WAIT_MS, max_bytes=FETCH_OPTIONS["fetch_max_bytes"],
+            fetcher = record_sets.Fetcher(consumer, max_wait_ms=FETCH_MAX_WAIT_MS, max_bytes=record_sets.FETCH_MAX_BYTES,
                                           partition_max_bytes=FETCH_OPTIONS["max_partition_fetch_bytes"])
             native = record_sets.native_reader()
 

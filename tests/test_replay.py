@@ -165,7 +165,10 @@ async def test_replay_is_idempotent_and_incremental(log, tmp_path, monkeypatch, 
     if flush_rows:
         monkeypatch.setattr(ingest, "FLUSH_ROWS", flush_rows)
     if fetch_bytes:
+        from replay import record_sets
+
         monkeypatch.setitem(FETCH_OPTIONS, "fetch_max_bytes", fetch_bytes)
+        monkeypatch.setattr(record_sets, "FETCH_MAX_BYTES", fetch_bytes)
     run = generate_run(uuid.uuid4().hex, rounds=4, seed=3)
     if fetch_bytes:
         assert max(len(codec.encode(e)) for tx in run.transactions for _, e in tx) > fetch_bytes
