@@ -184,6 +184,7 @@ def run_rollout_log(j: Job, timeout: float, log=print) -> dict:
 
     bootstrap = ensure_broker(KafkaSettings.from_env())  # up before the clock starts: Kafka is not the job's
     log(f"peers: Kafka at {bootstrap}; " + " ".join(cmd[1:]))
+    load0 = os.getloadavg()
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 600,
                        env={**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": bootstrap})
@@ -191,6 +192,7 @@ def run_rollout_log(j: Job, timeout: float, log=print) -> dict:
     s = _last_json(p.stdout)
     if p.returncode != 0 or s is None:
         raise RuntimeError(f"rollout demo exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    s["load_before"], s["load_after"] = load0, os.getloadavg()  # other work on the machine shows here
     trained_tokens = sum(int(m.get("tokens", 0)) for m in s["trainer_metrics_by_revision"].values())
     arena = s.get("arena") or {}
     return {
@@ -201,6 +203,7 @@ def run_rollout_log(j: Job, timeout: float, log=print) -> dict:
         "train_completion_tokens": trained_tokens,
         "all_completion_tokens": arena.get("completion_tokens"),  # evaluation answers included
         "step_s": s.get("step_s"), "run": s.get("run"), "failed_rollouts": s.get("failed_rollouts"),
+        "load_before": [round(x, 2) for x in s["load_before"]], "load_after": s["load_after"],
     }
 
 
@@ -208,6 +211,7 @@ def run_trl(j: Job, timeout: float, log=print) -> dict:
     py = ensure_trl_venv(log=log)
     cmd = [str(py), str(ROOT / "benchmarks" / "_trl_grpo.py"), "--job", json.dumps(asdict(j))]
     log("peers: .venv-peers/bin/python benchmarks/_trl_grpo.py --job ...")
+    load0 = os.getloadavg()
     t0 = time.perf_counter()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
@@ -218,6 +222,7 @@ def run_trl(j: Job, timeout: float, log=print) -> dict:
     s["eval_accuracy"] = {int(k): v for k, v in s["eval_accuracy"].items()}
     s["train_reward"] = {int(k): v for k, v in s["train_reward"].items()}
     s["wall_s"] = round(wall, 1)
+    s["load_before"], s["load_after"] = [round(x, 2) for x in load0], os.getloadavg()
     return s
 
 
@@ -234,7 +239,9 @@ def table(j: Job, ours: dict | None, trl: dict | None) -> str:
              f"| completion tokens generated for training | {get(ours, 'train_completion_tokens')} | "
              f"{get(trl, 'train_completion_tokens')} |",
              f"| generated tokens/s (training tokens / whole wall) | {get(ours, 'tokens_per_s')} | "
-             f"{get(trl, 'tokens_per_s')} |"]
+             f"{get(trl, 'tokens_per_s')} |",
+             f"| load average (1, 5, 15 min) before / after | {get(ours, 'load_before')} / {get(ours, 'load_after')} "
+             f"| {get(trl, 'load_before')} / {get(trl, 'load_after')} |"]
     return "\n".join(rows)
 
 
@@ -272,13 +279,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"peers: job {json.dumps(asdict(j))}", flush=True)
     t0 = time.perf_counter()
     ours = trl = None
+    keep = ROOT / ".state" / "peers"  # each side's figures as soon as it ends: the other side may still fail
+    keep.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "trl"):
         trl = run_trl(j, args.timeout)
+        (keep / "trl.json").write_text(json.dumps(trl))
     if args.only in (None, "rollout-log"):
         ours = run_rollout_log(j, args.timeout)
+        (keep / "rollout-log.json").write_text(json.dumps(ours))
     for d in (ours, trl):
         if d:
             d["tokens_per_s"] = round(d["train_completion_tokens"] / d["wall_s"], 1)
+            d["load_after"] = [round(x, 2) for x in d["load_after"]]
     print(table(j, ours, trl), flush=True)
     print(chart(j, ours, trl), flush=True)
     out = {"job": asdict(j), "rollout_log": ours, "trl": trl, "verdict": verdict(j, ours, trl), "quick": args.quick,
