@@ -540,6 +540,7 @@ class Replayer:
             fetcher = record_sets.Fetcher(consumer, max_wait_ms=FETCH_MAX_WAIT_MS, max_bytes=record_sets.FETCH_MAX_BYTES,
                                           partition_max_bytes=FETCH_OPTIONS["max_partition_fetch_bytes"])
             native = record_sets.native_reader()
+            record_sets.check_columns()
 
             def take(tp: Any, off: int, ts: int, key: bytes | None, value: bytes | None, headers: Any) -> list | None:
                 """One record of this run (by its header, if it has one) into ``buf``: its event list, or None."""
@@ -603,12 +604,11 @@ class Replayer:
                     if full:  # only now: the reader's rows run up to next_off, past the leftovers
                         await flush()
                     if why == "batch":
-                        data, _ = batch
+                        (data,) = batch
                         records = record_sets.python_records(tp, data, fetched_at, [])  # (aborts: decided)
                         why = await read_records(tp, records, stop)
                         if why:
                             return why
-                        reader.note(next_off[tp])
                         reader.skip_batch()
                     elif why != "full":
                         return None if why == "done" else why

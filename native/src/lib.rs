@@ -555,6 +555,24 @@ fn be_i16(b: &[u8], at: usize) -> i16 {
 
 const BATCH_HEADER: usize = 61; // a v2 record batch's fixed header, up to and including its record count
 
+/// The batch at `pos`: (its size, base offset, next offset); None where the record set ends (or the broker cut the
+/// response inside this batch: the next fetch brings it whole); Err(base offset) for a batch too short to be one.
+fn batch_at(data: &[u8], pos: usize) -> Result<Option<(usize, i64, i64)>, i64> {
+    let b = &data[pos..];
+    if b.len() < BATCH_HEADER {
+        return Ok(None);
+    }
+    let base_offset = be_i64(b, 0);
+    let size = 12 + be_i32(b, 8) as i64;
+    if size < BATCH_HEADER as i64 {
+        return Err(base_offset);
+    }
+    if size as usize > b.len() {
+        return Ok(None);
+    }
+    Ok(Some((size as usize, base_offset, base_offset + be_i32(b, 23) as i64 + 1)))
+}
+
 /// One fetched partition's record set, read batch by batch; `read` may stop part-way (a full flush, a batch
 /// Python must read) and resume where it stopped.
 #[pyclass(module = "rollout_native")]
@@ -591,13 +609,9 @@ impl RecordSet {
         let position = Python::attach(|py| {
             let b = data.bind(py).as_bytes();
             let (mut pos, mut end) = (0usize, fetch_offset);
-            while b.len() - pos >= BATCH_HEADER {
-                let size = 12 + be_i32(b, pos + 8) as i64;
-                if size < BATCH_HEADER as i64 || size as usize > b.len() - pos {
-                    break;
-                }
-                end = end.max(be_i64(b, pos) + be_i32(b, pos + 23) as i64 + 1);
-                pos += size as usize;
+            while let Ok(Some((size, _, next))) = batch_at(b, pos) {
+                end = end.max(next);
+                pos += size;
             }
             end
         });
@@ -608,8 +622,8 @@ impl RecordSet {
     /// Read on from where the last call stopped. Steps of run `run` become rows of `cols` (up to `limit` rows
     /// in all); every other record of the run is returned, in log order, as (offset, timestamp ms, key, value,
     /// headers) for the Python decoder, which also counts it. Records of other runs (by their run_id header)
-    /// are counted and skipped. Returns (why it stopped, leftovers); for "batch", also the batch's bytes and
-    /// its next offset: Python reads that batch, then calls `skip_batch`. The record set is read without the
+    /// are counted and skipped. Returns (why it stopped, leftovers); for "batch", also the batch's bytes: Python
+    /// reads that batch, then calls `skip_batch`. The record set is read without the
     /// GIL, so replay's DuckDB writer thread runs meanwhile.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (cols, limit, stop, until_ms, run, topic, partition, check_crcs=true))]
@@ -630,24 +644,17 @@ impl RecordSet {
                               l.value.map(|v| PyBytes::new(py, &data[v.0..v.1])), hs))?;
         }
         match batch {
-            Some((start, end, next)) => (why, leftovers, PyBytes::new(py, &data[start..end]), next).into_pyobject(py),
+            Some((start, end)) => (why, leftovers, PyBytes::new(py, &data[start..end])).into_pyobject(py),
             None => (why, leftovers).into_pyobject(py),
         }
     }
 
     /// Past the batch `read` returned as "batch" (Python has read its records).
-    fn skip_batch(&mut self, py: Python<'_>) -> PyResult<()> {
+    fn skip_batch(&mut self, py: Python<'_>) {
         let held = self.data.clone_ref(py);
-        let b = &held.bind(py).as_bytes()[self.pos..];
-        let size = 12 + be_i32(b, 8) as usize;
-        let next = be_i64(b, 0) + be_i32(b, 23) as i64 + 1;
-        self.skip(size, next);
-        Ok(())
-    }
-
-    /// Records of this run that Python decoded from a returned batch or from leftovers count here too.
-    fn note(&mut self, next_offset: i64) {
-        self.next_offset = self.next_offset.max(next_offset);
+        if let Ok(Some((size, _, next))) = batch_at(held.bind(py).as_bytes(), self.pos) {
+            self.skip(size, next);
+        }
     }
 }
 
@@ -667,30 +674,19 @@ impl RecordSet {
     #[allow(clippy::too_many_arguments)]
     fn scan(&mut self, data: &[u8], cols: &mut StepColumns, limit: usize, stop: i64, until_ms: Option<i64>,
             run: &str, topic: &str, partition: i32, check_crcs: bool)
-            -> Result<(&'static str, Vec<Left>, Option<(usize, usize, i64)>), String> {
+            -> Result<(&'static str, Vec<Left>, Option<Range>), String> {
         let mut lefts = Vec::new();
         let run_b = run.as_bytes();
         loop {
-            if data.len() - self.pos < BATCH_HEADER {
-                return Ok((DONE, lefts, None));
-            }
-            let b = &data[self.pos..];
-            let base_offset = be_i64(b, 0);
-            let size = 12 + be_i32(b, 8) as i64;
-            if size < BATCH_HEADER as i64 || size as usize > b.len() {
-                if size < 12 {
-                    return Err(format!("{topic}:{partition}: corrupt record batch at offset {base_offset}"));
-                }
-                // the broker cut the response inside this batch: the next fetch brings it whole
-                return Ok((DONE, lefts, None));
-            }
-            let batch = &b[..size as usize];
             let at = self.pos;
-            let magic = batch[16];
-            let last_offset_delta = be_i32(batch, 23) as i64;
-            let batch_next = base_offset + last_offset_delta + 1;
-            if magic != 2 {
-                return Ok((BATCH, lefts, Some((at, at + size as usize, batch_next))));
+            let (size, base_offset, batch_next) = match batch_at(data, at) {
+                Ok(Some(found)) => found,
+                Ok(None) => return Ok((DONE, lefts, None)),
+                Err(base) => return Err(format!("{topic}:{partition}: corrupt record batch at offset {base}")),
+            };
+            let batch = &data[at..at + size];
+            if batch[16] != 2 {
+                return Ok((BATCH, lefts, Some((at, at + size)))); // an older message format
             }
             if self.record == 0 && check_crcs {
                 let crc = u32::from_be_bytes(batch[17..21].try_into().unwrap());
@@ -715,16 +711,16 @@ impl RecordSet {
                     self.aborted_producers.retain(|p| *p != producer_id);
                 }
                 if transactional && self.aborted_producers.contains(&producer_id) {
-                    self.skip(size as usize, batch_next);
+                    self.skip(size, batch_next);
                     continue;
                 }
             }
             if control {
-                self.skip(size as usize, batch_next);
+                self.skip(size, batch_next);
                 continue;
             }
             if attributes & 0x07 != 0 {
-                return Ok((BATCH, lefts, Some((at, at + size as usize, batch_next))));
+                return Ok((BATCH, lefts, Some((at, at + size))));
             }
             let log_append = attributes & 0x08 != 0;
             let base_ts = be_i64(batch, 27);
@@ -792,7 +788,7 @@ impl RecordSet {
                         cols.nbytes += value.map_or(0, |v| v.len());
                         if cols.rows >= limit {
                             if i + 1 == n_records {
-                                self.skip(size as usize, batch_next);
+                                self.skip(size, batch_next);
                             }
                             return Ok((FULL, lefts, None));
                         }
@@ -802,7 +798,7 @@ impl RecordSet {
                 lefts.push(Left { offset: off, ts, key: key.map(range), value: value.map(range),
                                   headers: headers.iter().map(|(k, v)| (range(k), v.map(range))).collect() });
             }
-            self.skip(size as usize, batch_next);
+            self.skip(size, batch_next);
         }
     }
 
