@@ -124,9 +124,9 @@ def grpo_config_kwargs(j: Job, output_dir: str) -> dict[str, Any]:
 
 def exact_reward(text: str, answer: str) -> float:
     """The plan's exact-answer reward on a reply: ExactMatch with ``extract="last_integer"``, its code."""
-    from consumers.scoring import extract, normalize
+    from consumers.scoring import answer_reward
 
-    return 1.0 if extract(text, "last_integer") == normalize(answer) else 0.0
+    return answer_reward(text, answer, "last_integer")
 
 
 def task(plan: str) -> tuple[str | None, list[tuple[str, str]], list[tuple[str, str]]]:

@@ -173,6 +173,11 @@ def extract(text: str, how: str | None) -> str:
     return final_answer(text)
 
 
+def answer_reward(text: str, answer: str, how: str | None) -> float:
+    """1.0 when the answer ``extract``ed from ``text`` (``how``) is ``answer``, both normalized; else 0.0."""
+    return 1.0 if extract(text, how) == normalize(answer) else 0.0
+
+
 @register_verifier
 class ExactMatch(Verifier):
     """Each member's final answer == ``spec.answer`` -> 1.0 / 0.0. params: ``member`` (score only that
@@ -186,14 +191,14 @@ class ExactMatch(Verifier):
 
     async def score(self, rollout: Rollout, steps: Sequence[Step], spec: ScoringSpec, *, judge: Judge | None,
                     child_outcomes: Sequence[float] | None) -> Verdict:
-        want = normalize(spec.answer or "")
+        answer = spec.answer or ""
         rewards, metrics = {}, {}
         only = spec.params.get("member")
         members = [only] if isinstance(only, str) and only in rollout.members else scored_members(rollout)
         for m in members:
             ms = member_steps(steps, m)
-            got = extract(_text(ms[-1].completion), spec.params.get("extract")) if ms else ""  # type: ignore[arg-type]
-            rewards[m] = 1.0 if got == want else 0.0
+            rewards[m] = answer_reward(_text(ms[-1].completion), answer, spec.params.get("extract")) if ms \
+                else float(normalize(answer) == "")  # type: ignore[arg-type]
             metrics[f"{m}/completion_tokens"] = float(sum(len(s.completion_token_ids) for s in ms))
         return Verdict(rewards, metrics, "exact_match")
 
