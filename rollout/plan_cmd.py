@@ -80,6 +80,8 @@ def render(plan, rollout: str | None = None, seed: int = 0, members: list[str] |
            f"  algorithm             {_algorithm(plan.advantage)}",
            f"  max_steps             {plan.max_steps or 'none (until stopped)'}   ({prov.get('max_steps', '?')})",
            f"  seq_len               {plan.seq_len or 'the server default'}   ({prov.get('seq_len', '?')})",
+           f"  eval_interval         {plan.eval_interval}{'; skip_first_step' if plan.eval_skip_first_step else ''}"
+           f"   ({prov.get('eval_interval', '?')})",
            f"  trainer               {_kv(plan.trainer) if plan.trainer else 'the reference trainer defaults'}"]
     if plan.served_model:
         out.append(f"  served model          {plan.served_model}  (stands in for {plan.family})")

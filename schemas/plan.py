@@ -29,6 +29,7 @@ DEFAULT_GROUP_SIZE = 1            # prime-rl: rollouts_per_example = 1
 DEFAULT_BATCH_SIZE = 128          # prime-rl: batch_size defaults to 128 when no token batch is set
 DEFAULT_MAX_OFF_POLICY_STEPS = 8  # prime-rl orchestrator default
 DEFAULT_MAX_ASYNC_LEVEL = 1       # prime-rl orchestrator default
+DEFAULT_EVAL_INTERVAL = 100       # prime-rl: [orchestrator.eval] interval
 
 
 class PlanError(ContractError):
@@ -147,6 +148,12 @@ class GenerationPlan(Record):
                                          description="prime-rl's token-based batching, when the recipe uses it")
     max_off_policy_steps: int = Field(ge=0)
     max_async_level: int = Field(default=DEFAULT_MAX_ASYNC_LEVEL, ge=0)
+    eval_interval: int = Field(
+        default=1, ge=1, description="revisions between evaluations (prime-rl's [orchestrator.eval] interval): of the "
+                                     "training sources' held-out sets, and of each evaluation source that sets no "
+                                     "interval of its own; 1 (every revision) for a recipe without [orchestrator.eval]")
+    eval_skip_first_step: bool = Field(default=False, description="revision 0 is not evaluated (prime-rl's "
+                                                                  "[orchestrator.eval] skip_first_step)")
     max_steps: int | None = Field(default=None, ge=1,
                                   description="trained revisions after which the run stops (None: until stopped)")
     seq_len: int | None = Field(default=None, ge=1, description="longest sample (prompt + completion) in tokens: "
@@ -225,6 +232,14 @@ class GenerationPlan(Record):
     def trainable_members(self, member_ids: Iterable[str], rollout_id: str, seed: int) -> set[str]:
         return {m for m in member_ids if self.route(m, rollout_id, seed)[1]}
 
+    def eval_due(self, revision: int, source: EnvSpec | None = None, last: int | None = None) -> bool:
+        """Whether ``revision`` answers the training sources' held-out sets (``source`` None) or the evaluation
+        ``source``: ``eval_due_at`` with the plan's cadence, or the source's own ``interval`` and
+        ``skip_first_step`` where it sets them. ``last``: the run's last revision, when known."""
+        opts = source.options if source is not None else {}
+        return eval_due_at(revision, int(opts.get("interval", self.eval_interval)),  # type: ignore[arg-type]
+                           bool(opts.get("skip_first_step", self.eval_skip_first_step)), last)
+
     def group_size_of(self, env: EnvSpec) -> int:
         """Rollouts per example for one source: its own ``group_size``, else the plan's."""
         return int(env.options.get("group_size") or self.group_size)
@@ -265,6 +280,13 @@ class GenerationPlan(Record):
         rows.append({"member": "*", "target": LEARNER, "trainable": True, "rule": "default (self-play)"})
         return rows
 
+
+
+def eval_due_at(revision: int, interval: int, skip_first_step: bool = False, last: int | None = None) -> bool:
+    """prime-rl's evaluation cadence: revision 0 unless ``skip_first_step``, then every ``interval`` revisions;
+    and the run's ``last`` revision whatever the interval, so the curve ends where the run does (prime-rl's evals
+    process force-fires the final checkpoint too)."""
+    return revision == last or (revision % interval == 0 and not (revision == 0 and skip_first_step))
 
 
 def require_runnable(plan: GenerationPlan) -> None:

@@ -15,6 +15,10 @@ and verifiers' ``vf.EnvConfig``, not to a sample of files):
   ``curriculum``, ``serve``) or the older ``[[train.env]]`` / ``[[env]]`` / ``[environment]``
   (``id``, ``name``, ``args``, ``sampling``); evaluation sources ``[[eval.source]]`` /
   ``[[eval.env]]`` become ``eval_environments`` (``evaluation = true``), never training;
+* the evaluation cadence: ``[eval]`` ``interval`` and ``skip_first_step`` (prime-rl's defaults 100 and false)
+  become the plan's ``eval_interval``/``eval_skip_first_step``, for the training sources' held-out sets and
+  every evaluation source without its own ``interval``; ``[eval]`` with only those keys and no source (refused by
+  prime-rl) is the cadence of the held-out sets alone; no ``[eval]``: every revision;
 * algorithms: prime-rl's ``[algo]`` (also per source), or our and the multi-agent fork's
   ``[advantage]`` naming a credit strategy directly; see ``ALGORITHMS``;
 * multi-agent (the fork): ``[multi_agent.train_one]`` (candidates, of which exactly one is the
@@ -48,7 +52,7 @@ from typing import Any, Iterable
 from pydantic import ValidationError
 
 from schemas.recipe_keys import neutral_reason, refusals
-from schemas.plan import (DEFAULT_BATCH_SIZE, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ASYNC_LEVEL,
+from schemas.plan import (DEFAULT_BATCH_SIZE, DEFAULT_EVAL_INTERVAL, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ASYNC_LEVEL,
                           DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, AdvantageSpec, EnvSpec, GenerationPlan,
                           MemberRoute, PlanError, Seat, Target, TrainOne)
 
@@ -76,9 +80,9 @@ ENV_PASSED = frozenset({"taskset", "harness", "num_workers", "address", "extra_e
                         "rollouts_per_example", "group_size", "interval"})
 # [orchestrator.train]: prime-rl's newer shape also holds group_size, algo, select and sampler here.
 TRAIN_OWNED = frozenset({"source", "env", "sampling", "group_size", "algo", "select", "sampler"})
-EVAL_OWNED = frozenset({"source", "env", "sampling", "num_examples", "group_size", "rollouts_per_example", "select",
-                        "skip_first_step",
-                        "interval"})
+EVAL_CADENCE = frozenset({"interval", "skip_first_step"})  # the plan's eval_interval, eval_skip_first_step
+EVAL_OWNED = frozenset({"source", "env", "sampling", "num_examples", "group_size", "rollouts_per_example",
+                        "select"}) | EVAL_CADENCE
 MULTI_AGENT_KEYS = frozenset({"train_one", "fixed", "drop_judge", "routes"})
 TRAIN_ONE_KEYS = frozenset({"members", "unselected"})
 FIXED_KEYS = frozenset({"members", "model", "base_url", "api_key_var", "request_mode", "sampling", "timeout"})
@@ -283,6 +287,7 @@ class _Compiler:
         advantage = self._top_algorithm(orch, op)
         environments = self._train_sources(orch, op, family, advantage)
         eval_environments = self._eval_sources(orch, op, family)
+        eval_interval, eval_skip_first_step = self._eval_cadence(orch, op)
         group_size = self._group_size(orch, op)
         batch_size, token_batch_size = self._batching(orch, op)
         max_off, max_async = self._staleness(data, orch, op, unified)
@@ -294,7 +299,8 @@ class _Compiler:
             return GenerationPlan(
                 source=self.source, family=family, targets=self.targets, members=self.members,
                 train_one=train_one, untrained_members=untrained, environments=environments,
-                eval_environments=eval_environments, group_size=group_size, batch_size=batch_size,
+                eval_environments=eval_environments, eval_interval=eval_interval,
+                eval_skip_first_step=eval_skip_first_step, group_size=group_size, batch_size=batch_size,
                 token_batch_size=token_batch_size, max_off_policy_steps=max_off, max_async_level=max_async,
                 max_steps=max_steps, seq_len=seq_len, trainer=trainer, refused=self.refused,
                 advantage=advantage, ignored_sections=self.ignored_sections, ignored_keys=self.ignored_keys,
@@ -461,24 +467,43 @@ class _Compiler:
             return []
         epath = _join(op, "eval")
         self.lenient(ev, epath, owned=EVAL_OWNED)
-        group_sampling = self.sampling_of(ev, epath)
-        defaults = {"num_examples": ev.get("num_examples", -1),
-                    "group_size": ev.get("group_size", ev.get("rollouts_per_example", 1)),
-                    "interval": ev.get("interval", 100),
-                    "skip_first_step": self._bool(ev.get("skip_first_step", False), _join(epath, "skip_first_step"))}
-        if "select" in ev:
-            defaults["select"] = self.table(ev, "select", epath)
         forms = [(_join(epath, k), ev[k]) for k in ("source", "env") if k in ev]
         if not forms:
-            raise self.fail(_join(epath, "source"), "an [eval] block needs at least one evaluation source "
-                            "(prime-rl refuses it too); drop the block to disable evaluation")
+            # the cadence alone is the training sources' held-out sets' (rollout-log's own; prime-rl refuses an
+            # [eval] block without a source)
+            for_sources = sorted((EVAL_OWNED - EVAL_CADENCE) & ev.keys())
+            if not for_sources:
+                return []
+            raise self.fail(_join(epath, "source"), f"[{epath}] sets {', '.join(for_sources)} for evaluation "
+                            f"sources and has none: add at least one [[{epath}.source]] (prime-rl refuses the block "
+                            "without one too); interval and skip_first_step alone are the cadence of the training "
+                            "sources' held-out sets")
+        group_sampling = self.sampling_of(ev, epath)
+        defaults = {"num_examples": ev.get("num_examples", -1),
+                    "group_size": ev.get("group_size", ev.get("rollouts_per_example", 1))}
+        if "select" in ev:
+            defaults["select"] = self.table(ev, "select", epath)
         envs = []
-        for _, _, env in self._sources(forms, "evaluation", family, evaluation=True)[1]:
+        for path, _, env in self._sources(forms, "evaluation", family, evaluation=True)[1]:
             options = {**defaults, **env.options}
             if "rollouts_per_example" in options:  # the older spelling of an eval source's group_size
                 options["group_size"] = options.pop("rollouts_per_example")
+            if "interval" in options:  # the source's own cadence (GenerationPlan.eval_due), as the older form wrote it
+                self.integer(options["interval"], _join(path, "interval"), 1)
             envs.append(env.model_copy(update={"sampling": {**group_sampling, **env.sampling}, "options": options}))
         return envs
+
+    def _eval_cadence(self, orch: dict, op: str) -> tuple[int, bool]:
+        """(interval, skip_first_step) of ``[eval]``: when the training sources' held-out sets are answered, and the
+        evaluation sources that set no cadence of their own. Without the block: every revision."""
+        ev = self.table(orch, "eval", op)
+        if ev is None:
+            self.provenance["eval_interval"] = "default (no [eval]: every revision)"
+            return 1, False
+        epath = _join(op, "eval")
+        self.provenance["eval_interval"] = _join(epath, "interval") if "interval" in ev else "default (prime-rl's)"
+        interval = self.integer(ev.get("interval", DEFAULT_EVAL_INTERVAL), _join(epath, "interval"), 1)
+        return interval, self._bool(ev.get("skip_first_step", False), _join(epath, "skip_first_step"))
 
     def _sources(self, forms: list[tuple[str, Any]], what: str, family: str, *,
                  evaluation: bool) -> tuple[str, list[tuple[str, dict[str, Any], EnvSpec]]]:

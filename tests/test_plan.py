@@ -83,7 +83,8 @@ def test_debate_external_opponent_recipe() -> None:
     assert "orchestrator.oversampling_factor" not in plan.ignored_keys
     [ev] = plan.eval_environments  # evaluation, not training
     assert ev.evaluation and ev.name == "gpqa-debate-eval" and ev.options["group_size"] == 2
-    assert ev.options["num_examples"] == 32 and ev.options["interval"] == 25
+    assert ev.options["num_examples"] == 32 and "interval" not in ev.options  # the [eval] block's: the plan's
+    assert plan.eval_interval == 25 and not plan.eval_skip_first_step
     assert credit_strategy(plan) == ("ema_per_member", {"alpha": 0.9})  # the fork's momentum is our alpha
 
 
@@ -417,7 +418,7 @@ def test_sources_ratio_is_the_weight_and_eval_sources_are_evaluation() -> None:
            "group is admitted here" in plan.refused
     assert [(e.name, e.id) for e in plan.eval_environments] == [("swe-bench-verified", "swebench-verified"),
                                                                 ("aime2025", "aime25")]
-    assert plan.eval_environments[0].options["interval"] == 25
+    assert plan.eval_interval == 25 and plan.eval_due(50, plan.eval_environments[0])
     assert plan.batch_size == 2048 and plan.group_size == 1
     assert credit_strategy(plan) == ("grpo", {"scale_std": False})  # prime-rl's default algorithm
 
@@ -537,6 +538,58 @@ def test_pinned_seat_is_a_fixed_target() -> None:
     assert plan.route("player1", "r", 0) == (fixed, False) and plan.route("player0", "r", 0) == (plan.learner, True)
 
 
+# -- evaluation cadence: prime-rl's [orchestrator.eval] interval / skip_first_step, one place in the plan ----------
+
+def _recipe(eval_toml: str = "") -> GenerationPlan:
+    import tomllib
+
+    return compile_plan_dict(tomllib.loads("[model]\nname = 'm'\n[orchestrator]\nbatch_size = 8\n"
+                                           "[[orchestrator.train.source]]\nname = 's'\n"
+                                           "env = { taskset = { id = 't' } }\n" + eval_toml), "r.toml")
+
+
+def _due(plan: GenerationPlan, revisions: int, source=None, last: int | None = None) -> list[int]:
+    return [r for r in range(revisions + 1) if plan.eval_due(r, source, last)]
+
+
+def test_without_an_eval_block_every_revision_is_evaluated() -> None:
+    plan = _recipe()
+    assert (plan.eval_interval, plan.eval_skip_first_step) == (1, False)
+    assert plan.provenance["eval_interval"].startswith("default") and _due(plan, 4) == [0, 1, 2, 3, 4]
+
+
+def test_an_eval_block_without_a_source_is_the_held_out_sets_cadence() -> None:
+    plan = _recipe("[orchestrator.eval]\ninterval = 4\nskip_first_step = true\n")
+    assert plan.eval_environments == [] and plan.provenance["eval_interval"] == "orchestrator.eval.interval"
+    assert _due(plan, 10) == [4, 8]  # revision 0 skipped
+    assert _due(plan, 10, last=10) == [4, 8, 10] and _due(plan, 0, last=0) == [0]  # the run's last, always
+
+
+def test_eval_sources_inherit_the_blocks_cadence_unless_they_set_their_own() -> None:
+    plan = _recipe("[orchestrator.eval]\nskip_first_step = true\n"
+                   "[[orchestrator.eval.source]]\nname = 'a'\nenv = { taskset = { id = 't' } }\n"
+                   "[[orchestrator.eval.source]]\nname = 'b'\ninterval = 3\nskip_first_step = false\n"
+                   "env = { taskset = { id = 't' } }\n")
+    a, b = plan.eval_environments
+    assert plan.eval_interval == 100 and plan.provenance["eval_interval"] == "default (prime-rl's)"
+    assert _due(plan, 200) == _due(plan, 200, a) == [100, 200]  # held-out sets and source a: the block's
+    assert _due(plan, 7, b) == [0, 3, 6] and _due(plan, 7, b, last=7) == [0, 3, 6, 7]
+
+
+def test_an_older_eval_envs_interval_is_checked() -> None:
+    with pytest.raises(PlanError, match=r"orchestrator\.eval\.env\[0\]\.interval: expected an integer"):
+        _recipe("[orchestrator.eval]\n[[orchestrator.eval.env]]\nid = 't'\ninterval = 'often'\n")
+
+
+def test_the_demo_plan_evaluates_every_8_revisions_and_the_last() -> None:
+    from rollout.demo import PROFILES
+
+    plan = compile_plan(PROFILES["vllm"].plan)
+    revisions = PROFILES["vllm"].groups * plan.group_size // plan.batch_size
+    assert revisions == 24 and _due(plan, revisions, last=revisions) == [0, 8, 16, 24]
+    assert _due(plan, 20, last=20) == [0, 8, 16, 20]  # a shorter run still ends on an evaluated revision
+
+
 REFUSED_2026 = {
     "near_miss_sampling": ('[orchestrator.train.sampling]\ntemprature = 0.5',
                            ["orchestrator.train.sampling.temprature", "did you mean 'temperature'"]),
@@ -548,7 +601,9 @@ REFUSED_2026 = {
     "opd_without_teacher": ('[orchestrator.algo]\ntype = "opd"', ["orchestrator.algo.teacher", "teacher"]),
     "env_level_harness": ('[orchestrator.train.source.env.harness]\nid = "null"',
                           ["orchestrator.train.source[0].env.harness", "belongs to a seat"]),
-    "eval_without_source": ('[orchestrator.eval]\ninterval = 5', ["orchestrator.eval.source", "at least one"]),
+    "eval_without_source": ('[orchestrator.eval]\ninterval = 5\nnum_examples = 8',
+                            ["orchestrator.eval.source", "sets num_examples", "at least one"]),
+    "eval_interval_zero": ('[orchestrator.eval]\ninterval = 0', ["orchestrator.eval.interval", "must be >= 1"]),
 }
 
 
