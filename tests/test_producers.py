@@ -495,6 +495,32 @@ async def test_evaluation_answers_held_out_and_eval_sources_greedily_without_pac
         sorted((s.prompt[-1].content, s.completion[0].content) for s in second)
 
 
+async def test_evaluation_follows_the_plans_cadence_and_takes_the_runs_last_revision(policy_server):
+    """The held-out set every ``plan.eval_interval`` revisions, an eval source at its own ``interval``, everything at
+    the run's last revision; a revision with nothing due is neither evaluated nor waited on."""
+    from schemas.plan import EnvSpec
+
+    plan = single_plan(max_off_policy_steps=10)  # admission never waits for a revision here: none comes
+    train = plan.environments[0].model_copy(update={"args": {"num_examples": 20, "eval_examples": 2}})
+    source = EnvSpec(id="arithmetic", name="arith-eval", args={"num_examples": 3, "seed": 99}, evaluation=True,
+                     options={"interval": 3})
+    plan = plan.model_copy(update={"environments": [train], "eval_environments": [source], "eval_interval": 2})
+    async with Arena(plan, emitter=MemoryEmitter(), policy_base_url=policy_server.base_url, evaluate=True) as arena:
+        # held out (2) at 0, 2, 4, 6; the source (3) at 0, 3, 6
+        assert [len(arena.eval_due(r)) for r in range(7)] == [5, 0, 2, 3, 2, 0, 5]
+        assert not arena._evaluates(5)
+        await arena.run(num_groups=10)  # 20 rollouts, 5 batches of 4: revision 5 is the run's last
+        assert arena.last_revision == 5 and len(arena.eval_due(5)) == 5 and arena._evaluates(5)
+        arena.current_policy = arena.current_policy.model_copy(update={"revision": 1})
+        assert await arena.run_evaluation() == 0 and arena.stats.eval_s == 0.0
+        assert await arena.wait_for_revision(1, timeout_s=5.0)  # nothing due at 1: being current is enough
+        arena.current_policy = arena.current_policy.model_copy(update={"revision": 2})
+        assert not await arena.wait_for_revision(2, timeout_s=0.5)  # due at 2 and not evaluated yet
+        assert await arena.run_evaluation() == 2 and arena.stats.eval_s > 0
+        assert await arena.wait_for_revision(2, timeout_s=5.0)
+    assert arena.stats.evaluated_revisions == [2] and arena.stats.evaluations == 2 and arena.stats.rollouts == 20
+
+
 async def test_two_sources_of_one_environment_stay_two(policy_server):
     plan = single_plan()
     a = plan.environments[0].model_copy(update={"name": "easy", "args": {"max_operand": 5, "num_examples": 50},
