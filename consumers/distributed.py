@@ -137,18 +137,23 @@ def _local_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
 
 
-def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path, *, writer: bool) -> None:
+def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path, tmp: Path, *, writer: bool) -> None:
     """The model's and optimizer's state as a torch.distributed.checkpoint folder: each rank writes its own shards
-    (collective in a group). ``writer`` (rank 0, or the only process) writes it beside and moves it in whole."""
+    into ``tmp`` (collective in a group; one name for the group, the writer's process id in it, so a fenced trainer
+    and its successor never write into one folder). ``writer`` (rank 0, or the only process) flushes it to the disk
+    and moves it in whole."""
     import torch.distributed.checkpoint as dcp
 
-    tmp = path.with_name(path.name + ".tmp")
+    from policy.checkpoint import fsync_dir, fsync_tree
+
     if writer:  # before the save's first collective: no rank writes a shard into it until then
         shutil.rmtree(tmp, ignore_errors=True)
     dcp.save(_local_state(model, opt), checkpoint_id=tmp, no_dist=not dist.is_initialized())
     if writer:
+        fsync_tree(tmp)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
+        fsync_dir(path.parent)
 
 
 def load_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
@@ -190,6 +195,19 @@ def load_full_state(model: torch.nn.Module, opt: torch.optim.Optimizer, blob: di
     set_optimizer_state_dict(model, opt, optim, options=options)
 
 
+def load_full_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], group: Group | None) -> None:
+    """Rank 0's whole weights (a served checkpoint's, any dtype) into this rank's model or shards; the optimizer's
+    state is left as it is."""
+    if group is None:
+        with torch.no_grad():
+            model.load_state_dict(weights, strict=False)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                  strict=False))
+
+
 class Lockstep:
     """Rank 0's handle on the trainer of every rank: each call is broadcast, then made here; the followers
     (``follow``) make the same call on their own trainer."""
@@ -213,8 +231,14 @@ class Lockstep:
     def publish(self, **kw: Any) -> Any:
         return self.call("publish", **kw)
 
-    def load_training_state(self, ref: Any) -> bool:
-        return self.call("load_training_state", ref)
+    def load_training_state(self, *args: Any, **kw: Any) -> bool:
+        return self.call("load_training_state", *args, **kw)
+
+    def advance(self) -> None:
+        return self.call("advance")
+
+    def settle(self, ref: Any, revision: int) -> bool:
+        return self.call("settle", ref, revision)
 
     def __getattr__(self, name: str) -> Any:  # what rank 0 only reads: revision, training_state_path, ...
         return getattr(self.local, name)

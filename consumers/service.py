@@ -55,7 +55,8 @@ class Service:
 
 
 class TaskDefaults:
-    """What a partition task that buffers no input, keeps no state or has no timers inherits: override the rest."""
+    """What a partition task that buffers no input, keeps no state, has no timers or nothing to do after a commit
+    inherits: override the rest."""
 
     def restore(self, rec: Any) -> None:
         raise AssertionError(f"{type(self).__name__} buffers nothing, so a snapshot never lists input to restore")
@@ -70,6 +71,9 @@ class TaskDefaults:
         return {}
 
     def load_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def committed(self) -> None:
         pass
 
 

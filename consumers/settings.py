@@ -21,6 +21,14 @@ from schemas.policy import TINY_FAMILY
 from streams import topics
 
 
+MICRO_BATCH_TOKENS = 4096
+"""The trainer's default token budget of one forward/backward (rows x padded width): activation memory grows with
+it, not with the batch. A row longer than the budget runs alone with its layers' activations recomputed in the
+backward pass (gradient checkpointing)."""
+DEFAULT_STATE_EVERY = 8
+"""The trainer writes its training state every this many revisions (benchmarks/RESULTS.md, "trainer_step")."""
+
+
 class PlanRefused(Exception):
     """The plan asks for something this service cannot run (one line for the user)."""
 
@@ -58,6 +66,12 @@ class ServiceSettings(BaseSettings):
     served_model: str | None = Field(None, description="trainer: the weights standing for the family, stamped on "
                                                        "every revision (the plan's served_model)")
     epochs: int = Field(1, ge=1, description="trainer: optimizer passes over each batch (PPO epochs)")
+    state_every: int = Field(DEFAULT_STATE_EVERY, ge=1, description="trainer: write the training state (float32 "
+                             "weights, optimizer moments) every N revisions; a take-over loads the last one and trains "
+                             "the batches the log committed after it again (the served weights are written every "
+                             "revision)")
+    micro_batch_tokens: int = Field(MICRO_BATCH_TOKENS, ge=1, description="trainer: tokens (rows x padded width) of "
+                                    "one forward/backward: activation memory grows with it, not with the batch")
     derivation: Derivation | None = Field(None, description="a derived run (rollout derive): the source run whose "
                                           "Steps and Rollouts it reads, its range, re-scoring and fork revision")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -31,7 +32,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from consumers.distributed import Group, full_state, load_full_state, load_sharded, save_sharded, shard
+from consumers.distributed import (Group, full_state, load_full_state, load_full_weights, load_sharded, save_sharded,
+                                  shard)
+from consumers.settings import MICRO_BATCH_TOKENS
 from schemas.events import TrainerBatch
 from schemas.history import DEFAULT_CLIP
 from schemas.policy import CheckpointRef, PolicyRevision
@@ -95,15 +98,20 @@ TrainStep = Callable[[TrainerTensors, TrainerBatch], dict[str, float]]
 
 
 class TinyPolicy:
-    """The byte-level GRU of ``policy/``: ``.pt`` checkpoints."""
+    """The byte-level GRU of ``policy/``: ``.pt`` checkpoints, served in float32."""
 
-    micro_batch = 0  # whole batch at once: the model is small
+    served_dtype = torch.float32
 
     @staticmethod
     def load(ref: CheckpointRef | str | Path) -> Any:
         from policy.checkpoint import load_checkpoint
 
         return load_checkpoint(ref)
+
+    @staticmethod
+    def weights(ref: CheckpointRef) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors as served (digest verified)."""
+        return TinyPolicy.load(ref).state_dict()
 
     @staticmethod
     def save(model: Any, directory: Path, family: str, revision: int) -> CheckpointRef:
@@ -124,21 +132,28 @@ class TinyPolicy:
 
     @staticmethod
     def logprobs(model: Any, t: TrainerTensors) -> torch.Tensor:
-        logits, _ = model(t.input_ids[:, :-1])
+        logits, _ = model(t.input_ids[:, :-1])  # a 256-token vocabulary: whole logits are small
         return torch.log_softmax(logits.float(), dim=-1).gather(2, t.input_ids[:, 1:].unsqueeze(2)).squeeze(2)
 
 
 class HFPolicy:
-    """A transformers causal LM (``policy.hf``): ``model.safetensors`` folders, bf16 autocast on CPUs with fast
-    bf16 kernels (``policy.hf.cpu_bf16``), float32 on others."""
+    """A transformers causal LM (``policy.hf``): ``model.safetensors`` folders served in bf16, trained in float32
+    with bf16 autocast on CPUs with fast bf16 kernels (``policy.hf.cpu_bf16``), float32 on others."""
 
-    micro_batch = 8  # rows per forward/backward (gradients accumulate): bounds activation memory
+    served_dtype = torch.bfloat16
 
     @staticmethod
     def load(ref: CheckpointRef | str | Path) -> Any:
         from policy.hf import load_model
 
         return load_model(ref)
+
+    @staticmethod
+    def weights(ref: CheckpointRef) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors as served (digest verified)."""
+        from policy.hf import load_weights
+
+        return load_weights(ref)
 
     @staticmethod
     def save(model: Any, directory: Path, family: str, revision: int) -> CheckpointRef:
@@ -155,15 +170,14 @@ class HFPolicy:
 
     @staticmethod
     def remove(ref: CheckpointRef) -> None:
-        import shutil
-
         shutil.rmtree(HFPolicy.location(ref), ignore_errors=True)  # the revision's folder
 
     @staticmethod
     def logprobs(model: Any, t: TrainerTensors) -> torch.Tensor:
+        """At the trained positions only (``policy.hf.token_logprobs``: no whole-vocabulary tensor per token)."""
         from policy.hf import token_logprobs
 
-        return token_logprobs(model, t.input_ids, t.attention_mask.long())
+        return token_logprobs(model, t.input_ids, t.attention_mask.long(), wanted=t.loss_mask[:, 1:] > 0)
 
 
 def policy_kind(ref: CheckpointRef | str | Path) -> type[TinyPolicy] | type[HFPolicy]:
@@ -174,8 +188,11 @@ def policy_kind(ref: CheckpointRef | str | Path) -> type[TinyPolicy] | type[HFPo
 
 
 def _rows(t: TrainerTensors, rows: slice | torch.Tensor) -> TrainerTensors:
-    return TrainerTensors(t.input_ids[rows], t.attention_mask[rows], t.loss_mask[rows], t.advantages[rows],
-                          t.old_logprobs[rows], t.prompt_lens[rows], t.seq_lens[rows])
+    """Those rows, cut to the longest of them (a micro-batch of short rows carries no padding of the long ones)."""
+    width = int(t.seq_lens[rows].max()) if t.seq_lens[rows].numel() else t.input_ids.shape[1]
+    return TrainerTensors(t.input_ids[rows, :width], t.attention_mask[rows, :width], t.loss_mask[rows, :width],
+                          t.advantages[rows, :width], t.old_logprobs[rows, :width], t.prompt_lens[rows],
+                          t.seq_lens[rows])
 
 
 TRAINING_STATE_SUFFIX = ".train"
@@ -186,16 +203,28 @@ LEGACY_TRAINING_STATE_SUFFIX = ".train.pt"
 
 
 class ReferenceTrainer:
-    """Clipped policy gradient (PPO/GRPO objective, token-mean over the loss mask) on the checkpoint's model."""
+    """Clipped policy gradient (PPO/GRPO objective, token-mean over the loss mask) on the checkpoint's model.
+
+    Every revision's served weights are written (``publish``); its training state (float32 weights and the
+    optimizer's moments, 4x the served bytes of an HF model) only every ``state_every`` revisions. A take-over
+    between two states loads the last one and trains the batches committed after it again (``advance`` after each),
+    then ``settle`` checks it reached the committed revision's served weights (``consumers.tasks.trainer``)."""
 
     def __init__(self, model: Any, family: str, revision: int, checkpoint_dir: str | Path, *, lr: float = 1e-3,
                  clip: float = DEFAULT_CLIP, max_grad_norm: float = 1.0, epochs: int = 1,
-                 kind: type[TinyPolicy] | type[HFPolicy] = TinyPolicy, keep_revisions: int = 3,
+                 kind: type[TinyPolicy] | type[HFPolicy] = TinyPolicy, ref: CheckpointRef | None = None,
                  keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None,
+                 state_every: int = 1, micro_batch_tokens: int = MICRO_BATCH_TOKENS, mismatch_rows: int = 8,
                  group: Group | None = None, device: str | torch.device = "cpu") -> None:
+        """``ref``: the checkpoint ``model`` was loaded from (the mismatch of that revision's tokens is measured on
+        its file). ``keep_checkpoints``: keep only the newest N checkpoints this trainer wrote (0: all; never fewer
+        than 2, the one before the current is what a pipelined batch came from). ``state_every``: write the
+        training state every N revisions. ``micro_batch_tokens``: the token budget of one forward/backward.
+        ``mismatch_rows``: at most this many rows of earlier revisions are run again under their own weights for
+        the mismatch figure (the current revision's rows cost nothing: they are the training pass)."""
         # the model trained is on ``device``, and in a data-parallel group (``consumers.distributed``) it is FSDP2's
         # shard of it; rank 0 (or the only process) keeps the whole model on the CPU as well: what it writes as
-        # checkpoints and probes older revisions with (the same object when training alone on the CPU)
+        # checkpoints (the same object when training alone on the CPU)
         self.group = group
         self.device = torch.device(device)
         alone_on_cpu = group is None and self.device.type == "cpu"
@@ -213,16 +242,14 @@ class ReferenceTrainer:
         self.lr = lr
         self.epochs = epochs  # optimizer passes over each batch (PPO epochs; the clip bounds how far they go)
         self.kind = kind
-        # the weights of recent revisions (this one included), to measure the trainer-inference mismatch on
-        # tokens an earlier revision generated: with pipelining, a batch rarely comes from the current weights
-        self.keep_revisions = keep_revisions
-        # checkpoint files this trainer wrote, by revision: all kept (0), or only the newest keep_checkpoints
         self.keep_checkpoints = keep_checkpoints
-        self.written: dict[int, CheckpointRef] = {}
-        self.states: dict[int, Path] = {}  # training states this trainer wrote, by revision (the two newest)
-        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self.state_every = max(1, state_every)
+        self.micro_batch_tokens = micro_batch_tokens
+        self.mismatch_rows = mismatch_rows
+        self.written: dict[int, CheckpointRef] = {}  # checkpoints this trainer wrote, by revision
+        self.states: dict[int, Path] = {}  # training states this trainer wrote, by revision
+        self.refs: dict[int, CheckpointRef] = {revision: ref} if ref is not None else {}  # probed for the mismatch
         self._probe: Any = None
-        self._snapshot()
         params = self.model.parameters()
         self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if kind is HFPolicy \
             else torch.optim.Adam(params, lr=lr)
@@ -234,7 +261,7 @@ class ReferenceTrainer:
         mask = t.loss_mask[:, 1:]
         old_lp = t.old_logprobs[:, 1:]
         adv = t.advantages[:, 1:]
-        ratio = torch.exp(new_lp - old_lp)
+        ratio = torch.exp(torch.where(mask > 0, new_lp - old_lp, 0.0))  # untrained positions have no logprob
         unclipped = ratio * adv
         clipped = torch.clamp(ratio, 1 - clip, 1 + clip) * adv
         per_tok = -torch.minimum(unclipped, clipped)
@@ -246,15 +273,25 @@ class ReferenceTrainer:
         return loss, {"loss": float(loss.detach()), "clip_frac": float(frac), "approx_kl": float(kl),
                       "new_lp": new_lp.detach()}
 
+    def _recompute_layers(self, on: bool) -> None:
+        """Gradient checkpointing of a transformers model's layers, for rows longer than the token budget."""
+        if hasattr(self.model, "gradient_checkpointing_enable"):
+            if on and not self.model.is_gradient_checkpointing:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            elif not on and self.model.is_gradient_checkpointing:
+                self.model.gradient_checkpointing_disable()
+
     def _epoch(self, t: TrainerTensors, clip: float) -> tuple[dict[str, float], torch.Tensor]:
-        """One optimizer step over the batch (micro-batches accumulate into it). In a group each rank takes its
-        share of the rows; every rank runs the same number of micro-batches (one past its share runs with no
-        weight) so that FSDP2's collectives line up, and its gradients are reduced on the last one only."""
+        """One optimizer step over the batch: micro-batches of ``micro_batch_tokens`` (rows x the batch's width)
+        accumulate into it. In a group each rank takes its share of the rows; every rank runs the same number of
+        micro-batches (one past its share runs with no weight) so that FSDP2's collectives line up, and its
+        gradients are reduced on the last one only."""
         g = self.group
         self.opt.zero_grad()
-        n = t.input_ids.shape[0]
+        n, width = t.input_ids.shape
         mine, share = (g.rows(n), -(-n // g.world)) if g else (slice(0, n), n)
-        size = self.kind.micro_batch or max(share, 1)
+        size = max(1, min(share, self.micro_batch_tokens // max(width, 1)))
+        self._recompute_layers(width > self.micro_batch_tokens)
         steps = max(1, -(-share // size))
         denom = t.loss_mask[:, 1:].sum().clamp(min=1.0)  # the whole batch's tokens, on every rank
         scale = g.world if g else 1  # FSDP2 averages the ranks' gradients; the batch's gradient is their sum
@@ -304,22 +341,20 @@ class ReferenceTrainer:
     def _save_training_state(self, ref: CheckpointRef | None) -> None:
         """The float32 weights (an HF checkpoint serves bf16) and the optimizer's moments and step count at this
         revision, so a trainer that takes over from it trains exactly as this one would have, on this many ranks or
-        another number. In a group each rank writes its own shards: nothing is gathered. The two newest are kept:
-        the one written before a commit that fails, and the last committed one."""
-        path = self.training_state_path(ref) if ref is not None else None
+        another number. In a group each rank writes its own shards: nothing is gathered. Flushed to the disk
+        before the commit that names it; removed only after a commit names a newer one (``prune``)."""
+        where = (self.training_state_path(ref), self.dir / f".train-r{self.revision}.tmp{os.getpid()}") \
+            if ref is not None else None
         if self.group is not None:
-            path = self.group.agree(path)
-        save_sharded(self.model, self.opt, path, writer=self.whole is not None)
-        if self.whole is None:
-            return
-        self.states[self.revision] = path
-        for old in sorted(self.states)[:-2]:
-            shutil.rmtree(self.states.pop(old), ignore_errors=True)
+            where = self.group.agree(where)
+        save_sharded(self.model, self.opt, *where, writer=self.whole is not None)
+        if self.whole is not None:
+            self.states[self.revision] = where[0]
 
-    def load_training_state(self, ref: CheckpointRef) -> bool:
+    def load_training_state(self, ref: CheckpointRef, revision: int | None = None) -> bool:
         """Resume the weights and optimizer saved with checkpoint ``ref`` (``_save_training_state``, or the single
-        file written before states were sharded); False when there is none (a checkpoint from before training
-        states were written). Rank 0 looks, for the group."""
+        file written before states were sharded), as revision ``revision`` (default: the one held); False when
+        there is none. Rank 0 looks, for the group."""
         found = None
         if self.whole is not None:
             found = next((p for p in (self.training_state_path(ref),
@@ -333,35 +368,68 @@ class ReferenceTrainer:
         else:
             blob = torch.load(found, map_location="cpu", weights_only=True) if self.whole is not None else None
             load_full_state(self.model, self.opt, blob, self.group)
-        self._snapshot()
+        if revision is not None:
+            self.revision = revision
+        self.refs.setdefault(self.revision, ref)
         return True
 
-    def _snapshot(self, state: dict[str, torch.Tensor] | None = None) -> None:
-        """Keep this revision's weights (rank 0; gathered from every rank in a group)."""
-        state = full_state(self.model, self.group) if state is None else state
-        if self.whole is None:
-            return
-        self.snapshots[self.revision] = {k: v.detach().clone() for k, v in state.items()}
-        for old in sorted(self.snapshots)[:-self.keep_revisions]:
-            del self.snapshots[old]
+    def advance(self) -> None:
+        """A committed batch trained again (a take-over between training states): its revision is reached, and
+        nothing is written (its files are there already)."""
+        self.revision += 1
+
+    def settle(self, ref: CheckpointRef, revision: int) -> bool:
+        """After a take-over's re-training, at ``revision``: whether the weights are the committed revision's (``ref``)
+        as served.
+        When they are not (training is not bit-reproducible across thread counts, devices or library versions),
+        the served weights are taken, so the next revision is trained from exactly what the log committed, and
+        only the optimizer's moments come from the re-training."""
+        self.revision = revision
+        state = full_state(self.model, self.group)
+        same, served = None, None
+        if self.whole is not None:
+            served = self.kind.weights(ref)
+            same = all(torch.equal(state[k].to(v.dtype), v) for k, v in served.items() if k in state)
+        if self.group is not None:
+            same = self.group.agree(same)
+        if not same:
+            if self.whole is not None:
+                worst = max(float((state[k].float() - v.float()).abs().max()) for k, v in served.items() if k in state)
+                log.warning("the re-trained weights differ from revision %d's served weights (max |diff| %.3g): "
+                            "taking the served weights, the optimizer's moments from the re-training", self.revision,
+                            worst)
+            load_full_weights(self.model, served if self.whole is not None else {}, self.group)
+        self.refs[self.revision] = ref
+        return bool(same)
 
     def mismatch(self, t: TrainerTensors, batch: TrainerBatch, new_lp: torch.Tensor) -> dict[str, float]:
-        """|trainer logprob - inference logprob| over the batch tokens, each recomputed under the revision that
-        generated it (the current weights, or a kept snapshot); tokens of older revisions are not measured."""
+        """|trainer logprob - inference logprob| over the batch's trained tokens, each under the revision that
+        generated it: the current revision's from the training pass, an earlier one's by a forward pass over at most
+        ``mismatch_rows`` of its rows with its served checkpoint's weights (read from its file: no copies of past
+        weights are kept). Rows of a revision whose checkpoint is not known or gone are not measured."""
         rev = torch.tensor([r.policy.revision if r.policy.family == self.family else -1 for r in batch.records])
         tokens = t.loss_mask[:, 1:] > 0
         diffs = []
-        for r in sorted(set(rev.tolist()) & set(self.snapshots)):
-            rows = rev == r
-            if r == self.revision:
-                lp = new_lp[rows]
-            else:  # a forward pass with that revision's weights, on its rows only
-                if self._probe is None:
-                    self._probe = copy.deepcopy(self.whole)
-                self._probe.load_state_dict(self.snapshots[r])
-                with torch.no_grad():
-                    lp = self.kind.logprobs(self._probe.eval(), _rows(t, rows))
-            diffs.append((lp - t.old_logprobs[rows, 1:]).abs()[tokens[rows]])
+        if bool((rev == self.revision).any()):
+            rows = rev == self.revision
+            diffs.append((new_lp[rows] - t.old_logprobs[rows, 1:]).abs()[tokens[rows]])
+        budget = self.mismatch_rows
+        for r in sorted(set(rev.tolist()) - {self.revision}, reverse=True):  # the newest first
+            if budget <= 0 or r not in self.refs:
+                continue
+            try:
+                weights = self.kind.weights(self.refs[r])
+            except FileNotFoundError:
+                continue
+            rows = (rev == r).nonzero().flatten()[:budget]
+            budget -= len(rows)
+            if self._probe is None:
+                self._probe = copy.deepcopy(self.whole)
+            self._probe.load_state_dict(weights, strict=False)
+            with torch.no_grad():
+                part = _rows(t, rows)
+                lp = self.kind.logprobs(self._probe.eval(), part)
+            diffs.append((lp - part.old_logprobs[:, 1:]).abs()[part.loss_mask[:, 1:] > 0])
         d = torch.cat(diffs) if diffs else torch.zeros(0)
         if not d.numel():
             return {"mismatch_tokens": 0.0}
@@ -369,8 +437,10 @@ class ReferenceTrainer:
 
     def publish(self, *, run_id: str, producer: str = "trainer", metrics: dict[str, float] | None = None,
                 batch: TrainerBatch | None = None) -> PolicyRevision:
-        """The next revision: its checkpoint written, its parent and the batch it was trained on named. In a group
-        every rank gathers the weights and rank 0 alone writes and returns the revision (the others: None)."""
+        """The next revision: its checkpoint written (and its training state, every ``state_every`` revisions),
+        flushed to the disk, its parent and the batch it was trained on named. In a group every rank gathers the
+        weights and rank 0 alone writes and returns the revision (the others: None). Nothing is removed here: the
+        commit naming this revision may still fail (``prune`` runs after it)."""
         nxt = self.revision + 1
         state = full_state(self.model, self.group)
         ref = None
@@ -378,22 +448,30 @@ class ReferenceTrainer:
             if self.whole is not self.model:
                 self.whole.load_state_dict(state)
             ref = self.kind.save(self.whole, self.dir, self.family, nxt)
+        del state
         parent, self.revision = self.revision, nxt
-        self._snapshot(state)
-        self._save_training_state(ref)
+        if nxt % self.state_every == 0:
+            self._save_training_state(ref)
         if ref is None:
             return None
-        rev = PolicyRevision(run_id=run_id, producer=producer, family=self.family, revision=nxt, checkpoint=ref,
-                             parent_revision=parent, batch_id=batch.batch_id if batch else None,
-                             served_model=self.served_model,
-                             batch_digest=batch.batch_digest if batch else None,
-                             metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)})
-        self.written[nxt] = ref
-        # never fewer than two: this revision is not committed yet, and if its commit fails the take-over
-        # resumes from the previous one
-        while self.keep_checkpoints and len(self.written) > max(2, self.keep_checkpoints):
-            self.kind.remove(self.written.pop(min(self.written)))
-        return rev
+        self.written[nxt] = self.refs[nxt] = ref
+        for old in sorted(self.refs)[:-3]:  # the mismatch probes revisions within the off-policy bound
+            del self.refs[old]
+        return PolicyRevision(run_id=run_id, producer=producer, family=self.family, revision=nxt, checkpoint=ref,
+                              parent_revision=parent, batch_id=batch.batch_id if batch else None,
+                              served_model=self.served_model,
+                              batch_digest=batch.batch_digest if batch else None,
+                              metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)})
+
+    def prune(self, revision: int, state_revision: int | None) -> None:
+        """After the commit that names ``revision`` and the training state at ``state_revision``: remove the
+        training states this trainer wrote before that one, and (``keep_checkpoints``) its checkpoints older than
+        the newest kept. A take-over needs only what that commit names; nothing newer than it is touched."""
+        for old in [r for r in self.states if state_revision is not None and r < state_revision]:
+            shutil.rmtree(self.states.pop(old), ignore_errors=True)
+        if self.keep_checkpoints:
+            for old in sorted(r for r in self.written if r <= revision)[:-max(2, self.keep_checkpoints)]:
+                self.kind.remove(self.written.pop(old))
 
 
 def initial_revision(family: str, checkpoint_dir: str | Path, *, seed: int = 0, run_id: str = "run",

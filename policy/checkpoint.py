@@ -48,15 +48,39 @@ def checkpoint_filename(family: str, revision: int, digest: str) -> str:
     return checkpoint_name(family, revision, digest) + ".pt"
 
 
+def fsync_tree(path: Path) -> None:
+    """Flush a file, or every file of a folder, and the folder entries naming them, to the disk: what the trainer
+    writes before the Kafka commit that names it must outlive a machine crash, not just a process crash."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    folders = {p.parent for p in files} | ({path} if path.is_dir() else set())
+    for p in files:
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    for d in folders:
+        fsync_dir(d)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Flush a folder's entries (a rename into it) to the disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def place(tmp: Path, final: Path) -> Path:
-    """Move a fully written checkpoint (file or folder) to its content-addressed name; one already there holds
-    the same bytes (the digest names it), and is kept."""
+    """Move a fully written checkpoint (file or folder) to its content-addressed name, durably (``fsync_tree``,
+    then the directory holding the name); one already there holds the same bytes (the digest names it), and is
+    kept."""
+    fsync_tree(tmp)
     try:
         if final.exists():
             raise FileExistsError(final)
         os.replace(tmp, final)
     except OSError:  # there already (a folder cannot be replaced): the same content
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+    fsync_dir(final.parent)
     return final
 
 

@@ -103,11 +103,9 @@ def checkpoint_folder(ref: CheckpointRef | str | os.PathLike) -> Path:
     return checkpoint_path(ref).parent
 
 
-def load_model(ref: CheckpointRef | str | os.PathLike, *, config_dir: str | os.PathLike | None = None) -> Any:
-    """The model of a checkpoint (digest verified for a CheckpointRef), in float32 for training."""
-    import torch
+def load_weights(ref: CheckpointRef | str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's tensors as stored (bf16), its digest verified first for a CheckpointRef."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from policy.checkpoint import CheckpointDigestError, checkpoint_path, file_sha256
 
@@ -117,9 +115,20 @@ def load_model(ref: CheckpointRef | str | os.PathLike, *, config_dir: str | os.P
         if digest != ref.digest:
             raise CheckpointDigestError(f"checkpoint {path} has sha256 {digest}, but its reference says "
                                         f"{ref.digest}: refusing to load different weights")
+    return load_file(path)
+
+
+def load_model(ref: CheckpointRef | str | os.PathLike, *, config_dir: str | os.PathLike | None = None) -> Any:
+    """The model of a checkpoint (digest verified for a CheckpointRef), in float32 for training."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from policy.checkpoint import checkpoint_path
+
+    path = checkpoint_path(ref)
+    state = load_weights(ref)
     config = AutoConfig.from_pretrained(config_dir or path.parent)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = load_file(path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
@@ -163,13 +172,52 @@ def cpu_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, *, autocast: bool = True) -> Any:
-    """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for every position: a [B, T-1] float32 tensor. ``autocast``:
-    bf16 matmuls on a GPU, and on a CPU with fast bf16 kernels (``cpu_bf16``); float32 elsewhere."""
+LOGIT_CHUNK = 1024
+"""Positions whose vocabulary logits exist at once in ``token_logprobs``: with a 49k vocabulary, 1024 positions are
+200 MB of float32 logits, whatever the batch's length."""
+
+
+def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, *, wanted: Any = None,
+                   autocast: bool = True) -> Any:
+    """log p(input_ids[:, t+1] | input_ids[:, :t+1]): a [B, T-1] float32 tensor, computed where ``wanted`` ([B, T-1]
+    bool; default everywhere) is true and 0 elsewhere. ``autocast``: bf16 matmuls on a GPU, and on a CPU with fast
+    bf16 kernels (``cpu_bf16``); float32 elsewhere.
+
+    Memory is why this is not ``log_softmax(model(...).logits)``: that holds [B, T, vocab] float32 logits and their
+    log-softmax for the backward pass (1.6 GB each for 8 rows of 1024 tokens). Here the head runs on the wanted
+    positions only (a prompt, another seat's turn or a tool's output has no logprob to train), ``LOGIT_CHUNK``
+    positions at a time, each chunk recomputed in the backward pass (``torch.utils.checkpoint``) instead of kept:
+    what stays is one float per position."""
     import torch
+    from torch.utils.checkpoint import checkpoint
 
     on = input_ids.device.type
+    targets = input_ids[:, 1:]
+    wanted = torch.ones_like(targets, dtype=torch.bool) if wanted is None else wanted.bool()
     with torch.autocast(on, dtype=torch.bfloat16, enabled=autocast and (on != "cpu" or cpu_bf16())):
-        logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1]).logits
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp.gather(2, input_ids[:, 1:].unsqueeze(2)).squeeze(2)
+        if not plain_head(model):  # its own logits (scaled or capped): whole, as the model computes them
+            logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1]).logits.float()
+            lp = logits.log_softmax(-1).gather(2, targets.unsqueeze(2)).squeeze(2)
+            return torch.where(wanted, lp, torch.zeros_like(lp))
+        head = model.get_output_embeddings()
+        body = getattr(model, model.base_model_prefix)
+        hidden = body(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1]).last_hidden_state
+        picked, tokens = hidden[wanted], targets[wanted]
+        parts = [checkpoint(_chunk_logprobs, head, picked[lo:lo + LOGIT_CHUNK], tokens[lo:lo + LOGIT_CHUNK],
+                            use_reentrant=False) for lo in range(0, len(tokens), LOGIT_CHUNK)]
+    out = torch.zeros(targets.shape, dtype=torch.float32, device=input_ids.device)
+    return out.masked_scatter(wanted, torch.cat(parts)) if parts else out
+
+
+def _chunk_logprobs(head: Any, hidden: Any, tokens: Any) -> Any:
+    logits = head(hidden).float()
+    return logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(-1)
+
+
+def plain_head(model: Any) -> bool:
+    """Whether the model's logits are its output embedding applied to its base model's last hidden state, which
+    ``token_logprobs`` relies on; a model that scales or caps them (Gemma's ``final_logit_softcapping``, Cohere's
+    ``logit_scale``) gets its logits from its own forward instead."""
+    config = model.config
+    return not any(getattr(config, k, None) not in (None, 1, 1.0) for k in
+                   ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"))

@@ -100,6 +100,10 @@ class PartitionTask(Protocol):
 
     def load_state(self, state: dict[str, Any]) -> None: ...
 
+    def committed(self) -> None:
+        """The transaction holding everything processed so far, and ``state()``, is committed: what only the state
+        before it needed may go now (a trainer's older training states). Not called for an aborted one."""
+
 
 @dataclass
 class Stats:
@@ -523,6 +527,7 @@ class TransactionalProcessor:
             self.stats.records_out += len(out)
             for o in out:
                 self.stats.by_type[o.event.EVENT_TYPE] += 1
+            self.tasks[p].committed()
             if self.on_commit is not None and (recs[p] or out):
                 self.on_commit(p, recs[p], out)
         if self.poison:  # committed past: forgotten

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from consumers import credit
-from consumers.service import TaskFactory, dead_letter, decode
+from consumers.service import TaskDefaults, TaskFactory, dead_letter, decode
 from consumers.settings import ServiceSettings
 from schemas.errors import EventDecodeError
 from schemas.events import RolloutScored
@@ -21,7 +21,7 @@ from streams.transactions import Out
 NAME = "credit"
 
 
-class CreditTask:
+class CreditTask(TaskDefaults):
     def __init__(self, partition: int, cfg: ServiceSettings) -> None:
         self.p = partition
         self.assigner = credit.CreditAssigner(cfg.credit, cfg.strategy_params, producer=f"{NAME}{cfg.instance}")

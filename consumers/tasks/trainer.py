@@ -11,16 +11,17 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 from consumers.service import TaskDefaults, TaskFactory, dead_letter, decode
-from consumers.settings import ServiceSettings
+from consumers.settings import DEFAULT_STATE_EVERY, MICRO_BATCH_TOKENS, ServiceSettings
 from schemas import codec
 from schemas.batch import stale_reason
 from schemas.errors import EventDecodeError
 from schemas.events import TrainerBatch
 from schemas.policy import CheckpointRef, PolicyRef, PolicyRevision
 from streams import topics
+from streams.records_at import records_at
 from streams.revisions import latest_revision, publish
 from streams.transactions import Out
 
@@ -40,60 +41,142 @@ class TrainerTask(TaskDefaults):
     Every record is then checked again against the plan's bound from the revision the trainer holds, and what
     now breaks it is refused (``StaleRecordError`` dead letters, counted in the revision's metrics): nothing
     trains further off-policy than the plan allows. Nothing is buffered: a batch is trained when it arrives.
+
+    The state committed with each revision names the revision (its checkpoint and digest), the last training
+    state written (every ``state_every`` revisions; at first, the weights the run started from with a fresh
+    optimizer) and the offsets of the batches trained after it. A take-over loads that training state, reads those
+    batches back from the log and trains them again (``records_at``), and checks it reached the committed
+    revision's served weights (``ReferenceTrainer.settle``): the log, not a state written every step, makes the
+    optimizer durable. Files a take-over may need are removed only once a commit names newer ones (``committed``).
     """
 
     def __init__(self, partition: int, family: str, checkpoint_dir: str | Path, *, lr: float = 1e-3,
                  epochs: int = 1, train_step: TrainStep | None = None, producer: str = "trainer",
                  target_checkpoint: Callable[[Any], CheckpointRef | None] | None = None,
-                 keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None) -> None:
-        # target_checkpoint: where the first batch's target revision's weights are (default: this trainer's
-        # checkpoint_dir naming of the tiny model); the revisions topic says it, see ``wiring``
+                 keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None,
+                 state_every: int = DEFAULT_STATE_EVERY, micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+                 read_records: Callable[[str, int, list[int]], Awaitable[list[Any]]] | None = None) -> None:
+        """``target_checkpoint``: where the first batch's target revision's weights are (default: this trainer's
+        checkpoint_dir naming of the tiny model); the revisions topic says it, see ``wiring``. ``read_records(topic,
+        partition, offsets)``: committed records read back from the log (a take-over's batches to train again);
+        without it a take-over resumes from the last training state's moments and the committed weights."""
+        self.partition = partition
         self.family = family
         self.dir = Path(checkpoint_dir)
-        self.lr = lr
-        self.weight_decay = weight_decay
-        self.served_model = served_model
-        self.epochs = epochs
         self.user_step = train_step
         self.target_checkpoint = target_checkpoint
         self.producer = producer
-        self.keep_checkpoints = keep_checkpoints
+        self.read_records = read_records
+        self.options = dict(lr=lr, epochs=epochs, keep_checkpoints=keep_checkpoints, weight_decay=weight_decay,
+                            served_model=served_model, state_every=state_every, micro_batch_tokens=micro_batch_tokens)
         self.trainer: ReferenceTrainer | None = None
-        self.current: dict[str, Any] = {}
+        self.current: dict[str, Any] = {}  # the revision: {"revision", "checkpoint"}
+        self.base: dict[str, Any] = {}  # the last training state: {"revision", "checkpoint", "fresh"?}
+        self.since: list[list[Any]] = []  # [topic, offset] of each batch trained after it
         self.refused = 0
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.current = dict(state.get("current", {}))
+        self.base = dict(state.get("base", {}))
+        self.since = [list(x) for x in state.get("since", [])]
 
     def state(self) -> dict[str, Any]:
-        return {"current": self.current} if self.current else {}
+        return {"current": self.current, "base": self.base, "since": self.since} if self.current else {}
 
-    def _ensure(self, batch: TrainerBatch) -> ReferenceTrainer:
+    def committed(self) -> None:
+        if self.trainer is not None and self.current:
+            self.trainer.prune(int(self.current["revision"]), None if self.base.get("fresh")
+                               else self.base.get("revision"))
+
+    def _open(self, ref: CheckpointRef, revision: int) -> ReferenceTrainer:
         from consumers import distributed
 
-        if self.trainer is None:
-            if self.current:
-                ref = CheckpointRef(**self.current["checkpoint"])
-                rev = int(self.current["revision"])
-            elif self.target_checkpoint is not None and self.target_checkpoint(batch.target) is not None:
-                ref, rev = self.target_checkpoint(batch.target), batch.target.revision  # first batch ever
-            else:
-                from policy.checkpoint import checkpoint_filename
+        opts = dict(ref=ref, revision=revision, family=self.family, checkpoint_dir=str(self.dir), **self.options)
+        group = distributed.current()  # under torchrun: every rank opens its shard of the same trainer
+        return distributed.Lockstep.open(group, **opts) if group else distributed.open_trainer(**opts)
 
-                ck = batch.target
-                digest = ck.checkpoint_digest or "0" * 64
-                ref = CheckpointRef(uri=(self.dir / checkpoint_filename(ck.family, ck.revision, digest)).resolve()
-                                    .as_uri(), digest=digest)
-                rev = ck.revision
-            opts = dict(ref=ref, revision=rev, family=self.family, checkpoint_dir=str(self.dir), lr=self.lr,
-                        epochs=self.epochs, keep_checkpoints=self.keep_checkpoints, weight_decay=self.weight_decay,
-                        served_model=self.served_model)
-            group = distributed.current()  # under torchrun: every rank opens its shard of the same trainer
-            self.trainer = distributed.Lockstep.open(group, **opts) if group else distributed.open_trainer(**opts)
-            if self.current and not self.trainer.load_training_state(ref):
+    def _first(self, batch: TrainerBatch) -> tuple[CheckpointRef, int]:
+        """The weights the first batch ever is trained from: its target revision's."""
+        if self.target_checkpoint is not None and self.target_checkpoint(batch.target) is not None:
+            return self.target_checkpoint(batch.target), batch.target.revision
+        from policy.checkpoint import checkpoint_filename
+
+        ck = batch.target
+        digest = ck.checkpoint_digest or "0" * 64
+        return CheckpointRef(uri=(self.dir / checkpoint_filename(ck.family, ck.revision, digest)).resolve()
+                             .as_uri(), digest=digest), ck.revision
+
+    def _ensure(self, batch: TrainerBatch, committed: list[TrainerBatch]) -> ReferenceTrainer:
+        """The trainer at the committed revision: opened on the first batch's target, or taken over (``committed``:
+        the batches trained after the last training state, read back from the log)."""
+        if self.trainer is not None:
+            return self.trainer
+        if not self.current:
+            ref, rev = self._first(batch)
+            self.trainer = self._open(ref, rev)
+            self.base = {"revision": rev, "checkpoint": ref.model_dump(mode="json"), "fresh": True}
+            return self.trainer
+        ref, rev = CheckpointRef(**self.current["checkpoint"]), int(self.current["revision"])
+        # a state committed before training states were written every few revisions names none: its own is beside it
+        base = self.base or {"revision": rev, "checkpoint": self.current["checkpoint"]}
+        base_ref, base_rev = CheckpointRef(**base["checkpoint"]), int(base["revision"])
+        if base.get("fresh"):  # no training state yet: the run's first weights, a fresh optimizer
+            trainer = self._open(base_ref, base_rev)
+        else:
+            trainer = self._open(ref, rev)
+            if not trainer.load_training_state(base_ref, revision=base_rev):
                 log.warning("resuming from revision %d without its training state (%s missing): fresh optimizer "
-                            "moments, and the served weights' precision", rev, self.trainer.training_state_path(ref))
-        return self.trainer
+                            "moments, and the served weights' precision", rev, trainer.training_state_path(base_ref))
+                self.base, self.since = {"revision": rev, "checkpoint": self.current["checkpoint"], "fresh": True}, []
+                self.trainer = trainer
+                return trainer
+        if len(committed) == len(self.since):
+            for b in committed:
+                self._train(trainer, b)
+                trainer.advance()
+            if trainer.revision != rev:
+                raise RuntimeError(f"re-training from revision {base_rev} reached r{trainer.revision}, not the "
+                                   f"committed r{rev}: the state committed with it is inconsistent")
+        else:
+            log.warning("%d of the %d batches trained after revision %d's training state are no longer in the log: "
+                        "resuming with its optimizer moments and revision %d's served weights", len(self.since) -
+                        len(committed), len(self.since), base_rev, rev)
+        if base_rev != rev:
+            trainer.settle(ref, rev)
+        log.info("took over", extra={"fields": {"service": NAME, "revision": rev, "training_state": base_rev,
+                                                "retrained": len(committed)}})
+        self.trainer = trainer
+        return trainer
+
+    def _train(self, trainer: ReferenceTrainer, batch: TrainerBatch
+               ) -> tuple[TrainerBatch | None, list[Any], dict[str, float]]:
+        """One optimizer step on the batch's records that the revision the trainer holds may still train (a
+        derived run's batch is checked against its own target: its bound paces history, ``schemas.history``); the
+        records refused, and the step's figures. Nothing when every record is refused."""
+        from consumers.trainer import to_tensors
+
+        holds = PolicyRef(family=self.family, revision=trainer.revision if batch.history is None
+                          else batch.target.revision)
+        keep, refused = [], []
+        for r in batch.records:
+            reason = stale_reason(r, holds, batch.max_off_policy_steps, batch.history)
+            (keep.append(r) if reason is None else refused.append((r, f"batch {batch.batch_id}: {reason} (the "
+                                                                      f"trainer holds r{holds.revision})")))
+        if not keep:
+            return None, refused, {}
+        step = batch if len(keep) == len(batch.records) else batch.model_copy(update={"records": keep})
+        stats = (self.user_step or trainer.step)(to_tensors(step), step)
+        stats.update(records=float(len(keep)), refused_records=float(len(refused)))
+        return step, refused, stats
+
+    async def _committed_batches(self) -> list[TrainerBatch]:
+        """The batches trained after the last training state, read back from the log (a take-over)."""
+        if self.trainer is not None or not self.since or self.read_records is None:
+            return []
+        recs = []
+        for topic in dict.fromkeys(t for t, _ in self.since):
+            recs += await self.read_records(topic, self.partition, [o for t, o in self.since if t == topic])
+        return [decode(r, TrainerBatch) for r in recs]
 
     async def process(self, rec: Any) -> list:
         try:
@@ -103,37 +186,26 @@ class TrainerTask(TaskDefaults):
         if batch.family != self.family:
             return [dead_letter(rec, NAME, "CrossFamilyMixError",
                                 f"batch {batch.batch_id} is {batch.family!r}; this trainer trains {self.family!r}")]
-        # Loading the model and preparing tensors take seconds on a busy CPU: off the event loop, whose heartbeats
-        # keep every service of this process in its consumer group (a load on the loop cost them their membership)
-        trainer = await asyncio.to_thread(self._ensure, batch)
-        # a derived run's batch is checked against its own target: its bound paces history (schemas.history), and
-        # a batch refused whole would leave no revision for the batcher's next one to wait on
-        holds = PolicyRef(family=self.family, revision=trainer.revision if batch.history is None
-                          else batch.target.revision)
-        keep, outs = [], []
-        for r in batch.records:
-            reason = stale_reason(r, holds, batch.max_off_policy_steps, batch.history)
-            if reason is None:
-                keep.append(r)
-            else:
-                outs.append(dead_letter(rec, NAME, "StaleRecordError", f"batch {batch.batch_id}: {reason} (the "
-                                        f"trainer holds r{holds.revision})", batch.run_id, raw=codec.encode(r)))
+        committed = await self._committed_batches()
+        # Loading the model, taking over and training take seconds to minutes on a busy CPU: off the event loop,
+        # whose heartbeats keep every service of this process in its consumer group
+        trainer = await asyncio.to_thread(self._ensure, batch, committed)
+        step, refused, stats = await asyncio.to_thread(self._train, trainer, batch)
+        outs = [dead_letter(rec, NAME, "StaleRecordError", why, batch.run_id, raw=codec.encode(r)) for r, why in refused]
         self.refused += len(outs)
-        if not keep:
+        if step is None:
             log.warning("refused a whole batch", extra={"fields": {"service": NAME, "batch_id": batch.batch_id,
-                                                                   "holds": holds.revision}})
+                                                                   "holds": trainer.revision}})
             return outs
-        from consumers.trainer import to_tensors
-
-        step = batch if len(keep) == len(batch.records) else batch.model_copy(update={"records": keep})
-        tensors = await asyncio.to_thread(to_tensors, step)
-        stats = await asyncio.to_thread(self.user_step or trainer.step, tensors, step)
-        stats.update(records=float(len(keep)), refused_records=float(len(outs)))
         rev = await asyncio.to_thread(trainer.publish, run_id=batch.run_id, producer=self.producer, metrics=stats,
                                       batch=batch)
         log.info("trained", extra={"fields": {"service": NAME, "revision": rev.revision, "batch_id": batch.batch_id,
                                               "batch_target": batch.target.revision, **stats}})
         self.current = {"revision": rev.revision, "checkpoint": rev.checkpoint.model_dump(mode="json")}
+        if rev.revision % trainer.state_every == 0:  # publish wrote its training state
+            self.base, self.since = {"revision": rev.revision, "checkpoint": self.current["checkpoint"]}, []
+        else:
+            self.since.append([rec.topic, rec.offset])
         return outs + [Out(topics.POLICY_REVISIONS.name, rev)]
 
 
@@ -170,4 +242,6 @@ async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIt
     yield lambda p: TrainerTask(p, cfg.family, cfg.checkpoint_dir, lr=cfg.lr, epochs=cfg.epochs,
                                 producer=f"{NAME}{cfg.instance}", target_checkpoint=start,
                                 keep_checkpoints=cfg.keep_checkpoints, weight_decay=cfg.weight_decay,
-                                served_model=cfg.served_model)
+                                served_model=cfg.served_model, state_every=cfg.state_every,
+                                micro_batch_tokens=cfg.micro_batch_tokens,
+                                read_records=lambda topic, p, offsets: records_at(client_kwargs, topic, p, offsets))

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from consumers import scoring
-from consumers.service import TaskFactory, dead_letter, decode
+from consumers.service import TaskDefaults, TaskFactory, dead_letter, decode
 from consumers.settings import ServiceSettings
 from schemas.envelope import SourceEvent
 from schemas.errors import EventDecodeError
@@ -25,7 +25,7 @@ from streams.transactions import Out
 NAME = "verifier"
 
 
-class VerifierTask:
+class VerifierTask(TaskDefaults):
     def __init__(self, partition: int, cfg: ServiceSettings, judge: scoring.Judge | None = None) -> None:
         self.p = partition
         self.cfg = cfg
