@@ -2,10 +2,12 @@
 
     .venv-peers/bin/python benchmarks/_trl_grpo.py --job '<benchmarks.peers.Job as JSON>'
 
-The task, held-out set, reward and GRPOConfig come from ``benchmarks.peers`` (this project, on sys.path), so
-they cannot drift from the rollout-log side. The held-out set is answered greedily (``max_tokens`` of the plan,
-transformers' ``generate`` under bf16 autocast) before the first step and after every revision's last epoch.
-Ends with one JSON line: eval accuracy by step, training reward by step, completion tokens, timings.
+The task, held-out set, reward, GRPOConfig and evaluation cadence come from ``benchmarks.peers`` (this project,
+on sys.path), so they cannot drift from the rollout-log side. The held-out set is answered greedily (``max_tokens``
+of the plan, transformers' ``generate`` under bf16 autocast) at the job's ``eval_steps`` (step 0 before the first
+optimizer step, step k after revision k's last epoch), the steps the demo's arena evaluates. Ends with one JSON
+line: eval accuracy by step, training reward by step, completion tokens, evaluation seconds apart from each
+optimizer step's (generation included), timings.
 """
 
 from __future__ import annotations
@@ -88,18 +90,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trl: step {step} eval accuracy {stats['eval'][step]:.1%} ({time.perf_counter() - t0:.1f}s)",
               file=sys.stderr, flush=True)
 
+    eval_steps = set(j.eval_steps)
+
     class Evaluate(TrainerCallback):
         t_step = 0.0
 
         def on_train_begin(self, args, state, control, model=None, **kw):
-            evaluate(model, 0)
+            if 0 in eval_steps:
+                evaluate(model, 0)
 
         def on_step_begin(self, args, state, control, **kw):
             self.t_step = time.perf_counter()
 
         def on_step_end(self, args, state, control, model=None, **kw):
             stats["step_s"].append(round(time.perf_counter() - self.t_step, 2))
-            if state.global_step % j.epochs == 0:  # a revision's last epoch: what the demo would publish
+            # a revision's last epoch (what the demo would publish), at one of the steps the demo evaluates
+            if state.global_step % j.epochs == 0 and state.global_step // j.epochs in eval_steps:
                 evaluate(model, state.global_step // j.epochs)
 
     with tempfile.TemporaryDirectory(prefix="peers-trl-") as tmp:

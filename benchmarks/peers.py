@@ -1,28 +1,40 @@
-"""The whole loop beside TRL's GRPOTrainer on the same job: eval accuracy per step, wall time, tokens/s.
+"""The whole loop beside TRL's GRPOTrainer on the same job: eval accuracy, wall and evaluation time, peak memory.
 
-    python -m benchmarks peers [--quick] [--steps N] [--only rollout-log|trl] [--timeout S]
+    python -m benchmarks peers [--quick] [--steps N] [--eval-interval N] [--runs N] [--only rollout-log|trl]
+                               [--timeout S]
 
 One job, both sides (issue 27): the demo's plan (``examples/plans/arithmetic-smollm2.toml`` through
 ``rollout.demo.PROFILES["vllm"]``) on the packaged SmolLM2-135M-Instruct; the arithmetic task and its
 held-out set from the plan's environment (``producers.environment.environment_from_spec``: one generator, the
 same 2,000 training and 48 held-out questions); exact-answer reward (``consumers.scoring.extract``, what the
-ExactMatch verifier runs); group size, records per step, learning rate, clip, epochs, max tokens, temperature
-and steps from ``job()`` (the plan, the demo's profile, the reference trainer's defaults).
+ExactMatch verifier runs); group size, records per step, learning rate, clip, epochs, max tokens, temperature,
+steps and the evaluation cadence from ``job()`` (the plan, the demo's profile, the reference trainer's defaults).
+Both sides answer the held-out set greedily at the same steps, ``Job.eval_steps``: every
+``[orchestrator.eval] interval`` of the plan (``--eval-interval`` for another) and the last step, by the arena's
+own rule (``schemas.plan.eval_due_at``). After every step, evaluation through transformers' ``generate`` took
+about a quarter of TRL's loop on a 2-core CPU (114 s of 459 s): a side by side needs one cadence.
 
-* rollout-log: ``rollout demo --groups G --lr L --epochs E --no-progress`` (G = steps x batch / group size),
-  a subprocess: vLLM on CPU (its start is in the wall time), arena, verifier, credit, batcher, trainer; the
-  held-out set answered greedily through vLLM by every revision. Kafka (ROLLOUT_BOOTSTRAP_SERVERS, else the
-  local broker, ROLLOUT_KAFKA_PORT) is up before the clock starts.
+* rollout-log: ``rollout demo --groups G --lr L --epochs E --eval-interval I --no-progress`` (G = steps x batch /
+  group size), a subprocess: vLLM on CPU (its start is in the wall time), arena, verifier, credit, batcher,
+  trainer; the held-out set answered through vLLM. Kafka (ROLLOUT_BOOTSTRAP_SERVERS, else the local broker,
+  ROLLOUT_KAFKA_PORT) is up before the clock starts, and its memory is not counted: it is not the job's.
 * TRL: ``GRPOTrainer`` (trl 1.16.0) with its own generation (transformers' ``generate``), in its own virtual
   environment ``.venv-peers/`` made here on first use (``ensure_trl_venv``: a ``.pth`` file reuses this
   project's torch and transformers; pip installs only trl and what it adds); ``benchmarks/_trl_grpo.py`` runs
-  there and evaluates the model on the same held-out set after every optimizer step, greedy, through
-  transformers' ``generate`` under bf16 autocast (the demo evaluates through vLLM in bf16).
+  there and answers the held-out set through transformers' ``generate`` under bf16 autocast (the demo evaluates
+  through vLLM in bf16).
 
-Figures for each side: eval accuracy at each step, wall time (whole subprocess, and its loop alone), completion
-tokens generated for training and their rate over the wall time. Ends with a markdown table, a mermaid
-``xychart-beta`` of the two curves, and one JSON line. The target: rollout-log reaches TRL's eval accuracy at
-equal steps in at most TRL's wall time.
+Figures for each side and run: eval accuracy at each evaluated step; wall time (whole subprocess, and its loop);
+evaluation time (TRL: its ``generate`` calls; rollout-log: the arena's ``eval_s``, while training rollouts in
+flight and the trainer go on beside it, so its loop less evaluation is a lower bound of its training time); the
+mean train step (TRL: generation and optimizer step; rollout-log: the trainer's optimizer step, generation runs
+beside it); completion tokens generated for training and their rate over the wall time; peak memory of every
+process of the side (``TreeRss``: the subprocess and its descendants, vLLM and the arena included, sampled from
+/proc every 0.5 s): the peak of their summed RSS and the largest single process. ``--runs N`` alternates the two
+sides N times (TRL first in the 1st, 3rd, ... run, rollout-log first in the others) and reports min / median /
+max. Ends with a markdown table, a mermaid ``xychart-beta`` of the two median curves, and one JSON line (every
+run's figures and their summary). The target: rollout-log reaches TRL's eval accuracy at equal steps in at most
+TRL's wall time.
 """
 
 from __future__ import annotations
@@ -31,17 +43,20 @@ import argparse
 import inspect
 import json
 import os
+import statistics
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_VERSION = "1.16.0"
 TRL_VENV = ROOT / ".venv-peers"
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,8 @@ class Job:
     temperature: float
     max_tokens: int
     max_off_policy_steps: int  # the demo's pipelining bound (TRL is on-policy: 0)
+    eval_interval: int         # the held-out set is answered every this many steps (the plan's cadence)...
+    eval_skip_first_step: bool  # ... from step 0 unless this, and at the last step
     seed: int = 0
 
     @property
@@ -67,10 +84,18 @@ class Job:
         """Groups the demo's arena admits for ``steps`` revisions."""
         return self.steps * self.batch_records // self.group_size
 
+    @property
+    def eval_steps(self) -> list[int]:
+        """The steps both sides answer the held-out set at: the arena's rule, with the last step the run's last."""
+        from schemas.plan import eval_due_at
 
-def job(steps: int | None = None) -> Job:
+        return [s for s in range(self.steps + 1)
+                if eval_due_at(s, self.eval_interval, self.eval_skip_first_step, last=self.steps)]
+
+
+def job(steps: int | None = None, eval_interval: int | None = None) -> Job:
     """The demo's job (its vLLM profile and plan, the reference trainer's defaults); ``steps`` revisions
-    (default: as many as the demo's default groups give)."""
+    (default: as many as the demo's default groups give), evaluated every ``eval_interval`` (default: the plan's)."""
     from consumers.trainer import ReferenceTrainer
     from rollout.demo import PROFILES
     from schemas.plan_compiler import compile_plan
@@ -87,7 +112,8 @@ def job(steps: int | None = None) -> Job:
                clip=float(defaults["clip"].default), max_grad_norm=float(defaults["max_grad_norm"].default),
                weight_decay=float(plan.trainer.get("weight_decay", defaults["weight_decay"].default)),
                temperature=float(sampling.get("temperature", 1.0)), max_tokens=int(sampling["max_tokens"]),
-               max_off_policy_steps=plan.max_off_policy_steps)
+               max_off_policy_steps=plan.max_off_policy_steps, eval_interval=eval_interval or plan.eval_interval,
+               eval_skip_first_step=plan.eval_skip_first_step)
 
 
 def grpo_config_kwargs(j: Job, output_dir: str) -> dict[str, Any]:
@@ -165,7 +191,75 @@ def ensure_trl_venv(venv: Path = TRL_VENV, version: str = TRL_VERSION, log=print
     return py
 
 
-# -- the two sides ---------------------------------------------------------------------------------------------
+# -- measuring a side -------------------------------------------------------------------------------------------
+
+def tree_rss(root: int) -> dict[int, int]:
+    """RSS in bytes of ``root`` and each of its descendants, by pid, from /proc (one that exits meanwhile is left
+    out)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    out: dict[int, int] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                out[pid] = int(f.read().split()[1]) * PAGE
+        except (OSError, IndexError, ValueError):
+            continue
+        todo += children.get(pid, [])
+    return out
+
+
+class TreeRss:
+    """The memory of a process and all its descendants while it runs, sampled every ``every_s`` in a thread: the
+    peak of their summed RSS (a page shared by several processes counts in each, as RSS does) and the largest
+    single process, with its command line."""
+
+    def __init__(self, pid: int, every_s: float = 0.5) -> None:
+        self.pid, self.every_s = pid, every_s
+        self.peak_sum = self.peak_one = 0
+        self.peak_one_cmd = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_until_stopped, daemon=True)
+
+    def __enter__(self) -> TreeRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample_until_stopped(self) -> None:
+        while True:
+            rss = tree_rss(self.pid)
+            self.peak_sum = max(self.peak_sum, sum(rss.values()))
+            pid, one = max(rss.items(), key=lambda kv: kv[1], default=(0, 0))
+            if one > self.peak_one:
+                self.peak_one, self.peak_one_cmd = one, _cmdline(pid)
+            if self._stop.wait(self.every_s):
+                return
+
+    def figures(self) -> dict[str, Any]:
+        return {"peak_rss_mb": round(self.peak_sum / 2**20), "peak_rss_process_mb": round(self.peak_one / 2**20),
+                "peak_rss_process": self.peak_one_cmd}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+    except OSError:
+        return "?"
+
 
 def _last_json(out: str) -> dict | None:
     for line in reversed(out.splitlines()):
@@ -177,123 +271,182 @@ def _last_json(out: str) -> dict | None:
     return None
 
 
+def measure(cmd: list[str], timeout: float, env: dict[str, str], what: str) -> dict:
+    """Run ``cmd`` in the project to its end: the JSON line it ends with, plus its wall time, the load averages
+    around it and its process tree's memory (``TreeRss``). Raises, with its output's tail, if it fails."""
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p, \
+            TreeRss(p.pid) as memory:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise
+    wall = time.perf_counter() - t0
+    s = _last_json(out)
+    if p.returncode != 0 or s is None:
+        raise RuntimeError(f"{what} exited {p.returncode}:\n{out[-3000:]}\n{err[-3000:]}")
+    return {"json": s, "wall_s": round(wall, 1), "load_before": [round(x, 2) for x in load0],
+            "load_after": [round(x, 2) for x in os.getloadavg()], **memory.figures()}
+
+
+def _timings(d: dict) -> dict:
+    """``d`` with what both sides derive alike: the loop less evaluation, the mean train step, tokens/s."""
+    d["train_s"] = round(d["loop_s"] - d["eval_s"], 1) if None not in (d.get("loop_s"), d.get("eval_s")) else None
+    d["step_s_mean"] = round(statistics.mean(d["step_s"]), 2) if d.get("step_s") else None
+    d["tokens_per_s"] = round(d["train_completion_tokens"] / d["wall_s"], 1)
+    return d
+
+
+# -- the two sides ---------------------------------------------------------------------------------------------
+
 def run_rollout_log(j: Job, timeout: float, log=print) -> dict:
     cmd = [sys.executable, "-m", "rollout.cli", "demo", "--plan", j.plan, "--groups", str(j.groups),
-           "--lr", repr(j.lr), "--epochs", str(j.epochs), "--no-progress", "--timeout", str(timeout)]
+           "--lr", repr(j.lr), "--epochs", str(j.epochs), "--eval-interval", str(j.eval_interval), "--no-progress",
+           "--timeout", str(timeout)]
     from streams.config import KafkaSettings, ensure_broker
 
     bootstrap = ensure_broker(KafkaSettings.from_env())  # up before the clock starts: Kafka is not the job's
     log(f"peers: Kafka at {bootstrap}; " + " ".join(cmd[1:]))
-    load0 = os.getloadavg()
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 600,
-                       env={**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": bootstrap})
-    wall = time.perf_counter() - t0
-    s = _last_json(p.stdout)
-    if p.returncode != 0 or s is None:
-        raise RuntimeError(f"rollout demo exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    s["load_before"], s["load_after"] = load0, os.getloadavg()  # other work on the machine shows here
-    trained_tokens = sum(int(m.get("tokens", 0)) for m in s["trainer_metrics_by_revision"].values())
+    m = measure(cmd, timeout + 600, {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": bootstrap}, "rollout demo")
+    s = m.pop("json")
+    trained_tokens = sum(int(t.get("tokens", 0)) for t in s["trainer_metrics_by_revision"].values())
     arena = s.get("arena") or {}
-    return {
+    return _timings({
         "eval_accuracy": {int(k): v for k, v in s["eval_accuracy_by_revision"].items()},
         "eval_questions": {int(k): v for k, v in s["eval_questions_by_revision"].items()},
         "train_reward": {int(k): v for k, v in s["mean_reward_by_revision"].items()},
-        "steps": s["revisions"], "wall_s": round(wall, 1), "loop_s": s.get("arena_s"),
+        "steps": s["revisions"], "loop_s": s.get("arena_s"), "eval_s": arena.get("eval_s"),
         "train_completion_tokens": trained_tokens,
         "all_completion_tokens": arena.get("completion_tokens"),  # evaluation answers included
-        "step_s": s.get("step_s"), "run": s.get("run"), "failed_rollouts": s.get("failed_rollouts"),
-        "load_before": [round(x, 2) for x in s["load_before"]], "load_after": s["load_after"],
-    }
+        "step_s": s.get("step_s"), "run": s.get("run"), "failed_rollouts": s.get("failed_rollouts"), **m,
+    })
 
 
 def run_trl(j: Job, timeout: float, log=print) -> dict:
     py = ensure_trl_venv(log=log)
     cmd = [str(py), str(ROOT / "benchmarks" / "_trl_grpo.py"), "--job", json.dumps(asdict(j))]
     log("peers: .venv-peers/bin/python benchmarks/_trl_grpo.py --job ...")
-    load0 = os.getloadavg()
-    t0 = time.perf_counter()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-    wall = time.perf_counter() - t0
-    s = _last_json(p.stdout)
-    if p.returncode != 0 or s is None:
-        raise RuntimeError(f"TRL exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    m = measure(cmd, timeout, env, "TRL")
+    s = m.pop("json")
     s["eval_accuracy"] = {int(k): v for k, v in s["eval_accuracy"].items()}
     s["train_reward"] = {int(k): v for k, v in s["train_reward"].items()}
-    s["wall_s"] = round(wall, 1)
-    s["load_before"], s["load_after"] = [round(x, 2) for x in load0], os.getloadavg()
-    return s
+    return _timings({**s, **m})
+
+
+SIDES: dict[str, Callable[..., dict]] = {"trl": run_trl, "rollout-log": run_rollout_log}
 
 
 # -- the report ------------------------------------------------------------------------------------------------
 
+# the figures summarised over runs: JSON name -> (table row, how to read it from one run's figures)
+FIGURES: dict[str, tuple[str, Callable[[dict], Any]]] = {
+    "wall_s": ("wall time, whole run (s)", lambda d: d["wall_s"]),
+    "loop_s": ("wall time, the loop (s)", lambda d: d.get("loop_s")),
+    "eval_s": ("evaluation (s)", lambda d: d.get("eval_s")),
+    "train_s": ("the loop less evaluation (s)", lambda d: d.get("train_s")),
+    "step_s_mean": ("train step, mean (s; TRL: generation + optimizer, rollout-log: optimizer)",
+                    lambda d: d.get("step_s_mean")),
+    "peak_rss_mb": ("peak RSS, all processes summed (MB)", lambda d: d.get("peak_rss_mb")),
+    "peak_rss_process_mb": ("peak RSS, largest process (MB)", lambda d: d.get("peak_rss_process_mb")),
+    "train_completion_tokens": ("completion tokens generated for training", lambda d: d["train_completion_tokens"]),
+    "tokens_per_s": ("generated tokens/s (training tokens / whole wall)", lambda d: d["tokens_per_s"]),
+    "load_before": ("load average (1 min) before", lambda d: d["load_before"][0]),
+    "load_after": ("load average (1 min) after", lambda d: d["load_after"][0]),
+}
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    """min / median / max of one figure over the runs (None without any)."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)} if values else None
+
+
+def summarize(j: Job, runs: list[dict]) -> dict | None:
+    """Each figure's ``spread`` over one side's runs, eval accuracy at each evaluated step included."""
+    if not runs:
+        return None
+    out: dict[str, Any] = {k: spread([v for d in runs if (v := read(d)) is not None]) for k, (_, read) in
+                           FIGURES.items()}
+    out["eval_accuracy"] = {k: spread([d["eval_accuracy"][k] for d in runs if k in d["eval_accuracy"]])
+                            for k in j.eval_steps}
+    return out
+
+
+def _cell(sp: dict | None, fmt: str = "{}") -> str:
+    if sp is None:
+        return "—"
+    if sp["min"] == sp["max"]:
+        return fmt.format(sp["median"])
+    return f"{fmt.format(sp['median'])} ({fmt.format(sp['min'])}–{fmt.format(sp['max'])})"
+
+
 def table(j: Job, ours: dict | None, trl: dict | None) -> str:
+    """Markdown from the two sides' ``summarize``: the median, with (min–max) where the runs differ."""
+    acc = lambda d, k: _cell(d["eval_accuracy"].get(k), "{:.1%}") if d else "—"  # noqa: E731
     rows = ["| step | rollout-log eval accuracy | TRL eval accuracy |", "|---:|---:|---:|"]
-    pct = lambda d, k: f"{d['eval_accuracy'][k]:.1%}" if d and k in d["eval_accuracy"] else "—"  # noqa: E731
-    rows += [f"| {k} | {pct(ours, k)} | {pct(trl, k)} |" for k in range(j.steps + 1)]
+    rows += [f"| {k} | {acc(ours, k)} | {acc(trl, k)} |" for k in j.eval_steps]
     rows += ["", "| | rollout-log | TRL |", "|---|---:|---:|"]
-    get = lambda d, k, f="{}": f.format(d[k]) if d and d.get(k) is not None else "—"  # noqa: E731
-    rows += [f"| wall time, whole run (s) | {get(ours, 'wall_s')} | {get(trl, 'wall_s')} |",
-             f"| wall time, the loop (s) | {get(ours, 'loop_s')} | {get(trl, 'loop_s')} |",
-             f"| completion tokens generated for training | {get(ours, 'train_completion_tokens')} | "
-             f"{get(trl, 'train_completion_tokens')} |",
-             f"| generated tokens/s (training tokens / whole wall) | {get(ours, 'tokens_per_s')} | "
-             f"{get(trl, 'tokens_per_s')} |",
-             f"| load average (1, 5, 15 min) before / after | {get(ours, 'load_before')} / {get(ours, 'load_after')} "
-             f"| {get(trl, 'load_before')} / {get(trl, 'load_after')} |"]
+    rows += [f"| {label} | {_cell(ours and ours[k])} | {_cell(trl and trl[k])} |" for k, (label, _) in FIGURES.items()]
     return "\n".join(rows)
 
 
 def chart(j: Job, ours: dict | None, trl: dict | None) -> str:
     def series(d: dict | None) -> str:
-        return ", ".join(f"{100 * d['eval_accuracy'][k]:.1f}" if d and k in d["eval_accuracy"] else "0"
-                         for k in range(j.steps + 1))
+        return ", ".join(f"{100 * d['eval_accuracy'][k]['median']:.1f}" if d and d["eval_accuracy"].get(k) else "0"
+                         for k in j.eval_steps)
 
     return "\n".join([
         "```mermaid", "xychart-beta",
-        '    title "Held-out eval accuracy (%) by optimizer step (first line: rollout-log, second: TRL)"',
-        f"    x-axis \"step\" [{', '.join(str(k) for k in range(j.steps + 1))}]",
+        '    title "Held-out eval accuracy (%, median) by optimizer step (first line: rollout-log, second: TRL)"',
+        f"    x-axis \"step\" [{', '.join(str(k) for k in j.eval_steps)}]",
         '    y-axis "eval accuracy (%)" 0 --> 100',
         f"    line [{series(ours)}]", f"    line [{series(trl)}]", "```"])
 
 
 def verdict(j: Job, ours: dict | None, trl: dict | None) -> dict:
+    """On the medians: rollout-log's final eval accuracy at least TRL's, in at most TRL's wall time."""
     if not ours or not trl:
         return {}
     last = j.steps
-    a, b = ours["eval_accuracy"].get(last), trl["eval_accuracy"].get(last)
+    a, b = ((d["eval_accuracy"].get(last) or {}).get("median") for d in (ours, trl))
     return {"final_step": last, "rollout_log_final": a, "trl_final": b,
             "accuracy_met": a is not None and b is not None and a >= b,
-            "wall_met": ours["wall_s"] <= trl["wall_s"]}
+            "wall_met": ours["wall_s"]["median"] <= trl["wall_s"]["median"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks peers", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="2 steps (a smoke run of both sides)")
     p.add_argument("--steps", type=int, help="optimizer steps (revisions) on each side (default: the demo's 24)")
-    p.add_argument("--only", choices=["rollout-log", "trl"], help="run one side only")
+    p.add_argument("--eval-interval", type=int, metavar="N",
+                   help="both sides answer the held-out set every N steps from step 0, and at the last step "
+                        "(default: the demo plan's [orchestrator.eval] interval, 8)")
+    p.add_argument("--runs", type=int, default=1, metavar="N",
+                   help="run both sides N times, alternating which goes first; min / median / max of each figure")
+    p.add_argument("--only", choices=list(SIDES), help="run one side only")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds each side may take (default 3600)")
     args = p.parse_args(argv)
-    j = job(2 if args.quick and not args.steps else args.steps)
-    print(f"peers: job {json.dumps(asdict(j))}", flush=True)
+    if args.runs < 1 or (args.eval_interval is not None and args.eval_interval < 1):
+        p.error("--runs and --eval-interval must be >= 1")
+    j = job(2 if args.quick and not args.steps else args.steps, args.eval_interval)
+    described = {**asdict(j), "eval_steps": j.eval_steps}
+    print(f"peers: job {json.dumps(described)}", flush=True)
     t0 = time.perf_counter()
-    ours = trl = None
-    keep = ROOT / ".state" / "peers"  # each side's figures as soon as it ends: the other side may still fail
+    sides = [s for s in SIDES if args.only in (None, s)]
+    runs: dict[str, list[dict]] = {s: [] for s in SIDES}
+    keep = ROOT / ".state" / "peers"  # each side's figures as soon as a run ends: a later one may still fail
     keep.mkdir(parents=True, exist_ok=True)
-    if args.only in (None, "trl"):
-        trl = run_trl(j, args.timeout)
-        (keep / "trl.json").write_text(json.dumps(trl))
-    if args.only in (None, "rollout-log"):
-        ours = run_rollout_log(j, args.timeout)
-        (keep / "rollout-log.json").write_text(json.dumps(ours))
-    for d in (ours, trl):
-        if d:
-            d["tokens_per_s"] = round(d["train_completion_tokens"] / d["wall_s"], 1)
-            d["load_after"] = [round(x, 2) for x in d["load_after"]]
+    for k in range(args.runs):
+        for side in sides if k % 2 == 0 else sides[::-1]:
+            runs[side].append(SIDES[side](j, args.timeout))
+            (keep / f"{side}.json").write_text(json.dumps(runs[side]))
+    ours, trl = summarize(j, runs["rollout-log"]), summarize(j, runs["trl"])
     print(table(j, ours, trl), flush=True)
     print(chart(j, ours, trl), flush=True)
-    out = {"job": asdict(j), "rollout_log": ours, "trl": trl, "verdict": verdict(j, ours, trl), "quick": args.quick,
+    out = {"job": described, "runs": args.runs, "rollout_log": runs["rollout-log"], "trl": runs["trl"],
+           "summary": {"rollout_log": ours, "trl": trl}, "verdict": verdict(j, ours, trl), "quick": args.quick,
            "wall_s": round(time.perf_counter() - t0, 1)}
     print(json.dumps(out))
     return 0
