@@ -287,5 +287,5 @@ def open_trainer(*, ref: Any, revision: int, family: str, checkpoint_dir: str, g
     from consumers.trainer import ReferenceTrainer, policy_kind
 
     kind = policy_kind(ref)
-    return ReferenceTrainer(kind.load(ref), family, revision, checkpoint_dir, kind=kind, group=group,
+    return ReferenceTrainer(kind.load(ref), family, revision, checkpoint_dir, kind=kind, ref=ref, group=group,
                             device=device(), **options)

@@ -55,7 +55,7 @@ class VllmServer:
     def __init__(self, model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: str | None = None, max_model_len: int = 2048, kv_cache_gb: int = 2,
                  compile: bool = False, extra_args: tuple[str, ...] = (), log_path: str | os.PathLike | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, cores: str | None = None) -> None:
         from policy.hf import FAMILY
 
         self.model_dir = Path(model_dir)
@@ -67,6 +67,7 @@ class VllmServer:
         self.extra_args = tuple(extra_args)
         self.log_path = Path(log_path) if log_path else None
         self.threads = threads or os.cpu_count() or 1
+        self.cores = cores or f"0-{self.threads - 1}"  # VLLM_CPU_OMP_THREADS_BIND: the cores its threads run on
         self.proc: asyncio.subprocess.Process | None = None
         self._tail: deque[str] = deque(maxlen=40)
         self._reader: asyncio.Task | None = None
@@ -104,7 +105,7 @@ class VllmServer:
         env = dict(os.environ)
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gb))
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{self.threads - 1}")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.cores)
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")

@@ -70,8 +70,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "on 2 AVX2-only cores, where the trainer runs in float32)")
     add_model_flag(p)
     add_eval_interval_flag(p)
+    add_cores_flag(p)
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     p.set_defaults(func=cmd_demo)
+
+
+def add_cores_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--share-cores", action="store_true",
+                   help="let the vLLM it starts and the trainer both use every core (default: half the cores each, so "
+                        "their thread pools do not oversubscribe the machine; see rollout/cores.py)")
 
 
 def add_eval_interval_flag(p: argparse.ArgumentParser) -> None:
@@ -269,6 +276,7 @@ def load_plan(args):
 
 async def _run(settings, args, run: str, prefix: str) -> int:
     from consumers.trainer import initial_revision
+    from rollout.cores import pin_this_process, split_cores, vllm_bind
     from streams.local_broker import free_port
 
     t0 = time.monotonic()
@@ -298,8 +306,10 @@ async def _run(settings, args, run: str, prefix: str) -> int:
             url = args.vllm_url
             if url is None:
                 port = args.vllm_port or free_port()
+                split = None if args.share_cores else split_cores()
                 vllm = VllmServer(served.path, port=port, served_model_name=family, log_path=rundir / "vllm.log",
-                                  max_model_len=context_length(plan, served.path))
+                                  max_model_len=context_length(plan, served.path),
+                                  cores=vllm_bind(split) if split else None)
                 rundir.mkdir(parents=True, exist_ok=True)
                 progress.phase = f"vLLM starting on port {port} (log {rundir / 'vllm.log'})"
                 t_start = time.monotonic()
@@ -307,6 +317,9 @@ async def _run(settings, args, run: str, prefix: str) -> int:
                 metrics = endpoint("vllm", None, ("vllm", lambda: vllm_samples(vllm)))  # ROLLOUT_METRICS_PORT + 2
                 url = vllm.base_url
                 print(f"vLLM ready at {url} in {time.monotonic() - t_start:.0f}s", flush=True)
+                if split:
+                    pin_this_process(split)
+                    print(f"cores: {split} (--share-cores to let both use every core)", flush=True)
             arena_args = ["--policy", "vllm", "--policy-url", url]
         else:
             from policy.checkpoint import checkpoint_path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -473,3 +474,63 @@ def test_activation_memory_follows_the_token_budget_not_the_batch(tmp_path):
     small, large = _activation_peaks(tmp_path / "a", 4), _activation_peaks(tmp_path / "b", 16)
     assert (len(small), len(large)) == (2, 8)
     assert max(large) == max(small) < 256 * 4096 * 4, (small, large)
+
+
+async def test_a_take_over_between_training_states_trains_the_committed_batches_again_to_the_same_state(tmp_path):
+    """Training states every 3 revisions; the trainer stops after r5 (state at r3, r4 and r5 trained after it). Its
+    successor loads r3's state, trains r4's and r5's batches again (read back by offset), settles on r5's served
+    weights, and trains r6: its weights and its optimizer's moments and step count are those of a trainer that never
+    stopped, bit for bit on this CPU (the test for the same on a real broker, killed: test_trainer_restart)."""
+    from schemas import codec
+
+    rev0 = initial_revision("tiny", tmp_path / "r0", seed=0)
+    model = load_checkpoint(rev0.checkpoint)
+    log: dict[int, bytes] = {}
+
+    async def read_records(topic, partition, offsets):
+        assert (topic, partition) == ("tb", 0)
+        return [_Rec(o, log[o]) for o in offsets if o in log]
+
+    def batch(k):
+        return batch_of([_record(10 * k + i, model, list(b"2+2="), list(b"45"[: 1 + k % 2]), (-1.0) ** (i + k),
+                                 rev=k) for i in range(4)], testing.revision(k).model_copy(
+            update={"checkpoint": rev0.checkpoint}))
+
+    async def feed(task, k):
+        log[k] = codec.encode(batch(k))
+        outs = await task.process(_Rec(k, log[k]))
+        task.committed()
+        return outs[-1].event
+
+    straight = TrainerTask(0, "tiny", tmp_path / "ck", state_every=3, target_checkpoint=lambda t: rev0.checkpoint)
+    for k in range(5):
+        await feed(straight, k)
+    assert straight.base["revision"] == 3 and [o for _, o in straight.since] == [3, 4]
+    successor = TrainerTask(0, "tiny", tmp_path / "ck", state_every=3, read_records=read_records)
+    successor.load_state(json_roundtrip(straight.state()))
+    r6 = await feed(successor, 5)
+    await feed(straight, 5)
+    assert r6.revision == 6 and r6.checkpoint.digest == straight.current["checkpoint"]["digest"]
+    a, b = straight.trainer, successor.trainer
+    for k, v in a.model.state_dict().items():
+        assert torch.equal(b.model.state_dict()[k], v), k
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        sa, sb = a.opt.state[pa], b.opt.state[pb]
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[key], sb[key]) for key in sa)
+
+    # without the batches (the log no longer has them): the committed weights, r3's moments, and a warning
+    lost = TrainerTask(0, "tiny", tmp_path / "ck", state_every=3)
+    written = straight.trainer.written
+    lost.load_state({"current": {"revision": 5, "checkpoint": written[5].model_dump(mode="json")},
+                     "base": {"revision": 3, "checkpoint": written[3].model_dump(mode="json")},
+                     "since": [["tb", 3], ["tb", 4]]})
+    await asyncio.to_thread(lost._ensure, batch(5), [])
+    assert lost.trainer.revision == 5
+    served = load_checkpoint(straight.trainer.written[5]).state_dict()
+    assert all(torch.equal(lost.trainer.model.state_dict()[k], v) for k, v in served.items())
+
+
+def json_roundtrip(state):
+    import json
+
+    return json.loads(json.dumps(state))

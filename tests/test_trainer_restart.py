@@ -5,6 +5,7 @@ replayed run's revision chain is unbroken from the latest revision back to revis
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -130,6 +131,10 @@ async def test_trainer_sigkilled_and_restarted_trains_every_batch_once(kafka_set
     log = (tmp_path / "trainer.log").read_text()
     assert "service started" in log and log.count("service started") == 2, log[-3000:]
     assert not letters, [(d.service, d.error_type, d.error_message) for d in letters]
+    # the successor took over between training states (every 8 revisions by default): it trained the batches
+    # committed since the run's first weights again, read back from the log
+    took_over = [json.loads(x) for x in log.splitlines() if '"took over"' in x]
+    assert len(took_over) == 1 and took_over[0]["training_state"] == 0 and took_over[0]["retrained"] >= 2, took_over
     # one revision per batch, chained 0..N, each naming a distinct batch: none trained twice, none skipped
     assert [r.revision for r in revs] == list(range(len(revs)))
     assert all(r.parent_revision == r.revision - 1 for r in revs[1:])
@@ -245,3 +250,80 @@ async def test_a_frozen_trainer_woken_after_a_take_over_leaves_every_committed_c
     print(f"froze trainer {frozen}: records={len(expected)} lost={len(set(expected) - set(got))} "
           f"doubled={sum(n > 1 for n in got.values())} revisions={len(revs)} next_revision_after_s={taken_over_s:.1f}")
     assert got == Counter(expected)
+
+
+# The trainer with one fault point: SIGKILLed by itself when a transaction carrying KILL_AT_REVISIONS revisions or
+# more is about to commit (everything sent, the commit not made); the count goes to KILL_REPORT first.
+_KILL_AT_COMMIT = """
+import os, runpy, signal, sys
+from pathlib import Path
+from schemas.policy import PolicyRevision
+from streams.transactions import TransactionalProcessor
+send_and_commit = TransactionalProcessor._send_and_commit
+async def send_then_die(self, prod, outs, snaps, offsets):
+    n = sum(isinstance(o.event, PolicyRevision) for out in outs.values() for o in out)
+    if n >= int(os.environ["KILL_AT_REVISIONS"]):
+        Path(os.environ["KILL_REPORT"]).write_text(str(n))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return await send_and_commit(self, prod, outs, snaps, offsets)
+TransactionalProcessor._send_and_commit = send_then_die
+sys.argv[0] = "consumers"
+runpy.run_module("consumers", run_name="__main__")
+"""
+
+
+async def test_a_trainer_killed_committing_a_backlog_of_three_leaves_what_its_successor_needs(
+        kafka_settings, kafka_bootstrap, monkeypatch, tmp_path):
+    """Three batches wait when a trainer starts: it trains all three in one transaction (r3, r4, r5; its training
+    state every 2 revisions, so r4's is written; keep_checkpoints=1) and is SIGKILLed at that commit. Nothing the
+    committed r2 needs may be gone: its checkpoint and its training state. The successor resumes from them, every
+    batch is trained once, and the weights are those of one trainer that never stopped."""
+    from consumers.trainer import ReferenceTrainer, to_tensors
+    from policy.checkpoint import file_sha256, load_checkpoint
+
+    kw = kafka_settings.client_kwargs()
+    prefix = await _fresh_run(kw, monkeypatch, tmp_path, "tk")
+    settings = ServiceSettings(family=testing.FAMILY, batch_records=16, flush_after_s=60.0, max_off_policy_steps=8)
+    opts = ("--state-every", "2", "--keep-checkpoints", "1")
+    monkeypatch.setenv("KILL_AT_REVISIONS", "3")
+    monkeypatch.setenv("KILL_REPORT", str(tmp_path / "killed"))
+    first = _trainer(kafka_bootstrap, prefix, tmp_path, tmp_path / "trainer.log", *opts)
+    try:
+        async with System(("verifier", "credit", "batcher"), settings, kw):
+            expected = await seed_groups(kw, 8)  # two batches: r1, r2
+            await _wait_revision(kw, 2)
+            stop(first)
+            expected |= await seed_groups(kw, 12, start=100, revision=2)  # three more, waiting
+            for _ in range(120):
+                if len(await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=0.3, timeout_s=10)) == 5:
+                    break
+                await asyncio.sleep(0.5)
+            killed = _trainer(kafka_bootstrap, prefix, tmp_path, tmp_path / "trainer.log", *opts,
+                              main=("-c", _KILL_AT_COMMIT))
+            assert killed.wait(120) == -signal.SIGKILL
+            assert (tmp_path / "killed").read_text() == "3"
+            revs = await _revisions(kw)
+            assert max(r.revision for r in revs) == 2  # nothing of the killed transaction is committed
+            r2 = revs[-1]
+            assert file_sha256(Path(r2.checkpoint.uri.removeprefix("file://"))) == r2.checkpoint.digest
+            assert Path(r2.checkpoint.uri.removeprefix("file://")).with_suffix(".train").is_dir()
+            monkeypatch.setenv("KILL_AT_REVISIONS", "1000")
+            last = _trainer(kafka_bootstrap, prefix, tmp_path, tmp_path / "trainer.log", *opts)
+            await _wait_revision(kw, 5, timeout_s=120)
+    finally:
+        stop(first)
+        stop(last) if "last" in locals() else None
+    revs = await _revisions(kw)
+    batches = {b.batch_id: b for b in (codec.decode(r.value, TrainerBatch) for r in
+                                       await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=0.5, timeout_s=10))}
+    letters = await read_all(kw, topics.DEAD_LETTERS.name, idle_s=0.5, timeout_s=10)
+    assert not letters
+    assert [r.revision for r in revs] == [0, 1, 2, 3, 4, 5]
+    assert sorted(r.batch_id for r in revs[1:]) == sorted(batches)
+    assert Counter(x.record_id for b in batches.values() for x in b.records) == Counter(expected)
+    straight = ReferenceTrainer(load_checkpoint(revs[0].checkpoint), testing.FAMILY, 0, tmp_path / "straight",
+                                lr=1e-3)
+    for r in revs[1:]:
+        straight.step(to_tensors(batches[r.batch_id]), batches[r.batch_id])
+    for k, v in load_checkpoint(revs[-1].checkpoint).state_dict().items():
+        torch.testing.assert_close(v, straight.model.state_dict()[k], rtol=1e-4, atol=1e-6)

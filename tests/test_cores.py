@@ -1,0 +1,35 @@
+"""The core split of ``rollout demo`` / ``rollout rl`` (``rollout.cores``): vLLM and the trainer on disjoint cores."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from rollout.cores import CoreSplit, split_cores, vllm_bind
+
+
+def test_each_gets_its_own_half_and_vllm_reads_its_cores_as_ranges():
+    assert split_cores({0, 1}) == CoreSplit(vllm=(1,), trainer=(0,))
+    three = split_cores({0, 1, 2})
+    assert three == CoreSplit(vllm=(2,), trainer=(0, 1))  # an odd core to the trainer
+    assert vllm_bind(split_cores(set(range(8)))) == "4-7"
+    assert vllm_bind(split_cores({0, 2, 3, 5, 6, 7})) == "5-7"
+    assert vllm_bind(CoreSplit(vllm=(1, 3, 4, 5), trainer=(0, 2))) == "1,3-5"
+    assert split_cores({3}) is None  # one core: nothing to split
+
+
+def test_pinning_moves_every_thread_of_the_process_and_sizes_torch_to_it():
+    """Threads already running (torch's pool, started by a matmul) are moved too, not only those started after."""
+    if len(os.sched_getaffinity(0)) < 2:
+        return
+    code = ("import os, threading, time, torch\n"
+            "torch.ones(256, 256) @ torch.ones(256, 256)\n"
+            "t = threading.Thread(target=time.sleep, args=(2,)); t.start()\n"
+            "from rollout.cores import pin_this_process, split_cores\n"
+            "s = split_cores(); pin_this_process(s)\n"
+            "tasks = os.listdir('/proc/self/task')\n"
+            "print(all(os.sched_getaffinity(int(x)) == set(s.trainer) for x in tasks), torch.get_num_threads(),"
+            " len(s.trainer), len(tasks) > 1)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "True" and out[1] == out[2] and out[3] == "True", out
