@@ -14,10 +14,10 @@ Phases, timed by wrapping the trainer's own methods (whichever of them the check
 ``forward_backward`` (the optimizer pass: ``_epoch``), ``mismatch`` (logprobs under the generating revision),
 ``checkpoint`` (the served weights written and hashed: ``kind.save``), ``training_state`` (the optimizer's state
 written: ``_save_training_state``), and ``step``/``publish`` whole. Memory: the process's peak RSS
-(``ru_maxrss``) after loading, after the steps, and at the end, against the weights + gradients + AdamW moments
-(4 x the float32 parameters): ``peak_over_state``. ``--sweep`` adds the peak RSS of one step of 16 records at
-each sequence length (the two-seat shape), each in its own process. Bytes written per revision: the sizes of
-what each ``publish`` left in the checkpoint directory. Ends with one JSON line.
+within each phase (the kernel's high-water mark, reset as each starts) and overall, against the weights + gradients + AdamW moments
+(4 x the float32 parameters): ``peak_over_state``. ``--sweep`` adds the peak RSS at each sequence length (the
+two-seat shape, two steps: the second holds the optimizer's moments), each in its own process. Bytes written per
+revision: the sizes of what each ``publish`` left in the checkpoint directory. Ends with one JSON line.
 
 ``python -m benchmarks compare REV trainer_step`` runs it on an older revision and this checkout in turn.
 """
@@ -47,6 +47,31 @@ SHAPES = {
 
 def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class PhasePeaks:
+    """The process's peak RSS within each phase: the kernel's high-water mark is reset as a phase starts
+    (``/proc/self/clear_refs``) and read as it ends; the overall peak is the highest of them."""
+
+    def __init__(self) -> None:
+        self.by_phase: dict[str, float] = defaultdict(float)
+
+    @staticmethod
+    def _hwm_mb() -> float:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return _peak_mb()
+
+    def start(self) -> None:
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def end(self, phase: str) -> None:
+        self.by_phase[phase] = max(self.by_phase[phase], self._hwm_mb())
+
+    @property
+    def peak(self) -> float:
+        return max(self.by_phase.values(), default=_peak_mb())
 
 
 def _batch(model: Any, vocab: int, shape: dict, revision: int, seed: int, family: str) -> Any:
@@ -103,6 +128,9 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
     params = sum(p.numel() for p in trainer.model.parameters())
     state_mb = 4 * 4 * params / 2**20  # float32 weights, gradients, and AdamW's two moments
     loaded = _peak_mb()
+    peaks = PhasePeaks()
+    peaks.end("load")
+    peaks.start()
     timings: dict[str, list[float]] = defaultdict(list)
 
     def timed(owner: Any, name: str, key: str) -> None:
@@ -111,11 +139,15 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
             return
 
         def wrapper(*a: Any, **kw: Any) -> Any:
+            peaks.end("other")  # what ran since the last phase
+            peaks.start()
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
                 timings[key].append(time.perf_counter() - t0)
+                peaks.end(key)
+                peaks.start()
 
         setattr(owner, name, wrapper)
 
@@ -130,6 +162,8 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
         for s in range(steps):
             # the revision before the trainer's must exist on disk for the mismatch probe: the packaged model
             batch = _batch(trainer.model, 49152, shape, trainer.revision, seed=s, family=FAMILY)
+            peaks.end("batch set-up")
+            peaks.start()
             before = {p: p.stat().st_size for p in out_dir.rglob("*") if p.is_file()}
             t0 = time.perf_counter()
             stats = trainer.step(to_tensors(batch), batch)
@@ -146,8 +180,9 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
         "shape": shape_name, "seq_len": shape["prompt"] + shape["completion"], "records": shape["records"],
         "tokens_per_step": shape["records"] * (shape["prompt"] + shape["completion"]),
         "seconds": {k: [round(x, 2) for x in v] for k, v in timings.items()},
-        "peak_rss_mb": round(_peak_mb()), "rss_after_load_mb": round(loaded),
-        "weights_grads_adam_mb": round(state_mb), "peak_over_state": round(_peak_mb() / state_mb, 2),
+        "peak_rss_mb": round(peaks.peak), "rss_after_load_mb": round(loaded),
+        "peak_rss_by_phase_mb": {k: round(v) for k, v in peaks.by_phase.items()},
+        "weights_grads_adam_mb": round(state_mb), "peak_over_state": round(peaks.peak / state_mb, 2),
         "bytes_written_per_revision_mb": [round(b / 2**20) for b in written],
         "threads": torch.get_num_threads(),
     }
@@ -195,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
     sweep = []
     for n in ([] if a.quick else [int(x) for x in a.sweep.split(",") if x]):
-        r = _child("two-seat", 1, n, a.state_every)
+        r = _child("two-seat", 2, n, a.state_every)  # the second step has the optimizer's moments
         print(json.dumps(r), file=sys.stderr, flush=True)
         sweep.append({k: r.get(k) for k in ("seq_len", "tokens_per_step", "peak_rss_mb", "peak_over_state",
                                             "error", "returncode")})

@@ -21,10 +21,11 @@ from schemas.policy import TINY_FAMILY
 from streams import topics
 
 
-MICRO_BATCH_TOKENS = 4096
+MICRO_BATCH_TOKENS = 1024
 """The trainer's default token budget of one forward/backward (rows x padded width): activation memory grows with
-it, not with the batch. A row longer than the budget runs alone with its layers' activations recomputed in the
-backward pass (gradient checkpointing)."""
+it, not with the batch (SmolLM2-135M under bf16 autocast keeps about 1 MB a token, plus 270 MB of bf16 weight
+copies). A row longer than the budget runs alone with its layers' activations recomputed in the backward pass
+(gradient checkpointing): about 0.1 MB a token. Chosen by measurement (benchmarks/RESULTS.md, "trainer_step")."""
 DEFAULT_STATE_EVERY = 8
 """The trainer writes its training state every this many revisions (benchmarks/RESULTS.md, "trainer_step")."""
 

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import copy
+import ctypes
 import logging
 import os
 import shutil
@@ -195,6 +196,16 @@ def _rows(t: TrainerTensors, rows: slice | torch.Tensor) -> TrainerTensors:
                           t.seq_lens[rows])
 
 
+def _release_freed_memory() -> None:
+    """Give the heap's freed pages back to the system (glibc's ``malloc_trim``). A step frees gigabytes of
+    activations in blocks of a few megabytes, below glibc's mmap threshold: without this they stay resident and
+    the next phase's peak (the mismatch probe, the checkpoint) stacks on them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 TRAINING_STATE_SUFFIX = ".train"
 """``<checkpoint stem>.train/`` beside the checkpoints: a revision's training state (``ReferenceTrainer``), a
 torch.distributed.checkpoint folder (each rank writes its own shards; it loads on any number of ranks)."""
@@ -249,7 +260,6 @@ class ReferenceTrainer:
         self.written: dict[int, CheckpointRef] = {}  # checkpoints this trainer wrote, by revision
         self.states: dict[int, Path] = {}  # training states this trainer wrote, by revision
         self.refs: dict[int, CheckpointRef] = {revision: ref} if ref is not None else {}  # probed for the mismatch
-        self._probe: Any = None
         params = self.model.parameters()
         self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if kind is HFPolicy \
             else torch.optim.Adam(params, lr=lr)
@@ -308,11 +318,15 @@ class ReferenceTrainer:
             if lo < hi:
                 new_lp[lo:hi, :part.input_ids.shape[1] - 1] = st["new_lp"]
                 totals += torch.tensor([st["loss"], st["clip_frac"], st["approx_kl"]], dtype=torch.float64)
+            del loss, st
+            _release_freed_memory()  # this micro-batch's activations, before the next one's
         if g:
             g.all_sum(totals)
             g.all_sum(new_lp)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.opt.step()
+        self.opt.zero_grad(set_to_none=True)  # the gradients' memory is free for the mismatch probe and the write
+        _release_freed_memory()
         return dict(zip(("loss", "clip_frac", "approx_kl"), totals.tolist())), new_lp
 
     def step(self, t: TrainerTensors, batch: TrainerBatch) -> dict[str, float]:
@@ -413,7 +427,7 @@ class ReferenceTrainer:
         if bool((rev == self.revision).any()):
             rows = rev == self.revision
             diffs.append((new_lp[rows] - t.old_logprobs[rows, 1:]).abs()[tokens[rows]])
-        budget = self.mismatch_rows
+        budget, probe = self.mismatch_rows, None
         for r in sorted(set(rev.tolist()) - {self.revision}, reverse=True):  # the newest first
             if budget <= 0 or r not in self.refs:
                 continue
@@ -423,13 +437,16 @@ class ReferenceTrainer:
                 continue
             rows = (rev == r).nonzero().flatten()[:budget]
             budget -= len(rows)
-            if self._probe is None:
-                self._probe = copy.deepcopy(self.whole)
-            self._probe.load_state_dict(weights, strict=False)
-            with torch.no_grad():
-                part = _rows(t, rows)
-                lp = self.kind.logprobs(self._probe.eval(), part)
-            diffs.append((lp - part.old_logprobs[:, 1:]).abs()[part.loss_mask[:, 1:] > 0])
+            probe = probe or copy.deepcopy(self.whole)
+            probe.load_state_dict(weights, strict=False)
+            per_pass = max(1, self.micro_batch_tokens // t.input_ids.shape[1])  # the training pass's token budget
+            for chunk in rows.split(per_pass):
+                with torch.no_grad():
+                    part = _rows(t, chunk)
+                    lp = self.kind.logprobs(probe.eval(), part)
+                diffs.append((lp - part.old_logprobs[:, 1:]).abs()[part.loss_mask[:, 1:] > 0])
+        del probe  # not kept between steps: it would sit on the next backward pass's peak
+        _release_freed_memory()
         d = torch.cat(diffs) if diffs else torch.zeros(0)
         if not d.numel():
             return {"mismatch_tokens": 0.0}

@@ -195,7 +195,7 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, *, wanted: A
     targets = input_ids[:, 1:]
     wanted = torch.ones_like(targets, dtype=torch.bool) if wanted is None else wanted.bool()
     with torch.autocast(on, dtype=torch.bfloat16, enabled=autocast and (on != "cpu" or cpu_bf16())):
-        if not plain_head(model):  # its own logits (scaled or capped): whole, as the model computes them
+        if not plain_head(model) or _sharded(model):  # its own forward, whole logits: see plain_head, _sharded
             logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1]).logits.float()
             lp = logits.log_softmax(-1).gather(2, targets.unsqueeze(2)).squeeze(2)
             return torch.where(wanted, lp, torch.zeros_like(lp))
@@ -212,6 +212,14 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, *, wanted: A
 def _chunk_logprobs(head: Any, hidden: Any, tokens: Any) -> Any:
     logits = head(hidden).float()
     return logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(-1)
+
+
+def _sharded(model: Any) -> bool:
+    """An FSDP2 model (``consumers.distributed``): its root unit (embeddings, the tied head) is gathered by hooks
+    around its own forward, so its body and head cannot be called apart."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def plain_head(model: Any) -> bool:

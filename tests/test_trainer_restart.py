@@ -133,7 +133,7 @@ async def test_trainer_sigkilled_and_restarted_trains_every_batch_once(kafka_set
     assert not letters, [(d.service, d.error_type, d.error_message) for d in letters]
     # the successor took over between training states (every 8 revisions by default): it trained the batches
     # committed since the run's first weights again, read back from the log
-    took_over = [json.loads(x) for x in log.splitlines() if '"took over"' in x]
+    took_over = [json.loads(x[x.index("{"):]) for x in log.splitlines() if '"took over"' in x]
     assert len(took_over) == 1 and took_over[0]["training_state"] == 0 and took_over[0]["retrained"] >= 2, took_over
     # one revision per batch, chained 0..N, each naming a distinct batch: none trained twice, none skipped
     assert [r.revision for r in revs] == list(range(len(revs)))
