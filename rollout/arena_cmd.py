@@ -76,6 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_model_flag(p)
     add_eval_interval_flag(p)
+    p.add_argument("--max-off-policy-steps", type=int, metavar="N",
+                   help="a stricter off-policy bound than the plan's for this arena (0: admit a batch only once the "
+                        "revision it trains is published; rollout demo's --cores turns)")
     p.add_argument("--start-local", action="store_true",
                    help="start the local broker when ROLLOUT_BOOTSTRAP_SERVERS is not set")
     p.set_defaults(func=cmd_arena)
@@ -99,6 +102,12 @@ async def _main(args: argparse.Namespace) -> int:
     require_runnable(plan)
     if args.eval_interval:  # the command line's cadence over the recipe's
         plan = plan.model_copy(update={"eval_interval": args.eval_interval})
+    if args.max_off_policy_steps is not None:
+        if not 0 <= args.max_off_policy_steps <= plan.max_off_policy_steps:
+            print(f"rollout arena: error: --max-off-policy-steps {args.max_off_policy_steps} is not within the plan's "
+                  f"bound (0 to {plan.max_off_policy_steps}): it may only make it stricter", file=sys.stderr)
+            return 2
+        plan = plan.model_copy(update={"max_off_policy_steps": args.max_off_policy_steps})
     # environments first: an id no package provides, a harness that cannot run or a taskset that raises stops
     # here, in one line, before anything touches the broker or starts a server
     environments = {s.display_name: environment_from_spec(s) for s in plan.environments}

@@ -1,11 +1,16 @@
 """Who computes on which cores when vLLM and the trainer share one machine's CPUs (``rollout demo``, ``rollout rl``).
 
-Both run OpenMP thread pools. Sized to every core each, they oversubscribe the machine: a pool that waits for
-its slowest thread waits for one the other pool took the core from, and both slow down far more than half
-(benchmarks/RESULTS.md, "cores"). So the loop gives each its own cores: vLLM binds its threads to one part
-(``VLLM_CPU_OMP_THREADS_BIND``), and the process that trains (the services, the trainer, and the arena it starts)
-is pinned to the rest with as many torch threads. Generation of the next batch and training of the current one
-still overlap, each on its own cores. On one core there is nothing to split: both keep it.
+Both run OpenMP thread pools. Sized to every core each and running at once, they oversubscribe the machine. Three
+ways out, ``--cores``:
+
+* ``turns`` (the default below ``SPLIT_FROM`` cores): both keep every core and never run at once: the run's
+  off-policy bound is 0 (stricter than any plan's), so the arena generates a batch only once the revision it
+  trains is published, and the trainer trains while the arena waits. On the 2-core machine this was the fastest
+  (benchmarks/RESULTS.md, "cores"): a trainer step of 9.3 s instead of 13.4 (shared) or 13.8 (split).
+* ``split`` (the default from ``SPLIT_FROM`` cores): each its own half: vLLM binds its threads to one part
+  (``VLLM_CPU_OMP_THREADS_BIND``), and the process that trains (services, trainer, the arena it starts) is pinned
+  to the rest with as many torch threads; generation of the next batch overlaps training, with the plan's bound.
+* ``shared``: both on every core at once, with the plan's bound (what the loop did before).
 """
 
 from __future__ import annotations
@@ -13,6 +18,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+
+MODES = ("auto", "turns", "split", "shared")
+SPLIT_FROM = 4
+"""From this many usable cores ``auto`` splits them; below, generation and training take turns."""
+
+
+def choose(mode: str, cores: set[int] | None = None) -> str:
+    """The mode ``auto`` stands for on this machine (``turns`` or ``split``); any other mode as it is."""
+    if mode != "auto":
+        return mode
+    return "split" if len(cores if cores is not None else os.sched_getaffinity(0)) >= SPLIT_FROM else "turns"
 
 
 @dataclass(frozen=True)

@@ -76,9 +76,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_cores_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--share-cores", action="store_true",
-                   help="let the vLLM it starts and the trainer both use every core (default: half the cores each, so "
-                        "their thread pools do not oversubscribe the machine; see rollout/cores.py)")
+    from rollout.cores import MODES, SPLIT_FROM
+
+    p.add_argument("--cores", choices=MODES, default="auto",
+                   help="how the vLLM it starts and the trainer share this machine's cores: turns (every core each, "
+                        "never at once: off-policy bound 0 for the run), split (half each, overlapping, the plan's "
+                        f"bound), shared (every core each, at once); auto (default): split from {SPLIT_FROM} cores, "
+                        "turns below (rollout/cores.py)")
 
 
 def add_eval_interval_flag(p: argparse.ArgumentParser) -> None:
@@ -276,7 +280,7 @@ def load_plan(args):
 
 async def _run(settings, args, run: str, prefix: str) -> int:
     from consumers.trainer import initial_revision
-    from rollout.cores import pin_this_process, split_cores, vllm_bind
+    from rollout.cores import choose, pin_this_process, split_cores, vllm_bind
     from streams.local_broker import free_port
 
     t0 = time.monotonic()
@@ -296,6 +300,7 @@ async def _run(settings, args, run: str, prefix: str) -> int:
     view = asyncio.create_task(_show(progress, stop_view, not args.no_progress))
     vllm = metrics = None
     arena_args: list[str] = []
+    cores = "shared"  # with no vLLM started here, nothing to divide
     try:
         if args.policy == "vllm":
             from producers.metrics import endpoint, vllm_samples
@@ -306,7 +311,8 @@ async def _run(settings, args, run: str, prefix: str) -> int:
             url = args.vllm_url
             if url is None:
                 port = args.vllm_port or free_port()
-                split = None if args.share_cores else split_cores()
+                cores = choose(args.cores)
+                split = split_cores() if cores == "split" else None
                 vllm = VllmServer(served.path, port=port, served_model_name=family, log_path=rundir / "vllm.log",
                                   max_model_len=context_length(plan, served.path),
                                   cores=vllm_bind(split) if split else None)
@@ -319,8 +325,13 @@ async def _run(settings, args, run: str, prefix: str) -> int:
                 print(f"vLLM ready at {url} in {time.monotonic() - t_start:.0f}s", flush=True)
                 if split:
                     pin_this_process(split)
-                    print(f"cores: {split} (--share-cores to let both use every core)", flush=True)
-            arena_args = ["--policy", "vllm", "--policy-url", url]
+                    print(f"cores: {split}, overlapping (--cores)", flush=True)
+                elif cores == "turns":
+                    plan = plan.model_copy(update={"max_off_policy_steps": 0})
+                    arena_args += ["--max-off-policy-steps", "0"]
+                    print("cores: generation and training take turns on every core: off-policy bound 0 for this "
+                          "run (--cores)", flush=True)
+            arena_args += ["--policy", "vllm", "--policy-url", url]
         else:
             from policy.checkpoint import checkpoint_path
 
@@ -337,6 +348,7 @@ async def _run(settings, args, run: str, prefix: str) -> int:
         if vllm is not None:
             await vllm.stop()
     summary["seconds"] = round(time.monotonic() - t0, 1)
+    summary["cores"] = cores
     _print_summary(summary)
     print(json.dumps(summary))
     return rc

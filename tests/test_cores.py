@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from rollout.cores import CoreSplit, split_cores, vllm_bind
+from rollout.cores import CoreSplit, choose, split_cores, vllm_bind
 
 
 def test_each_gets_its_own_half_and_vllm_reads_its_cores_as_ranges():
@@ -33,3 +33,9 @@ def test_pinning_moves_every_thread_of_the_process_and_sizes_torch_to_it():
             " len(s.trainer), len(tasks) > 1)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == "True" and out[1] == out[2] and out[3] == "True", out
+
+
+def test_auto_takes_turns_below_four_cores_and_splits_from_four():
+    assert choose("auto", {0, 1}) == "turns" and choose("auto", {0}) == "turns"
+    assert choose("auto", set(range(4))) == "split"
+    assert choose("shared", set(range(8))) == "shared" and choose("turns", set(range(8))) == "turns"
