@@ -12,10 +12,11 @@
   of the same kind (with its SHA-256) and returns the next ``PolicyRevision``, whose ``metrics`` carry the
   step's figures and the trainer-inference logprob mismatch: |logprob the trainer computes - logprob the
   inference server reported| over the batch tokens, each under the revision that generated it (the current
-  weights, or a kept snapshot of the last few revisions: the same weights on both sides, so what remains is
-  the engines' numerical difference).
-* The service around it (the transaction, the snapshot of the current revision) is
-  ``consumers.tasks.trainer``; this module is torch only.
+  weights, or an earlier revision's served checkpoint read from its file: the same weights on both sides, so
+  what remains is the engines' numerical difference). Memory is bounded by a token budget per forward/backward
+  and log-probabilities at the trained positions only; the training state is written every few revisions.
+* The service around it (the transaction, the state committed with each revision, the take-over that trains
+  the committed batches again from the log) is ``consumers.tasks.trainer``; this module is torch only.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """trainer: TrainerBatches -> one optimizer step each -> the next PolicyRevision (``consumers.trainer``).
 
 The revision event and the batch's offset commit go in one transaction; the current revision (with its
-checkpoint digest) is the task's snapshot state, so a restarted trainer resumes from exactly the weights
-the log says it published. torch is imported only when the first batch arrives.
+checkpoint digest), the last training state and the batches trained since are the task's state, so a restarted
+trainer resumes from exactly the weights the log says it published. torch is imported only when the first batch
+arrives.
 """
 
 from __future__ import annotations
