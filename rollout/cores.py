@@ -3,14 +3,16 @@
 Both run OpenMP thread pools. Sized to every core each and running at once, they oversubscribe the machine. Three
 ways out, ``--cores``:
 
-* ``turns`` (the default below ``SPLIT_FROM`` cores): both keep every core and never run at once: the run's
+* ``turns`` (the default below ``SPLIT_FROM`` cores, for plans whose rollouts yield one record each): both keep
+  every core and never run at once: the run's
   off-policy bound is 0 (stricter than any plan's), so the arena generates a batch only once the revision it
   trains is published, and the trainer trains while the arena waits. On the 2-core machine this was the fastest
   (benchmarks/RESULTS.md, "cores"): a trainer step of 9.3 s instead of 13.4 (shared) or 13.8 (split).
 * ``split`` (the default from ``SPLIT_FROM`` cores): each its own half: vLLM binds its threads to one part
   (``VLLM_CPU_OMP_THREADS_BIND``), and the process that trains (services, trainer, the arena it starts) is pinned
   to the rest with as many torch threads; generation of the next batch overlaps training, with the plan's bound.
-* ``shared``: both on every core at once, with the plan's bound (what the loop did before).
+* ``shared``: both on every core at once, with the plan's bound (what the loop did before; ``auto`` below
+  ``SPLIT_FROM`` cores for a plan with seats or routed members, see ``choose``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from schemas.plan import GenerationPlan
 
 
 MODES = ("auto", "turns", "split", "shared")
@@ -25,11 +31,18 @@ SPLIT_FROM = 4
 """From this many usable cores ``auto`` splits them; below, generation and training take turns."""
 
 
-def choose(mode: str, cores: set[int] | None = None) -> str:
-    """The mode ``auto`` stands for on this machine (``turns`` or ``split``); any other mode as it is."""
+def choose(mode: str, plan: GenerationPlan, cores: set[int] | None = None) -> str:
+    """The mode ``auto`` stands for on this machine and plan; any other mode as it is. Below ``SPLIT_FROM`` cores
+    ``auto`` takes turns only when each rollout yields one training record (one trainable member, no seats, no
+    routed members): the admission ledger counts rollouts against a batch of records, so with a bound of 0 the
+    second batch of a two-seat game's rollouts would be refused as one revision behind. Such a plan shares the
+    cores instead."""
     if mode != "auto":
         return mode
-    return "split" if len(cores if cores is not None else os.sched_getaffinity(0)) >= SPLIT_FROM else "turns"
+    if len(cores if cores is not None else os.sched_getaffinity(0)) >= SPLIT_FROM:
+        return "split"
+    one_record = plan.train_one is None and not plan.members and not any(env.seats for env in plan.environments)
+    return "turns" if one_record else "shared"
 
 
 @dataclass(frozen=True)

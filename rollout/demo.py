@@ -82,7 +82,7 @@ def add_cores_flag(p: argparse.ArgumentParser) -> None:
                    help="how the vLLM it starts and the trainer share this machine's cores: turns (every core each, "
                         "never at once: off-policy bound 0 for the run), split (half each, overlapping, the plan's "
                         f"bound), shared (every core each, at once); auto (default): split from {SPLIT_FROM} cores, "
-                        "turns below (rollout/cores.py)")
+                        "turns below, or shared for a plan with seats or routed members (rollout/cores.py)")
 
 
 def add_eval_interval_flag(p: argparse.ArgumentParser) -> None:
@@ -311,7 +311,7 @@ async def _run(settings, args, run: str, prefix: str) -> int:
             url = args.vllm_url
             if url is None:
                 port = args.vllm_port or free_port()
-                cores = choose(args.cores)
+                cores = choose(args.cores, plan)
                 split = split_cores() if cores == "split" else None
                 vllm = VllmServer(served.path, port=port, served_model_name=family, log_path=rundir / "vllm.log",
                                   max_model_len=context_length(plan, served.path),

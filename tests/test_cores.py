@@ -36,6 +36,18 @@ def test_pinning_moves_every_thread_of_the_process_and_sizes_torch_to_it():
 
 
 def test_auto_takes_turns_below_four_cores_and_splits_from_four():
-    assert choose("auto", {0, 1}) == "turns" and choose("auto", {0}) == "turns"
-    assert choose("auto", set(range(4))) == "split"
-    assert choose("shared", set(range(8))) == "shared" and choose("turns", set(range(8))) == "turns"
+    from schemas.plan_compiler import compile_plan
+
+    one = compile_plan("examples/plans/arithmetic-smollm2.toml")
+    assert choose("auto", one, {0, 1}) == "turns" and choose("auto", one, {0}) == "turns"
+    assert choose("auto", one, set(range(4))) == "split"
+    assert choose("shared", one, set(range(8))) == "shared" and choose("turns", one, set(range(8))) == "turns"
+
+
+def test_auto_shares_the_cores_below_four_for_rollouts_of_several_records():
+    """A proposer/solver plan routes members: its rollouts yield several records, which a bound of 0 would refuse."""
+    from schemas.plan_compiler import compile_plan
+
+    several = compile_plan("examples/plans/proposer_solver.toml")
+    assert several.members or several.train_one or any(e.seats for e in several.environments)
+    assert choose("auto", several, {0, 1}) == "shared" and choose("auto", several, set(range(4))) == "split"
