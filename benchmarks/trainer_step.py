@@ -175,7 +175,6 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
             written.append(sum(sz for p, sz in after.items() if before.get(p) != sz))
     finally:
         kind.save = save
-    torch.set_num_threads(torch.get_num_threads())
     return {
         "shape": shape_name, "seq_len": shape["prompt"] + shape["completion"], "records": shape["records"],
         "tokens_per_step": shape["records"] * (shape["prompt"] + shape["completion"]),

@@ -98,8 +98,9 @@ class TrainerTask(TaskDefaults):
 
     def _first(self, batch: TrainerBatch) -> tuple[CheckpointRef, int]:
         """The weights the first batch ever is trained from: its target revision's."""
-        if self.target_checkpoint is not None and self.target_checkpoint(batch.target) is not None:
-            return self.target_checkpoint(batch.target), batch.target.revision
+        found = self.target_checkpoint(batch.target) if self.target_checkpoint is not None else None
+        if found is not None:
+            return found, batch.target.revision
         from policy.checkpoint import checkpoint_filename
 
         ck = batch.target
