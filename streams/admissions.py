@@ -67,6 +67,7 @@ class KafkaLedger(MemoryLedger):
         self.topic = topic or topics.ADMISSIONS.name
         self._producer: Any = None
         self._consumer: Any = None
+        self._ends: Any = None
         self._tp: Any = None
         self._read = asyncio.Lock()  # one reader of the consumer at a time
 
@@ -76,23 +77,29 @@ class KafkaLedger(MemoryLedger):
         self._producer = AIOKafkaProducer(**self.client_kwargs, enable_idempotence=True, acks="all")
         self._consumer = AIOKafkaConsumer(**self.client_kwargs, group_id=None, enable_auto_commit=False,
                                           isolation_level="read_committed", auto_offset_reset="earliest")
+        # the log's end is asked on a connection of its own: a broker answers a connection's requests one at a
+        # time, so on the reader's the lookup of each ``sync`` waited behind its idle fetch (fetch_max_wait_ms,
+        # 500 ms), and an arena admitted the groups of one batch half a second apart (1.5 s of every demo revision)
+        self._ends = AIOKafkaConsumer(**self.client_kwargs, group_id=None, enable_auto_commit=False,
+                                      isolation_level="read_committed")
         await self._producer.start()
         await self._consumer.start()
+        await self._ends.start()
         self._tp = TopicPartition(self.topic, 0)
         self._consumer.assign([self._tp])
         await self._consumer.seek_to_beginning(self._tp)
         await self.sync()
 
     async def stop(self) -> None:
-        for client in (self._producer, self._consumer):
+        for client in (self._producer, self._consumer, self._ends):
             if client is not None:
                 await client.stop()
-        self._producer = self._consumer = None
+        self._producer = self._consumer = self._ends = None
 
     async def sync(self, through: int | None = None) -> None:
         """Fold every record up to the end of the log as it is now (or through offset ``through``)."""
         async with self._read:
-            end = (await self._consumer.end_offsets([self._tp]))[self._tp] if through is None else through + 1
+            end = (await self._ends.end_offsets([self._tp]))[self._tp] if through is None else through + 1
             while await self._consumer.position(self._tp) < end:
                 await self._poll(500)
 
