@@ -261,9 +261,11 @@ class ReferenceTrainer:
         self.written: dict[int, CheckpointRef] = {}  # checkpoints this trainer wrote, by revision
         self.states: dict[int, Path] = {}  # training states this trainer wrote, by revision
         self.refs: dict[int, CheckpointRef] = {revision: ref} if ref is not None else {}  # probed for the mismatch
+        # fused: one kernel over every tensor. For SmolLM2 on two cores the default loop of small ops took 0.39 s a
+        # step (6 s while vLLM computed beside it) against 0.09 s (0.55 s), with bit-identical weights here
         params = self.model.parameters()
-        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if kind is HFPolicy \
-            else torch.optim.Adam(params, lr=lr)
+        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True) if kind is HFPolicy \
+            else torch.optim.Adam(params, lr=lr, fused=True)
 
     def loss(self, t: TrainerTensors, denom: torch.Tensor | None = None, clip: float | None = None
              ) -> tuple[torch.Tensor, dict[str, Any]]:
