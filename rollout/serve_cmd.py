@@ -65,7 +65,9 @@ def _register_vllm(ssub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", help="HF model folder (default: the packaged model, prepared on first use)")
-    p.add_argument("--kv-cache-gb", type=int, default=2, help="KV cache size on a CPU host (GiB)")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="KV cache size on a CPU host (GiB; default: room for 64 sequences of --max-model-len "
+                        "tokens, at most 2)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--compile", action="store_true",
                    help="let vLLM torch.compile the model (faster decoding, 90-130 s start on 2 cores)")
