@@ -41,8 +41,7 @@ def choose(mode: str, plan: GenerationPlan, cores: set[int] | None = None) -> st
         return mode
     if len(cores if cores is not None else os.sched_getaffinity(0)) >= SPLIT_FROM:
         return "split"
-    one_record = plan.train_one is None and not plan.members and not any(env.seats for env in plan.environments)
-    return "turns" if one_record else "shared"
+    return "turns" if plan.one_record_per_rollout else "shared"
 
 
 @dataclass(frozen=True)

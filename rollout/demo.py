@@ -298,7 +298,7 @@ async def _run(settings, args, run: str, prefix: str) -> int:
     progress = Progress()
     stop_view = asyncio.Event()
     view = asyncio.create_task(_show(progress, stop_view, not args.no_progress))
-    vllm = metrics = None
+    vllm = metrics = serving = None
     arena_args: list[str] = []
     cores = "shared"  # with no vLLM started here, nothing to divide
     try:
@@ -317,20 +317,27 @@ async def _run(settings, args, run: str, prefix: str) -> int:
                                   max_model_len=context_length(plan, served.path),
                                   cores=vllm_bind(split) if split else None)
                 rundir.mkdir(parents=True, exist_ok=True)
-                progress.phase = f"vLLM starting on port {port} (log {rundir / 'vllm.log'})"
-                t_start = time.monotonic()
-                await vllm.start()
-                metrics = endpoint("vllm", None, ("vllm", lambda: vllm_samples(vllm)))  # ROLLOUT_METRICS_PORT + 2
                 url = vllm.base_url
-                print(f"vLLM ready at {url} in {time.monotonic() - t_start:.0f}s", flush=True)
-                if split:
-                    pin_this_process(split)
-                    print(f"cores: {split}, overlapping (--cores)", flush=True)
-                elif cores == "turns":
+                if cores == "turns":
                     plan = plan.model_copy(update={"max_off_policy_steps": 0})
                     arena_args += ["--max-off-policy-steps", "0"]
-                    print("cores: generation and training take turns on every core: off-policy bound 0 for this "
-                          "run (--cores)", flush=True)
+
+                async def serve() -> None:
+                    """vLLM up (its start overlaps the topics' and the services'; the arena waits for it)."""
+                    nonlocal metrics
+                    t_start = time.monotonic()
+                    await vllm.start()
+                    metrics = endpoint("vllm", None, ("vllm", lambda: vllm_samples(vllm)))  # ROLLOUT_METRICS_PORT + 2
+                    print(f"vLLM ready at {url} in {time.monotonic() - t_start:.0f}s", flush=True)
+                    if split:
+                        pin_this_process(split)
+                        print(f"cores: {split}, overlapping (--cores)", flush=True)
+                    elif cores == "turns":
+                        print("cores: generation and training take turns on every core: off-policy bound 0 for "
+                              "this run (--cores)", flush=True)
+
+                progress.phase = f"vLLM starting on port {port} (log {rundir / 'vllm.log'}); services starting"
+                serving = asyncio.create_task(serve())
             arena_args += ["--policy", "vllm", "--policy-url", url]
         else:
             from policy.checkpoint import checkpoint_path
@@ -339,8 +346,11 @@ async def _run(settings, args, run: str, prefix: str) -> int:
             arena_args = ["--policy", "local", "--policy-port", str(free_port()),
                           "--checkpoint", str(checkpoint_path(rev0.checkpoint))]
         rc, summary = await _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress,
-                                  vllm_exited=lambda: vllm is not None and vllm.proc.returncode is not None)
+                                  vllm_exited=lambda: vllm is not None and vllm.stopped, server_up=serving)
     finally:
+        if serving is not None and not serving.done():  # the services failed to start first
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
         stop_view.set()
         await asyncio.gather(view, return_exceptions=True)
         if metrics is not None:
@@ -355,7 +365,9 @@ async def _run(settings, args, run: str, prefix: str) -> int:
 
 
 async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress,
-                vllm_exited=lambda: False) -> tuple[int, dict]:
+                vllm_exited=lambda: False, server_up: asyncio.Future | None = None) -> tuple[int, dict]:
+    """Topics, revision 0 and the services up (while ``server_up``, the inference server's start, runs), then the
+    arena to its end, then the services drained; the summary."""
     from consumers import settings as service_settings
     from consumers.registry import SERVICES
     from consumers.runner import System
@@ -374,6 +386,9 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
         stop_tail = asyncio.Event()
         tail = asyncio.create_task(_tail(kw, progress, stop_tail))
         env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
+        if server_up is not None:
+            progress.phase = "services up; waiting for vLLM"
+            await server_up
         progress.phase = "generating and training"
         t0 = time.monotonic()
         arena = await asyncio.create_subprocess_exec(
@@ -388,10 +403,18 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
             progress.phase = f"arena finished (rc {arena.returncode}); draining the services"
             from consumers.status import service_lag
 
+            # records short of a full batch are flushed as a partial one after flush_after_s: waited for, unless
+            # every rollout was one record, none failed, and they filled whole batches (all trained: the arena
+            # waited for the revision of the last one)
+            done = _arena_stats(out) or {}
+            whole = plan.one_record_per_rollout and done.get("failed", 1) == 0 and \
+                done.get("rollouts", 1) % plan.batch_size == 0
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 lag = {r["service"]: r["lag"] for r in await service_lag(kw, sample_s=0.2)}
                 if not any(lag.values()):
+                    if whole:
+                        break
                     await asyncio.sleep(cfg.flush_after_s + 1.0)
                     lag = {r["service"]: r["lag"] for r in await service_lag(kw, sample_s=0.2)}
                     if not any(lag.values()):
@@ -405,7 +428,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
             stop_tail.set()
             await asyncio.gather(tail, return_exceptions=True)
     arena_out = out.decode(errors="replace")
-    arena_stats = next((json.loads(l) for l in reversed(arena_out.splitlines()) if l.startswith("{")), None)
+    arena_stats = _arena_stats(out)
     for line in arena_out.splitlines():  # what the arena warned of (a final revision it did not see, and why)
         if line.startswith("rollout arena: warning:"):
             print(line, file=sys.stderr)
@@ -419,6 +442,12 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
     summary.update(run=run, topic_prefix=prefix, policy=args.policy, arena_s=round(time.monotonic() - t0, 1),
                    plan=args.plan, family=plan.family, served_model=plan.served_model)
     return rc, summary
+
+
+def _arena_stats(out: bytes) -> dict | None:
+    """The JSON line the arena ends with."""
+    lines = out.decode(errors="replace").splitlines()
+    return next((json.loads(line) for line in reversed(lines) if line.startswith("{")), None)
 
 
 async def _summary(kw, progress: Progress, arena_stats: dict) -> dict:

@@ -245,6 +245,12 @@ class GenerationPlan(Record):
         return int(env.options.get("group_size") or self.group_size)
 
     @property
+    def one_record_per_rollout(self) -> bool:
+        """Whether each rollout yields exactly one training record (one trainable member: no seats, no routed
+        members), so that rollouts and batch records count alike."""
+        return self.train_one is None and not self.members and not any(env.seats for env in self.environments)
+
+    @property
     def learner(self) -> Target:
         return self.targets[LEARNER]
 
