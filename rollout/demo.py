@@ -11,7 +11,7 @@ part of the run and still draws a curve; ``--eval-interval``) and the last answe
 last batch's reward and the eval accuracy; the summary gives eval accuracy and training reward by revision,
 the trainer-inference logprob mismatch, step and reload times, and what to run next.
 
-    rollout demo                      # vLLM + SmolLM2-135M-Instruct, ~10 minutes on 2 cores
+    rollout demo                      # vLLM + SmolLM2-135M-Instruct, ~5 minutes on 2 cores
     rollout demo --policy tiny        # the byte-level GRU and its local server: the fast loop (~1 minute)
 """
 
