@@ -280,6 +280,7 @@ def load_plan(args):
 
 async def _run(settings, args, run: str, prefix: str) -> int:
     from consumers.trainer import initial_revision
+    from policy.compute import computed
     from rollout.cores import choose, pin_this_process, split_cores, vllm_bind
     from streams.local_broker import free_port
 
@@ -307,7 +308,7 @@ async def _run(settings, args, run: str, prefix: str) -> int:
             from producers.vllm_server import VllmServer
 
             progress.phase = "preparing the model"
-            rev0 = await asyncio.to_thread(initial_revision, family, ckdir, run_id=run, served=served)
+            rev0 = await computed(initial_revision, family, ckdir, run_id=run, served=served)
             url = args.vllm_url
             if url is None:
                 port = args.vllm_port or free_port()

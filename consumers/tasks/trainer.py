@@ -8,16 +8,14 @@ arrives.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 from consumers.service import TaskDefaults, TaskFactory, dead_letter, decode
 from consumers.settings import DEFAULT_STATE_EVERY, MICRO_BATCH_TOKENS, ServiceSettings
+from policy.compute import computed
 from schemas import codec
 from schemas.batch import stale_reason
 from schemas.errors import EventDecodeError
@@ -28,14 +26,6 @@ from streams.records_at import records_at
 from streams.revisions import latest_revision, publish
 from streams.transactions import Out
 
-COMPUTE = ThreadPoolExecutor(1, thread_name_prefix="trainer")
-"""The one thread the trainers of this process compute on (off the event loop, whose heartbeats keep every service
-of the process in its consumer group). Not the loop's default executor: torch's OpenMP team and glibc's heap arena
-belong to the thread that runs the work, and a step hopping between those threads gave each its own."""
-
-
-async def _computed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(COMPUTE, functools.partial(fn, *args, **kwargs))
 
 if TYPE_CHECKING:
     from consumers.trainer import ReferenceTrainer, TrainStep
@@ -200,16 +190,17 @@ class TrainerTask(TaskDefaults):
             return [dead_letter(rec, NAME, "CrossFamilyMixError",
                                 f"batch {batch.batch_id} is {batch.family!r}; this trainer trains {self.family!r}")]
         committed = await self._committed_batches()
-        # loading the model, taking over and training take seconds to minutes on a busy CPU: on ``COMPUTE``
-        trainer = await _computed(self._ensure, batch, committed)
-        step, refused, stats = await _computed(self._train, trainer, batch)
+        # loading the model, taking over and training take seconds to minutes on a busy CPU: on the process's one
+        # torch thread (``policy.compute``)
+        trainer = await computed(self._ensure, batch, committed)
+        step, refused, stats = await computed(self._train, trainer, batch)
         outs = [dead_letter(rec, NAME, "StaleRecordError", why, batch.run_id, raw=codec.encode(r)) for r, why in refused]
         self.refused += len(outs)
         if step is None:
             log.warning("refused a whole batch", extra={"fields": {"service": NAME, "batch_id": batch.batch_id,
                                                                    "holds": trainer.revision}})
             return outs
-        rev = await _computed(trainer.publish, run_id=batch.run_id, producer=self.producer, metrics=stats,
+        rev = await computed(trainer.publish, run_id=batch.run_id, producer=self.producer, metrics=stats,
                               batch=batch)
         log.info("trained", extra={"fields": {"service": NAME, "revision": rev.revision, "batch_id": batch.batch_id,
                                               "batch_target": batch.target.revision, **stats}})
