@@ -137,8 +137,9 @@ class VllmServer:
                "--served-model-name", *self.served_names(), "--dtype", self.dtype,
                "--max-model-len", str(self.max_model_len), "--host", self.host, "--port", str(self.port),
                "--disable-uvicorn-access-log"]
-        if self.kv_cache_bytes is not None:
-            cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        kv = self.kv_cache_bytes  # reads the model's config: once
+        if kv is not None:
+            cmd += ["--kv-cache-memory-bytes", str(kv)]
         if not self.compile:
             cmd.append("--enforce-eager")
         return cmd + list(self.extra_args)

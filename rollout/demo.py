@@ -343,7 +343,7 @@ async def _run(settings, args, run: str, prefix: str) -> int:
         else:
             from policy.checkpoint import checkpoint_path
 
-            rev0 = initial_revision(family, ckdir, seed=0, run_id=run)
+            rev0 = await computed(initial_revision, family, ckdir, seed=0, run_id=run)
             arena_args = ["--policy", "local", "--policy-port", str(free_port()),
                           "--checkpoint", str(checkpoint_path(rev0.checkpoint))]
         rc, summary = await _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress,

@@ -26,7 +26,6 @@ from streams.records_at import records_at
 from streams.revisions import latest_revision, publish
 from streams.transactions import Out
 
-
 if TYPE_CHECKING:
     from consumers.trainer import ReferenceTrainer, TrainStep
 
