@@ -32,6 +32,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_KEEP_CHECKPOINTS = 4  # a demo run writes one checkpoint per revision (270 MB each for SmolLM2): keep the newest
+RUNS_DIR = ROOT / ".state" / "demo"  # one folder per run: vllm.log and checkpoints/
+KEEP_RUNS = 5  # run folders kept (~1 GB each for SmolLM2: DEMO_KEEP_CHECKPOINTS checkpoints); older ones removed
 
 
 @dataclass(frozen=True)
@@ -68,11 +70,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="give up on the arena after this many seconds (default 3600: the default run took 22 min "
                         "on 2 AVX2-only cores, where the trainer runs in float32)")
+    add_loop_flags(p)
+    p.add_argument("--no-progress", action="store_true", help="no live progress line")
+    p.set_defaults(func=cmd_demo)
+
+
+def add_loop_flags(p: argparse.ArgumentParser) -> None:
+    """The flags every whole-loop command (demo, rl) shares."""
     add_model_flag(p)
     add_eval_interval_flag(p)
     add_cores_flag(p)
-    p.add_argument("--no-progress", action="store_true", help="no live progress line")
-    p.set_defaults(func=cmd_demo)
+    p.add_argument("--keep-runs", type=_positive, default=KEEP_RUNS, metavar="N",
+                   help=f"keep the folders (checkpoints, vLLM log) of the newest N runs under {RUNS_DIR}, this one "
+                        f"included, and remove older ones when a run starts (default {KEEP_RUNS}; their logs stay "
+                        "in Kafka: replay and audit need no checkpoint, `rollout derive` from a removed revision "
+                        "says so)")
 
 
 def add_cores_flag(p: argparse.ArgumentParser) -> None:
@@ -137,6 +149,33 @@ def run_loop(args: argparse.Namespace, command: str) -> int:
     except (ModelUnavailable, VllmStartError, PlanError, PlanRefused, EnvironmentUnavailable) as e:
         print(f"rollout {command}: error: {e}", file=sys.stderr)
         return 1
+
+
+def _retain_runs(runs_dir: Path, keep: int) -> None:
+    """Remove the run folders older than the newest ``keep``: a run leaves ~1 GB of checkpoints, and a machine that
+    runs the loop every day would otherwise fill its disk."""
+    import shutil
+
+    if not runs_dir.is_dir():
+        return
+    old = sorted((d for d in runs_dir.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime, reverse=True)[keep:]
+    if not old:
+        return
+    size = sum(f.stat().st_size for d in old for f in d.rglob("*") if f.is_file())
+    for d in old:
+        shutil.rmtree(d, ignore_errors=True)
+    print(f"removed {len(old)} older run folder(s) from {runs_dir} ({size / 1e9:.1f} GB; --keep-runs)", flush=True)
+
+
+def _drop_training_states(ckdir: Path) -> None:
+    """A finished run's training states (AdamW moments, 1.7 GB for SmolLM2): only a take-over reads them, and a
+    finished run has none; its checkpoints stay (``rollout derive`` forks from them)."""
+    import shutil
+
+    from consumers.trainer import TRAINING_STATE_SUFFIX
+
+    for d in ckdir.glob(f"*{TRAINING_STATE_SUFFIX}"):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def context_length(plan, model_dir: Path) -> int:
@@ -288,7 +327,8 @@ async def _run(settings, args, run: str, prefix: str) -> int:
     kw = settings.client_kwargs()
     plan, served = await asyncio.to_thread(load_plan, args)
     family = plan.family
-    rundir = ROOT / ".state" / "demo" / run
+    rundir = RUNS_DIR / run
+    _retain_runs(RUNS_DIR, args.keep_runs - 1)
     ckdir = rundir / "checkpoints"
     print(f"run {run}: topics {prefix}*, checkpoints {ckdir}, plan {args.plan} (family {family}, "
           f"group_size {plan.group_size}, batch_size {plan.batch_size}, max_off_policy_steps "
@@ -358,6 +398,8 @@ async def _run(settings, args, run: str, prefix: str) -> int:
             metrics.close()
         if vllm is not None:
             await vllm.stop()
+    if rc == 0:
+        _drop_training_states(ckdir)
     summary["seconds"] = round(time.monotonic() - t0, 1)
     summary["cores"] = cores
     _print_summary(summary)
@@ -437,7 +479,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
         print(arena_out[-3000:], file=sys.stderr)
         rc = 1
         if vllm_exited():
-            print(f"rollout demo: vLLM exited during the run; its log: {ROOT / '.state' / 'demo' / run / 'vllm.log'}",
+            print(f"rollout demo: vLLM exited during the run; its log: {RUNS_DIR / run / 'vllm.log'}",
                   file=sys.stderr)
     summary = await _summary(kw, progress, arena_stats or {})
     summary.update(run=run, topic_prefix=prefix, policy=args.policy, arena_s=round(time.monotonic() - t0, 1),

@@ -21,14 +21,12 @@ DEFAULT_MAX_STEPS = 20   # trained revisions when the recipe sets no max_steps
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from rollout.demo import add_cores_flag, add_eval_interval_flag, add_model_flag
+    from rollout.demo import add_loop_flags
 
     p = sub.add_parser("rl", help="run a prime-rl recipe's whole loop: environments by id, vLLM, services, trainer",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", nargs="+", metavar="[@] RECIPE", help="the recipe TOML (prime-rl's `@` is accepted)")
-    add_model_flag(p)
-    add_eval_interval_flag(p)
-    add_cores_flag(p)
+    add_loop_flags(p)
     p.add_argument("--max-steps", type=int, help="trained revisions before the run stops (default: the recipe's "
                                                  f"max_steps, else {DEFAULT_MAX_STEPS})")
     p.add_argument("--lr", type=float, help=f"learning rate (default: the recipe's trainer.optim.lr, else {DEFAULT_LR})")

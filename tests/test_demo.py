@@ -68,6 +68,9 @@ def test_demo_on_vllm_trains_serves_and_evaluates_revisions(kafka_bootstrap, vll
     measured = [m["mismatch_mean"] for m in s["trainer_metrics_by_revision"].values() if "mismatch_mean" in m]
     # 0.0 is possible: a CPU without fast bf16 kernels trains and serves in float32 with the same torch kernels
     assert measured and all(0 <= x < 0.5 for x in measured) and max(measured) > 0, measured
+    # the finished run keeps its checkpoints (derive forks from them), not its training states (no take-over comes)
+    ckdir = ROOT / ".state" / "demo" / s["run"] / "checkpoints"
+    assert list(ckdir.glob("*/model.safetensors")) and not list(ckdir.glob("*.train")), list(ckdir.iterdir())
     # the run is found with no prefix set, replays, and audits clean: every Step's revision is on the log
     db = tmp_path / "run.duckdb"
     for cmd in (["replay", "--db", str(db), "--run", s["run"]], ["audit", "--db", str(db), "--format", "json"]):
