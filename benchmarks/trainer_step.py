@@ -153,6 +153,12 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
 
     timed(trainer, "_epoch", "forward_backward")
     timed(trainer, "mismatch", "mismatch")
+    import consumers.trainer as trainer_module
+
+    waits = getattr(trainer_module, "wait_for_training_states", None)
+    if waits is not None:  # written in the background: timed whole here, not its overlap with the next step
+        background = trainer._save_training_state
+        trainer._save_training_state = lambda ref: (background(ref), waits())[0]
     timed(trainer, "_save_training_state", "training_state")
     kind = trainer.kind
     save = kind.save

@@ -131,15 +131,16 @@ def full_state(model: torch.nn.Module, group: Group | None) -> dict[str, torch.T
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def _local_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+def local_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's weights and optimizer state by name: the tensors themselves, not copies."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
 
 
-def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path, tmp: Path, *, writer: bool) -> None:
-    """The model's and optimizer's state as a torch.distributed.checkpoint folder: each rank writes its own shards
-    into ``tmp`` (collective in a group; one name for the group, the writer's process id in it, so a fenced trainer
+def save_sharded(state: dict[str, Any], path: Path, tmp: Path, *, writer: bool) -> None:
+    """A model's and optimizer's ``local_state`` as a torch.distributed.checkpoint folder: each rank writes its own
+    shards into ``tmp`` (collective in a group; one name for the group, the writer's process id in it, so a fenced trainer
     and its successor never write into one folder). ``writer`` (rank 0, or the only process) flushes it to the disk
     and moves it in whole."""
     import torch.distributed.checkpoint as dcp
@@ -148,12 +149,17 @@ def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path,
 
     if writer:  # before the save's first collective: no rank writes a shard into it until then
         shutil.rmtree(tmp, ignore_errors=True)
-    dcp.save(_local_state(model, opt), checkpoint_id=tmp, no_dist=not dist.is_initialized())
-    if writer:
-        fsync_tree(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+    try:
+        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        if writer:
+            fsync_tree(tmp)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+    except BaseException:
+        if writer:  # a full disk: the part written is freed, not left beside the checkpoints
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def load_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
@@ -161,7 +167,7 @@ def load_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    state = _local_state(model, opt)
+    state = local_state(model, opt)
     dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optimizer"])

@@ -172,8 +172,9 @@ def _drop_training_states(ckdir: Path) -> None:
     finished run has none; its checkpoints stay (``rollout derive`` forks from them)."""
     import shutil
 
-    from consumers.trainer import TRAINING_STATE_SUFFIX
+    from consumers.trainer import TRAINING_STATE_SUFFIX, wait_for_training_states
 
+    wait_for_training_states()  # one may still be being written
     for d in ckdir.glob(f"*{TRAINING_STATE_SUFFIX}"):
         shutil.rmtree(d, ignore_errors=True)
 
@@ -409,11 +410,12 @@ async def _run(settings, args, run: str, prefix: str) -> int:
 
 async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress,
                 vllm_exited=lambda: False, server_up: asyncio.Future | None = None) -> tuple[int, dict]:
-    """Topics, revision 0 and the services up (while ``server_up``, the inference server's start, runs), then the
-    arena to its end, then the services drained; the summary."""
+    """Topics, revision 0, the services and the arena up (while ``server_up``, the inference server's start, runs;
+    the arena waits for it to answer), then the arena to its end, then the services drained; the summary."""
     from consumers import settings as service_settings
     from consumers.registry import SERVICES
     from consumers.runner import System
+    from producers.vllm_server import STARTUP_TIMEOUT_S
     from streams import topics
     from streams.revisions import publish
 
@@ -429,19 +431,21 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
         stop_tail = asyncio.Event()
         tail = asyncio.create_task(_tail(kw, progress, stop_tail))
         env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
-        if server_up is not None:
-            progress.phase = "services up; waiting for vLLM"
-            await server_up
-        progress.phase = "generating and training"
         t0 = time.monotonic()
+        # the arena starts (imports, environments, the broker) while the server does, and waits for it to answer
         arena = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "rollout.cli", "arena", args.plan, "--groups", str(args.groups), "--follow-revisions",
             "--evaluate", "--await-final-revision", "900", "--no-progress", "--run-id", run, *arena_args,
             *(["--eval-interval", str(args.eval_interval)] if args.eval_interval else []),
+            *(["--await-servers", str(STARTUP_TIMEOUT_S)] if server_up is not None else []),
             cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         out = b""
         rc = 0
         try:
+            if server_up is not None:
+                progress.phase = "services up; waiting for vLLM"
+                await server_up
+            progress.phase = "generating and training"
             out, _ = await asyncio.wait_for(arena.communicate(), args.timeout)
             progress.phase = f"arena finished (rc {arena.returncode}); draining the services"
             from consumers.status import service_lag
@@ -467,6 +471,11 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
             arena.kill()
             rc = 1
             print(f"rollout demo: the arena did not finish within {args.timeout:.0f}s (--timeout)", file=sys.stderr)
+        except BaseException:  # vLLM did not start, or this was cancelled: no arena is left behind
+            if arena.returncode is None:
+                arena.kill()
+                await arena.wait()
+            raise
         finally:
             stop_tail.set()
             await asyncio.gather(tail, return_exceptions=True)

@@ -11,7 +11,8 @@ import torch
 
 from consumers import testing
 from consumers.tasks.trainer import TrainerTask
-from consumers.trainer import TRAINING_STATE_SUFFIX, ReferenceTrainer, initial_revision, to_tensors
+from consumers.trainer import (TRAINING_STATE_SUFFIX, ReferenceTrainer, initial_revision, to_tensors,
+                               wait_for_training_states)
 from policy.checkpoint import file_sha256, load_checkpoint
 from policy.model import PolicyModel, token_logprobs
 from schemas.batch import assemble_batch
@@ -209,7 +210,9 @@ def test_nothing_a_take_over_may_need_is_removed_before_the_commit_that_supersed
     def names(rs, suffix=".pt") -> list[str]:
         return [Path(r.checkpoint.uri).name.replace(".pt", suffix) for r in rs]
 
+    wait_for_training_states()  # r4's is written in the background
     assert listed() == names(revs) and listed(TRAINING_STATE_SUFFIX) == names(revs[1::2], TRAINING_STATE_SUFFIX)
+    assert trainer.last_state() == (4, revs[-1].checkpoint)
     trainer.prune(4, 4)
     assert listed() == names(revs[-2:]) and listed(TRAINING_STATE_SUFFIX) == names(revs[-1:], TRAINING_STATE_SUFFIX)
     assert not list((tmp_path / "ck").glob("*.tmp*"))  # every temporary folder moved in whole
@@ -258,11 +261,15 @@ async def test_an_org_slash_name_family_trains_with_flat_checkpoints_found_verif
     assert all(r.batch_id.startswith(f"{HF_FAMILY}-r{r.revision - 1}-") for r in revs)
     # flat: no folder per org; r0 (not written by this trainer) kept, r1 and r2 pruned, r3 and r4 kept
     names = [f"org--tiny-byte-lm-r{r.revision:06d}-{r.checkpoint.digest[:12]}" for r in (rev0, *revs)]
+    # training states every 2, written in the background: r2's, on the disk when r3 committed, is the one the last
+    # commit names; r4's, written after the last commit, is named by none yet
+    assert task.base["revision"] == 2 and [o for _, o in task.since] == [2, 3]
+    wait_for_training_states()
     assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))
             if TRAINING_STATE_SUFFIX + "/" not in p.as_posix()] == [
-        "run", "run/checkpoints", f"run/checkpoints/{names[0]}.pt",
+        "run", "run/checkpoints", f"run/checkpoints/{names[0]}.pt", f"run/checkpoints/{names[2]}{TRAINING_STATE_SUFFIX}",
         f"run/checkpoints/{names[3]}.pt", f"run/checkpoints/{names[4]}.pt",
-        f"run/checkpoints/{names[4]}{TRAINING_STATE_SUFFIX}"]  # training states every 2: r4's, committed
+        f"run/checkpoints/{names[4]}{TRAINING_STATE_SUFFIX}"]
     for r in revs[-2:]:
         path = checkpoint_path(r.checkpoint)
         assert path.parent == ck.resolve() and file_sha256(path) == r.checkpoint.digest
@@ -321,6 +328,7 @@ def test_an_org_slash_name_family_of_a_transformers_model_writes_one_folder_per_
         assert rev.family == fam
     # after the commit of r2, keep_checkpoints=1 keeps two: r1 is what a pipelined batch's tokens came from (its
     # mismatch is measured on it); r2's training state is the committed one
+    wait_for_training_states()
     trainer.prune(2, 2)
     names = [f"org--tiny-llama-r{n:06d}-{ref.digest[:12]}" for n, ref in enumerate((ref0, *refs))]
     assert sorted(p.name for p in ck.iterdir()) == [names[0], names[1], names[2],
@@ -533,3 +541,40 @@ def json_roundtrip(state):
     import json
 
     return json.loads(json.dumps(state))
+
+
+async def test_a_training_state_the_disk_refuses_is_named_by_no_commit_and_training_goes_on(tmp_path, monkeypatch,
+                                                                                           caplog):
+    """The background write of r1's training state fails (a full disk, ENOSPC): the error is logged, no commit
+    names that state (the batches since the last one stay listed, for a take-over to train again), the trainer
+    trains on, and the next state (r2's) is written and named."""
+    import errno
+
+    import consumers.trainer as trainer_module
+    from schemas import codec
+
+    rev0 = initial_revision("tiny", tmp_path / "r0", seed=0)
+    real, calls = trainer_module.save_sharded, []
+
+    def full_once(*args, **kw):
+        calls.append(args[1])
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(trainer_module, "save_sharded", full_once)
+    task = TrainerTask(0, "tiny", tmp_path / "ck", state_every=1, target_checkpoint=lambda t: rev0.checkpoint)
+    target = rev0
+    for k in range(3):
+        recs = [testing.training_record(10 * k + i, revision_=k, reward=float(i % 2)) for i in range(4)]
+        outs = await task.process(_Rec(k, codec.encode(batch_of(recs, target)), key=b"tiny"))
+        task.committed()
+        target = outs[-1].event
+        if k == 1:  # r1's write failed (seen at r2's optimizer step): the base is still r0, both batches listed
+            assert task.base.get("fresh") and [o for _, o in task.since] == [0, 1]
+    assert target.revision == 3
+    assert "the training state of revision 1 was not written (OSError" in caplog.text
+    # r2's state was on the disk when r3 committed: named, with r3's batch after it
+    assert task.base["revision"] == 2 and [o for _, o in task.since] == [2]
+    wait_for_training_states()
+    assert len(calls) == 3 and not list((tmp_path / "ck").glob(".train-*"))  # no half-written folder left

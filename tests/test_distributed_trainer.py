@@ -105,6 +105,9 @@ def test_a_training_state_written_before_states_were_sharded_still_resumes(tmp_p
     torch.save({"revision": 1, "model": old.model.state_dict(), "optimizer": old.opt.state_dict()}, legacy)
     import shutil
 
+    from consumers.trainer import wait_for_training_states
+
+    wait_for_training_states()  # the sharded one publish started, gone: only the legacy file is left
     shutil.rmtree(old.training_state_path(rev.checkpoint))
     new = open_trainer(ref=rev.checkpoint, revision=1, family=family, checkpoint_dir=str(tmp_path / "old"), lr=1e-2)
     assert isinstance(new, ReferenceTrainer) and new.load_training_state(rev.checkpoint)

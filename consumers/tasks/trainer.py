@@ -44,8 +44,9 @@ class TrainerTask(TaskDefaults):
     trains further off-policy than the plan allows. Nothing is buffered: a batch is trained when it arrives.
 
     The state committed with each revision names the revision (its checkpoint and digest), the last training
-    state written (every ``state_every`` revisions; at first, the weights the run started from with a fresh
-    optimizer) and the offsets of the batches trained after it. A take-over loads that training state, reads those
+    state on the disk (one is written every ``state_every`` revisions, in the background: named from the first
+    commit after it is flushed; at first, the weights the run started from with a fresh optimizer) and the offsets
+    of the batches trained after it. A take-over loads that training state, reads those
     batches back from the log and trains them again (``records_at``), and checks it reached the committed
     revision's served weights (``ReferenceTrainer.settle``): the log, not a state written every step, makes the
     optimizer durable. Files a take-over may need are removed only once a commit names newer ones (``committed``).
@@ -204,10 +205,12 @@ class TrainerTask(TaskDefaults):
         log.info("trained", extra={"fields": {"service": NAME, "revision": rev.revision, "batch_id": batch.batch_id,
                                               "batch_target": batch.target.revision, **stats}})
         self.current = {"revision": rev.revision, "checkpoint": rev.checkpoint.model_dump(mode="json")}
-        if rev.revision % trainer.state_every == 0:  # publish wrote its training state
-            self.base, self.since = {"revision": rev.revision, "checkpoint": self.current["checkpoint"]}, []
-        else:
-            self.since.append([rec.topic, rec.offset])
+        self.since.append([rec.topic, rec.offset])
+        state = trainer.last_state()  # on the disk: a state still being written is named by a later commit
+        if state is not None and (not self.base or self.base.get("fresh") or state[0] > int(self.base["revision"])):
+            at, ref = state
+            self.base = {"revision": at, "checkpoint": ref.model_dump(mode="json")}
+            self.since = self.since[len(self.since) - (rev.revision - at):] if rev.revision > at else []
         return outs + [Out(topics.POLICY_REVISIONS.name, rev)]
 
 
