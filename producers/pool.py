@@ -39,6 +39,24 @@ def server_root(base_url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
+async def await_servers(urls: Sequence[str], timeout_s: float, every_s: float = 0.25) -> list[str]:
+    """Wait until every server answers ``GET /health`` (the pool's own test: any status below 500), at most
+    ``timeout_s``: an arena started beside servers still loading (a demo's vLLM, a pod's sidecar) admits nothing
+    before they can answer. The ones still silent at the end."""
+    silent = list(urls)
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as http:
+        while silent:
+            for url in list(silent):
+                with suppress(httpx.HTTPError):
+                    if (await http.get(server_root(url) + "/health")).status_code < 500:
+                        silent.remove(url)
+            if not silent or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(every_s)
+    return silent
+
+
 @dataclass
 class Server:
     url: str

@@ -60,6 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--await-final-revision", type=float, default=0.0, metavar="SECONDS",
                    help="after the last group, wait up to this long for the revision trained on the last batch "
                         "(and its evaluation) before exiting")
+    p.add_argument("--await-servers", type=float, default=0.0, metavar="SECONDS",
+                   help="before admitting anything, wait up to this long for every learner server to answer GET "
+                        "/health (started beside servers still loading); exit 1 naming the ones that did not "
+                        "(default 0: no wait, a server down is taken out of the pool)")
     p.add_argument("--admission-lease-s", type=float, default=600.0, metavar="SECONDS",
                    help="a group not fully emitted this long after its claim may be released by any arena "
                         "(longer than a group takes; default 600)")
@@ -182,6 +186,14 @@ async def _main(args: argparse.Namespace) -> int:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         from producers.weights import WeightLoadError
 
+        if args.await_servers > 0:
+            from producers.pool import await_servers
+
+            silent = await await_servers(urls or plan.learner.base_urls, args.await_servers)
+            if silent:
+                print(f"rollout arena: error: no answer from {', '.join(silent)} within {args.await_servers:.0f}s "
+                      "(--await-servers): is the server started, and on that address?", file=sys.stderr)
+                return 1
         async with arena:
             try:
                 stats = await arena.run(num_groups=args.groups or None, stop=stop)

@@ -21,7 +21,7 @@ from policy.hf import FAMILY, prepare_model
 from producers.arena import Arena
 from producers.inference import InferenceClient, InferenceUnavailable
 from producers.policy_server import PolicyServer
-from producers.pool import InferencePool, server_root
+from producers.pool import InferencePool, await_servers, server_root
 from producers.vllm_server import CPU_CLIENT_OPTIONS, VllmServer
 from producers.weights import LocalPolicyWeights, PoolWeights, RevisionRefused, VllmWeights, WeightLoadError
 from schemas.events import ChatMessage
@@ -66,6 +66,31 @@ def _revision(tmp_path, revision: int, digest: str | None = None) -> PolicyRevis
 
 async def _calls(client: InferenceClient, n: int) -> list:
     return await asyncio.gather(*(client.chat(MSG, sampling={"max_tokens": 8}, seed=i) for i in range(n)))
+
+
+async def test_an_arena_awaits_servers_still_starting_and_names_the_silent_ones():
+    """``await_servers`` (``rollout arena --await-servers``): a server that starts answering 0.6 s later is waited
+    for; one that never answers is named when the time is up."""
+    from streams.local_broker import free_port
+
+    late = PolicyServer(port=free_port())
+    silent = f"http://127.0.0.1:{free_port()}/v1"
+
+    async def start_late():
+        await asyncio.sleep(0.6)
+        await late.start()
+
+    starting = asyncio.create_task(start_late())
+    try:
+        t0 = time.monotonic()
+        assert await await_servers([late.base_url], timeout_s=30) == []
+        assert 0.5 < time.monotonic() - t0 < 10 and starting.done()
+        t0 = time.monotonic()
+        assert await await_servers([late.base_url, silent], timeout_s=0.5) == [silent]
+        assert time.monotonic() - t0 >= 0.5
+    finally:
+        await starting
+        await late.stop()
 
 
 async def test_a_server_back_from_the_dead_loads_the_current_revision_before_it_serves(tmp_path):
