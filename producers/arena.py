@@ -73,6 +73,7 @@ import logging
 import random
 import time
 from contextlib import asynccontextmanager
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -368,11 +369,18 @@ class ArenaStats:
     evaluations: int = 0  # held-out rollouts (counted here, not in rollouts)
     evaluated_revisions: list[int] = field(default_factory=list)
     eval_s: float = 0.0  # wall seconds with an evaluation running (training rollouts in flight continue beside it)
+    failure_reasons: Counter = field(default_factory=Counter)  # failed rollouts by reason (its first line, cut)
+    failed_groups_in_a_row: int = 0  # training groups whose every rollout failed, since the last that did not
     started: float = field(default_factory=time.monotonic)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "started"} | {
             "elapsed_s": round(time.monotonic() - self.started, 3), "eval_s": round(self.eval_s, 3)}
+
+
+class RunFailing(RuntimeError):
+    """Every rollout of the last ``max_failed_groups`` training groups failed: nothing trainable is coming, so the
+    arena stops instead of waiting for a revision that cannot be trained."""
 
 
 class Arena:
@@ -384,15 +392,17 @@ class Arena:
                  client_options: Mapping[str, Any] | None = None, manage_emitter: bool = True,
                  evaluate: bool = False, eval_sampling: Mapping[str, Any] | None = None,
                  admissions: MemoryLedger | None = None, admission_lease_s: float = 600.0,
-                 arena_id: str | None = None, eval_environments: Sequence[tuple[Any, Environment]] | None = None
-                 ) -> None:
+                 arena_id: str | None = None, eval_environments: Sequence[tuple[Any, Environment]] | None = None,
+                 max_failed_groups: int = 8) -> None:
         """``policy_base_url``: the learner's server, or several (a pool: ``producers.pool``), when the plan's
         learner names none. ``weights``: what loads a revision into one of them (``VllmWeights``,
         ``LocalPolicyWeights``: called with each server's URL); "auto": the local policy server's loader when the
         learner is this arena's own endpoint; None: the arena loads nothing. ``arena_id``: this arena among the
         run's many (its claims on the admissions ledger; default ``default_arena_id``). ``producer_name`` is what
-        its events say produced them."""
+        its events say produced them. ``max_failed_groups``: stop (``RunFailing``) after this many training groups
+        in a row whose every rollout failed (0: never)."""
         self.plan = plan
+        self.max_failed_groups = max_failed_groups
         # keyed by the source's name: two sources of one environment (different args, ratios) stay two
         self.env_specs = {spec.display_name: spec for spec in getattr(plan, "environments", []) or []}
         if environments is None:
@@ -665,38 +675,53 @@ class Arena:
         else:
             self.stats.rollouts += 1
         self.stats.failed += status == "failed"
+        if failure:
+            self.stats.failure_reasons[failure.splitlines()[0][:160]] += 1
         self.stats.truncated += status == "truncated"
         return GenerateResult(rollout=rollout, steps=ctx.steps, children=list(state.children))
 
     async def _run_and_emit(self, req: EpisodeRequest, sem: asyncio.Semaphore,
-                            results: list[GenerateResult] | None, claim_id: str | None = None) -> bool:
-        """Whether the rollout is on the log. A rollout of a claim another arena released meanwhile (this one
-        was frozen past its lease) is not emitted: its capacity went to another group."""
+                            results: list[GenerateResult] | None, claim_id: str | None = None) -> str | None:
+        """The status of the rollout on the log; None when it is not on it. A rollout of a claim another arena
+        released meanwhile (this one was frozen past its lease) is not emitted: its capacity went to another
+        group."""
         try:
             result = await self.run_rollout(req)
             if claim_id is not None and not await self.pacer.held(claim_id):
                 log.warning("rollout %s not emitted: its group's admission claim %s was released while this arena "
                             "was not renewing it (frozen or cut off for over %gs)", req.rollout_id, claim_id,
                             self.pacer.lease_s)
-                return False
+                return None
             await self.emitter.emit(result)
             if results is not None:
                 results.append(result)
-            return True
+            return result.rollout.status
         except BaseException as e:  # noqa: BLE001 - emission failures stop the arena
             if self._fatal is None:
                 self._fatal = e
-            return False
+            return None
         finally:
             sem.release()
 
     async def _close_claim(self, claim_id: str, rollouts: list[asyncio.Task]) -> None:
-        """Done once every rollout of the group is on the log; released (capacity back) if one never will be."""
-        emitted = await asyncio.gather(*rollouts)
-        if all(emitted):
+        """Done once every rollout of the group is on the log; released (capacity back) if one never will be.
+        A group whose every rollout failed counts towards ``max_failed_groups``; one that did not resets it."""
+        statuses = await asyncio.gather(*rollouts)
+        if all(s is not None for s in statuses):
             await self.pacer.done(claim_id)
         elif self.pacer.book.held(claim_id):
-            await self.pacer.release(claim_id, f"abandoned: {sum(not e for e in emitted)} rollouts not emitted")
+            await self.pacer.release(claim_id, f"abandoned: {sum(s is None for s in statuses)} rollouts not "
+                                               "emitted")
+        if statuses and all(s == "failed" for s in statuses):
+            self.stats.failed_groups_in_a_row += 1
+        elif any(s is not None for s in statuses):
+            self.stats.failed_groups_in_a_row = 0
+        n = self.stats.failed_groups_in_a_row
+        if self.max_failed_groups and n >= self.max_failed_groups and self._fatal is None:
+            reasons = "; ".join(f"{k} (x{c})" for k, c in self.stats.failure_reasons.most_common(3))
+            self._fatal = RunFailing(f"every rollout of the last {n} groups failed, so nothing can be trained: "
+                                     f"stopping (--max-failed-groups). Most frequent reasons: {reasons}")
+            await self.pacer.abort(self._fatal)
 
     async def generate(self, requests: Sequence[EpisodeRequest]) -> list[GenerateResult]:
         """Run the given requests (bounded concurrency, no pacing), emit each, return the results."""

@@ -64,6 +64,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="before admitting anything, wait up to this long for every learner server to answer GET "
                         "/health (started beside servers still loading); exit 1 naming the ones that did not "
                         "(default 0: no wait, a server down is taken out of the pool)")
+    p.add_argument("--max-failed-groups", type=int, default=8, metavar="N",
+                   help="stop, exit 1 and name the most frequent reasons when every rollout of N training groups in "
+                        "a row failed (a server that refuses every call, an environment that always raises): "
+                        "nothing could be trained, and a loop would wait for a revision for ever (default 8; 0: "
+                        "never)")
     p.add_argument("--admission-lease-s", type=float, default=600.0, metavar="SECONDS",
                    help="a group not fully emitted this long after its claim may be released by any arena "
                         "(longer than a group takes; default 600)")
@@ -91,7 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 async def _main(args: argparse.Namespace) -> int:
     import json
 
-    from producers.arena import Arena, default_arena_id
+    from producers.arena import Arena, RunFailing, default_arena_id
     from streams.admissions import KafkaLedger
     from streams.revisions import RevisionFollower
     from producers.emitter import KafkaEmitter
@@ -175,7 +180,8 @@ async def _main(args: argparse.Namespace) -> int:
                       run_id=run_id, revisions=follower, seed=args.seed,
                       weights=weights, evaluate=args.evaluate, client_options=client_options,
                       admissions=KafkaLedger(settings.client_kwargs()), admission_lease_s=args.admission_lease_s,
-                      arena_id=arena_id, producer_name=f"arena-{arena_id}")
+                      arena_id=arena_id, producer_name=f"arena-{arena_id}",
+                      max_failed_groups=args.max_failed_groups)
         from producers.metrics import arena_samples, endpoint, policy_server_samples, vllm_samples
 
         metrics = endpoint("arena", args.metrics_port, ("arena", lambda: arena_samples(arena, emitter)),
@@ -199,6 +205,10 @@ async def _main(args: argparse.Namespace) -> int:
                 stats = await arena.run(num_groups=args.groups or None, stop=stop)
             except WeightLoadError as e:  # every admitted rollout is on the log (failed ones with the reason)
                 print(f"rollout arena: error: admission stopped: {e}", file=sys.stderr)
+                return 1
+            except RunFailing as e:  # every rollout of it is on the log, failed, with its reason
+                print(f"rollout arena: error: {e}", file=sys.stderr)
+                print(json.dumps({"run_id": run_id, "plan": args.plan, **arena.stats.as_dict()}))
                 return 1
             awaited: dict = {}
             if args.await_final_revision > 0 and follower is not None and arena.last_revision is not None \
