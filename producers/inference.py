@@ -34,6 +34,14 @@ from schemas.events import ChatMessage, ToolCall
 from schemas.policy import PolicyRef
 
 
+def _hint(refusal: str) -> str:
+    """What to do about a refusal whose cure is in the recipe."""
+    if "--enable-auto-tool-choice" in refusal or "--tool-call-parser" in refusal:
+        return (" (the environment calls tools: name the model's parser in the recipe, [inference.vllm] "
+                "tool_call_parser = \"hermes\" or another vLLM parser, and the vLLM a run starts gets it)")
+    return ""
+
+
 class InferenceError(Exception):
     """A model call that did not produce a usable completion."""
 
@@ -198,7 +206,7 @@ class InferenceClient:
                         retry_after = r.headers.get("retry-after")
                         self.pool.failed(server, last, take_out=r.status_code != 429)  # 429: busy, not broken
                     else:
-                        raise InferenceRequestError(f"HTTP {r.status_code} from {url}: {snippet}")
+                        raise InferenceRequestError(f"HTTP {r.status_code} from {url}: {snippet}{_hint(snippet)}")
                 failed = server
             if attempt < self.max_attempts:
                 if server is not None and not server.up and any(s.up for s in self.pool.servers):

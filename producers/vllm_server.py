@@ -61,6 +61,50 @@ def kv_cache_bytes(model_dir: str | os.PathLike, max_model_len: int, sequences: 
     return max(one + one // 4, min(KV_CACHE_MAX_BYTES, one * sequences))
 
 
+# prime-rl's "auto" parsers (``prime_rl.utils.parsers`` at 559b447): the served model's name, first match wins
+TOOL_CALL_PARSERS = [
+    (r"^arcee-ai/Trinity-Large-Thinking", "qwen3_coder"), (r"^arcee-ai/Trinity-", "hermes"),
+    (r"^deepseek-ai/DeepSeek-V3\.2", "deepseek_v32"), (r"^deepseek-ai/DeepSeek-V3\.1", "deepseek_v31"),
+    (r"^zai-org/GLM-4\.5", "glm45"), (r"^zai-org/GLM-4\.7", "glm47"), (r"^zai-org/GLM-5", "glm47"),
+    (r"^MiniMaxAI/MiniMax-M2", "minimax_m2"), (r"^openai/gpt-oss", "openai"), (r"^poolside/Laguna", "poolside_v1"),
+    (r"^PrimeIntellect/INTELLECT-3", "qwen3_coder"), (r"^nvidia/NVIDIA-Nemotron-3", "qwen3_coder"),
+    (r"^stepfun-ai/Step-3\.5", "step3p5"), (r"^Qwen/Qwen3\.(5|6|8)-", "qwen3_coder"),
+    (r"^Qwen/Qwen3-Coder", "qwen3_coder"), (r"^Qwen/Qwen3-", "hermes")]
+REASONING_PARSERS = [
+    (r"^arcee-ai/Trinity-(Large-Thinking|Mini|Nano)", "deepseek_r1"), (r"^deepseek-ai/DeepSeek-V3\.[12]", "deepseek_r1"),
+    (r"^zai-org/GLM-", "glm45"), (r"^MiniMaxAI/MiniMax-M2", "minimax_m2_append_think"),
+    (r"^poolside/Laguna", "poolside_v1"), (r"^PrimeIntellect/INTELLECT-3", "deepseek_r1"),
+    (r"^nvidia/NVIDIA-Nemotron-3-Super", "nemotron_v3"), (r"^nvidia/NVIDIA-Nemotron-3-Nano", "nano_v3"),
+    (r"^nvidia/NVIDIA-Nemotron-3\.5", "nano_v3"), (r"^stepfun-ai/Step-3\.5", "step3p5"),
+    (r"^Qwen/Qwen3-.*Thinking", "deepseek_r1"), (r"^Qwen/Qwen3\.(5|6|8)-", "qwen3")]
+
+
+def recipe_server_args(settings: dict[str, Any], model_name: str) -> list[str]:
+    """vLLM's arguments for a recipe's server settings (``GenerationPlan.server``) as prime-rl passes them: a
+    parser absent or "auto" is the one prime-rl's table gives the served model's name (none for a model it does not
+    list, SmolLM2 among them), auto tool choice is on when a tool-call parser is set (unless the recipe says),
+    ``max_model_len`` is applied where the server's context is chosen (``rollout.demo.context_length``)."""
+    import re
+
+    def parser(key: str, table: list[tuple[str, str]]) -> str | None:
+        value = settings.get(key, "auto")
+        if value == "auto":
+            return next((name for pattern, name in table if re.search(pattern, model_name)), None)
+        return value
+
+    args: list[str] = []
+    tool, reasoning = parser("tool_call_parser", TOOL_CALL_PARSERS), parser("reasoning_parser", REASONING_PARSERS)
+    if tool:
+        args += ["--tool-call-parser", str(tool)]
+    if settings.get("enable_auto_tool_choice", bool(tool)):
+        args.append("--enable-auto-tool-choice")
+    if reasoning:
+        args += ["--reasoning-parser", str(reasoning)]
+    if settings.get("chat_template"):
+        args += ["--chat-template", str(settings["chat_template"])]
+    return args
+
+
 class VllmStartError(RuntimeError):
     """vLLM could not be started; the message says why and what to do."""
 
@@ -95,6 +139,15 @@ class VllmServer:
         self.proc: asyncio.subprocess.Process | None = None
         self._tail: deque[str] = deque(maxlen=40)
         self._reader: asyncio.Task | None = None
+
+    @classmethod
+    def for_plan(cls, plan: Any, model_dir: str | os.PathLike, **kw: Any) -> VllmServer:
+        """A server for ``plan``'s learner on ``model_dir``, the recipe's server settings applied
+        (``recipe_server_args``; "auto" parsers resolved from the family when it is served as itself, from the
+        folder when weights stand in for it)."""
+        name = plan.family if plan.served_model is None else str(model_dir)
+        return cls(model_dir, served_model_name=plan.family, extra_args=tuple(recipe_server_args(plan.server, name)),
+                   **kw)
 
     @property
     def base_url(self) -> str:

@@ -60,6 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--await-final-revision", type=float, default=0.0, metavar="SECONDS",
                    help="after the last group, wait up to this long for the revision trained on the last batch "
                         "(and its evaluation) before exiting")
+    p.add_argument("--until-revision", type=int, metavar="N",
+                   help="with --follow-revisions: admit groups until revision N is current (and evaluated: it is "
+                        "the run's last), then finish what is in flight and exit; the run's length in trained "
+                        "revisions (prime-rl's max_steps) whatever the records a rollout yields (--groups 0)")
     p.add_argument("--await-servers", type=float, default=0.0, metavar="SECONDS",
                    help="before admitting anything, wait up to this long for every learner server to answer GET "
                         "/health (started beside servers still loading); exit 1 naming the ones that did not "
@@ -138,6 +142,7 @@ async def _main(args: argparse.Namespace) -> int:
             from policy.hf import ModelUnavailable
             from policy.served import served_model
             from producers.vllm_server import VllmServer
+            from rollout.demo import context_length
 
             try:
                 served = served_model(plan.family, args.model)
@@ -146,7 +151,9 @@ async def _main(args: argparse.Namespace) -> int:
                 return 1
             if served.note:
                 print(f"model: {served.note}", flush=True)
-            vllm = VllmServer(served.path, port=args.policy_port, served_model_name=plan.family)
+                plan = plan.model_copy(update={"served_model": served.note})
+            vllm = VllmServer.for_plan(plan, served.path, port=args.policy_port,
+                                       max_model_len=context_length(plan, served.path))
             print(f"starting vLLM on port {args.policy_port} ...", flush=True)
             await vllm.start()
             urls = [vllm.base_url]
@@ -200,7 +207,16 @@ async def _main(args: argparse.Namespace) -> int:
                 print(f"rollout arena: error: no answer from {', '.join(silent)} within {args.await_servers:.0f}s "
                       "(--await-servers): is the server started, and on that address?", file=sys.stderr)
                 return 1
+        ending = None
+        if args.until_revision:
+            arena.last_revision = args.until_revision  # evaluated whatever the cadence
+
+            async def until() -> None:
+                await arena.wait_for_revision(args.until_revision, float("inf"), idle_s=float("inf"))
+                stop.set()
         async with arena:
+            if args.until_revision:
+                ending = asyncio.create_task(until())
             try:
                 stats = await arena.run(num_groups=args.groups or None, stop=stop)
             except WeightLoadError as e:  # every admitted rollout is on the log (failed ones with the reason)
@@ -211,7 +227,11 @@ async def _main(args: argparse.Namespace) -> int:
                 print(json.dumps({"run_id": run_id, "plan": args.plan, **arena.stats.as_dict()}))
                 return 1
             awaited: dict = {}
-            if args.await_final_revision > 0 and follower is not None and arena.last_revision is not None \
+            if ending is not None:
+                ending.cancel()
+                awaited = {"final_revision": args.until_revision,
+                           "final_revision_reached": arena.current_policy.revision >= args.until_revision}
+            elif args.await_final_revision > 0 and follower is not None and arena.last_revision is not None \
                     and not stop.is_set():
                 final = arena.last_revision
                 awaited = {"final_revision": final,
@@ -241,4 +261,8 @@ def policy_urls(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_arena(args: argparse.Namespace) -> int:
+    if args.until_revision and not args.follow_revisions:
+        print("rollout arena: error: --until-revision needs --follow-revisions (the revisions it waits for)",
+              file=sys.stderr)
+        return 2
     return asyncio.run(_main(args))

@@ -127,6 +127,9 @@ def render(plan, rollout: str | None = None, seed: int = 0, members: list[str] |
     if plan.passthrough_sampling:
         out += ["", "sampling keys passed to the inference server as is (extra_body): "
                 + ", ".join(plan.passthrough_sampling)]
+    if plan.server:
+        out += ["", "inference server (the vLLM a run starts is given): "
+                + ", ".join(f"{k}={v!r}" for k, v in sorted(plan.server.items()))]
     out += ["", "ignored sections: " + (", ".join(plan.ignored_sections) or "none"),
             "ignored keys:     " + (", ".join(plan.ignored_keys) or "none")]
     if plan.refused:

@@ -130,6 +130,12 @@ class EnvSpec(Record):
         return self.name or self.id.split("@")[0]
 
 
+SERVER_KEYS = frozenset({"tool_call_parser", "reasoning_parser", "chat_template", "max_model_len",
+                         "enable_auto_tool_choice"})
+"""The inference-server settings of a recipe that change what the server accepts or how it renders a prompt
+(prime-rl's ``[inference.vllm]``, vLLM's argument names): applied to the vLLM a run starts, never dropped."""
+
+
 class GenerationPlan(Record):
     source: str = Field(description="file the plan was compiled from")
     family: str = Field(min_length=1, description="learner model family (the learner model name)")
@@ -158,6 +164,11 @@ class GenerationPlan(Record):
                                   description="trained revisions after which the run stops (None: until stopped)")
     seq_len: int | None = Field(default=None, ge=1, description="longest sample (prompt + completion) in tokens: "
                                 "the context length of the inference server the run starts")
+    server: dict[str, JsonValue] = Field(
+        default_factory=dict, description="the recipe's inference-server settings that change what the server "
+                                          "accepts, under vLLM's argument names (``SERVER_KEYS``: its tool-call and "
+                                          "reasoning parsers, chat template, context length): passed to the vLLM "
+                                          "a run starts")
     trainer: dict[str, JsonValue] = Field(
         default_factory=dict, description="the recipe's optimizer settings for the reference trainer (lr, "
                                           "weight_decay); empty: the trainer's own defaults")

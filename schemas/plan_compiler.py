@@ -54,7 +54,7 @@ from pydantic import ValidationError
 from schemas.recipe_keys import neutral_reason, refusals
 from schemas.plan import (DEFAULT_BATCH_SIZE, DEFAULT_EVAL_INTERVAL, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ASYNC_LEVEL,
                           DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, AdvantageSpec, EnvSpec, GenerationPlan,
-                          MemberRoute, PlanError, Seat, Target, TrainOne)
+                          MemberRoute, PlanError, SERVER_KEYS, Seat, Target, TrainOne)
 
 # Sampling keys we know: prime-rl's train/eval sampling configs (and the fork's), verifiers'
 # SamplingConfig and the request fields producers.inference sends. Any other key is a sampling
@@ -278,7 +278,7 @@ class _Compiler:
         op = "orchestrator" if unified else ""  # path prefix of the orchestrator scope
 
         if unified:
-            self.lenient(data, "", owned={"orchestrator", "model", *TOP_SCALARS_UNIFIED}, skip={"trainer"})
+            self.lenient(data, "", owned={"orchestrator", "model", *TOP_SCALARS_UNIFIED}, skip={"trainer", "inference"})
         self.lenient(orch, op, owned=ORCH_SCALARS | ORCH_TABLES)
 
         family, model_path = self._family(data, orch, op, unified)
@@ -294,6 +294,7 @@ class _Compiler:
         train_one, untrained = self._multi_agent(orch, op)
         max_steps, seq_len = self._run_length(data, orch, op, unified)
         trainer = self._trainer(data) if unified else {}
+        server = self._server(data) if unified else {}
 
         try:
             return GenerationPlan(
@@ -302,7 +303,7 @@ class _Compiler:
                 eval_environments=eval_environments, eval_interval=eval_interval,
                 eval_skip_first_step=eval_skip_first_step, group_size=group_size, batch_size=batch_size,
                 token_batch_size=token_batch_size, max_off_policy_steps=max_off, max_async_level=max_async,
-                max_steps=max_steps, seq_len=seq_len, trainer=trainer, refused=self.refused,
+                max_steps=max_steps, seq_len=seq_len, trainer=trainer, server=server, refused=self.refused,
                 advantage=advantage, ignored_sections=self.ignored_sections, ignored_keys=self.ignored_keys,
                 passthrough_sampling=self.passthrough, provenance={"family": model_path, **self.provenance})
         except ValidationError as exc:
@@ -692,6 +693,29 @@ class _Compiler:
             out.append(self.integer(found[0][0], found[0][1], 1) if found else None)
             self.provenance[key] = found[0][1] if found else "default"
         return out[0], out[1]
+
+    def _server(self, data: dict) -> dict[str, Any]:
+        """``SERVER_KEYS`` of prime-rl's ``[inference.vllm]`` (``[inference.model]`` in older recipes): what the
+        vLLM a run starts is told. The rest of ``[inference]`` is where prime-rl's servers run (neutral)."""
+        inference = self.table(data, "inference", "") or {}
+        out: dict[str, Any] = {}
+        if "inference" in data and not inference:  # an empty table: shown as not applied, as before it was read
+            self.ignore("inference", inference)
+        for part, value in inference.items():
+            if part not in ("vllm", "model") or not isinstance(value, dict):
+                self.ignore(f"inference.{part}", value)
+                continue
+            table = self.table(inference, part, "inference") or {}
+            for key in table.keys() - SERVER_KEYS:
+                self.ignore(f"inference.{part}.{key}", table[key])
+            for key in SERVER_KEYS & table.keys():
+                path = f"inference.{part}.{key}"
+                if key in out and out[key] != table[key]:
+                    raise self.fail(path, f"conflicts with the other [inference] table's {key} ({table[key]!r} != "
+                                          f"{out[key]!r}); set one")
+                out[key] = self.integer(table[key], path, 1) if key == "max_model_len" else table[key]
+                self.provenance[f"server.{key}"] = path
+        return out
 
     def _trainer(self, data: dict) -> dict[str, Any]:
         """The reference trainer's optimizer from ``[trainer.optim]`` (AdamW's lr and weight_decay); every other

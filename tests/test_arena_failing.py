@@ -64,6 +64,7 @@ def test_an_arena_whose_every_rollout_fails_stops_naming_the_reason(kafka_bootst
     took = time.monotonic() - t0
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert "every rollout of the last 3 groups failed" in out.stderr and "tool choice" in out.stderr, out.stderr
+    assert "[inference.vllm] tool_call_parser" in out.stderr, out.stderr  # what to do
     stats = json.loads(out.stdout.strip().splitlines()[-1])
     assert stats["failed_groups_in_a_row"] >= 3 and stats["failed"] == stats["rollouts"] >= 3 * 8
     assert sum(stats["failure_reasons"].values()) == stats["failed"]

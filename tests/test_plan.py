@@ -77,7 +77,9 @@ def test_debate_external_opponent_recipe() -> None:
     assert plan.learner.timeout_s == 3600.0 and plan.learner.sampling == {"temperature": 1.0, "max_tokens": 8192}
     assert plan.advantage.type == "ema_per_member" and plan.advantage.params == {"momentum": 0.9}
     assert plan.group_size == 4 and plan.batch_size == 128
-    assert {"wandb", "ckpt", "inference", "orchestrator.renderer"} <= set(plan.ignored_sections)
+    assert {"wandb", "ckpt", "orchestrator.renderer"} <= set(plan.ignored_sections)
+    # [inference.model] max_model_len is the server's context (applied); the rest of [inference] is prime-rl's GPUs
+    assert plan.server == {"max_model_len": 8192} and "inference.gpu_memory_utilization" in plan.ignored_keys
     # run-changing keys nothing here applies: refused when a run starts, never listed as ignored
     assert any(r.startswith("orchestrator.oversampling_factor: ") for r in plan.refused)
     assert "orchestrator.oversampling_factor" not in plan.ignored_keys
@@ -341,7 +343,8 @@ def test_cli_plan_prints_routes_and_ignored_sections(capsys: pytest.CaptureFixtu
     assert main(["plan", str(PEER / "rl-debate-external-opponent.toml"), "--rollout", "r-1", "--seed", "5"]) == 0
     out = capsys.readouterr().out
     assert "debater_a  learner | opponent  when selected  train_one" in out
-    assert "ignored sections: wandb, ckpt, inference, orchestrator.renderer" in out
+    assert "ignored sections: wandb, ckpt, orchestrator.renderer" in out
+    assert "inference server (the vLLM a run starts is given): max_model_len=8192" in out
     assert "environments (evaluation: scored, never trained)\n  gpqa-debate-eval: id gpqa-debate" in out
     plan = peer("rl-debate-external-opponent.toml")
     chosen = plan.selected_member("r-1", 5)

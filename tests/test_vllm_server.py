@@ -48,3 +48,70 @@ def test_the_command_reserves_the_sized_cache_or_the_one_asked_for(llama, monkey
     assert flag(VllmServer(llama, max_model_len=256, kv_cache_gb=1.5)) == int(1.5 * 1024**3)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # a user's own, which vLLM reads over the flag
     assert "VLLM_CPU_KVCACHE_SPACE" not in VllmServer(llama).environment()
+
+
+def test_a_recipes_server_settings_become_vllms_arguments_as_prime_rl_passes_them():
+    """``[inference.vllm]``: an explicit parser verbatim, with auto tool choice; "auto" (prime-rl's default) from
+    the served model's name by prime-rl's table (none for SmolLM2); auto tool choice switched off when asked."""
+    from producers.vllm_server import recipe_server_args
+
+    assert recipe_server_args({}, "HuggingFaceTB/SmolLM2-135M-Instruct") == []
+    assert recipe_server_args({}, "Qwen/Qwen3-4B-Instruct-2507") == ["--tool-call-parser", "hermes",
+                                                                     "--enable-auto-tool-choice"]
+    assert recipe_server_args({"tool_call_parser": "hermes", "chat_template": "t.jinja"}, "any") == [
+        "--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--chat-template", "t.jinja"]
+    assert recipe_server_args({"enable_auto_tool_choice": False}, "Qwen/Qwen3-4B-Thinking-2507") == [
+        "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1"]
+
+
+def test_the_plan_reads_the_server_settings_of_either_inference_table_and_lists_the_rest(tmp_path):
+    from schemas.plan import PlanError
+    from schemas.plan_compiler import compile_plan
+
+    recipe = tmp_path / "r.toml"
+    base = ('max_steps = 2\n[model]\nname = "HuggingFaceTB/SmolLM2-135M-Instruct"\n'
+            '[[orchestrator.train.source]]\nenv = { taskset = { id = "t" } }\n')
+    recipe.write_text(base + '[inference.vllm]\ntool_call_parser = "hermes"\ngpu_memory_utilization = 0.5\n'
+                             '[inference.model]\nmax_model_len = 512\n[inference.server]\nport = 8000\n')
+    plan = compile_plan(str(recipe))
+    assert plan.server == {"tool_call_parser": "hermes", "max_model_len": 512}
+    assert plan.provenance["server.tool_call_parser"] == "inference.vllm.tool_call_parser"
+    listed = plan.ignored_sections + plan.ignored_keys
+    assert "inference.vllm.gpu_memory_utilization" in listed and "inference.server" in listed
+    assert not any(k.endswith(("tool_call_parser", "max_model_len")) for k in listed)
+    recipe.write_text(base + '[inference.vllm]\nmax_model_len = 512\n[inference.model]\nmax_model_len = 1024\n')
+    with pytest.raises(PlanError, match="inference.model.max_model_len: conflicts"):
+        compile_plan(str(recipe))
+
+
+@pytest.mark.integration
+async def test_a_recipe_naming_a_tool_call_parser_starts_a_vllm_that_accepts_tool_calls(tmp_path):
+    """The failure a user met: a tool-using environment's "auto" tool choice refused with HTTP 400 by a vLLM started
+    without a parser. Started for a recipe with ``tool_call_parser = "hermes"`` (real vLLM, the packaged SmolLM2),
+    the same request is answered."""
+    import httpx
+
+    from policy.hf import prepare_model
+    from schemas.plan_compiler import compile_plan
+    from streams.local_broker import free_port
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('max_steps = 2\nseq_len = 512\n[model]\nname = "HuggingFaceTB/SmolLM2-135M-Instruct"\n'
+                      '[[orchestrator.train.source]]\nenv = { taskset = { id = "t" } }\n'
+                      '[inference.vllm]\ntool_call_parser = "hermes"\n')
+    plan = compile_plan(str(recipe))
+    server = VllmServer.for_plan(plan, prepare_model().path, port=free_port(), max_model_len=512,
+                                 log_path=tmp_path / "vllm.log")
+    assert server.command()[-3:] == ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+    await server.start()
+    try:
+        tool = {"type": "function", "function": {"name": "add", "description": "add two numbers", "parameters": {
+            "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
+        async with httpx.AsyncClient(timeout=60) as http:
+            r = await http.post(server.base_url + "/chat/completions", json={
+                "model": plan.family, "messages": [{"role": "user", "content": "What is 2+3? Use the tool."}],
+                "tools": [tool], "tool_choice": "auto", "max_tokens": 16})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["role"] == "assistant"
+    finally:
+        await server.stop()
