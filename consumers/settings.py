@@ -67,6 +67,9 @@ class ServiceSettings(BaseSettings):
     served_model: str | None = Field(None, description="trainer: the weights standing for the family, stamped on "
                                                        "every revision (the plan's served_model)")
     epochs: int = Field(1, ge=1, description="trainer: optimizer passes over each batch (PPO epochs)")
+    max_steps: int | None = Field(None, ge=1, description="trainer: the run's last revision (the plan's max_steps, "
+                                  "prime-rl's optimizer steps): a batch that would train past it is refused, its "
+                                  "records dead-lettered with RunComplete (None: no end)")
     state_every: int = Field(DEFAULT_STATE_EVERY, ge=1, description="trainer: write the training state (float32 "
                              "weights, optimizer moments) every N revisions; a take-over loads the last one and trains "
                              "the batches the log committed after it again (the served weights are written every "
@@ -99,6 +102,7 @@ def plan_values(plan: GenerationPlan, *, credit: bool) -> dict[str, Any]:
 
     values: dict[str, Any] = {"family": plan.family, "max_off_policy_steps": plan.max_off_policy_steps,
                               "judge_targets": dict(plan.targets), "served_model": plan.served_model,
+                              "max_steps": plan.max_steps,
                               **{k: plan.trainer[k] for k in ("lr", "weight_decay") if k in plan.trainer}}
     if plan.token_batch_size:
         values.update(batch_tokens=plan.token_batch_size, batch_records=None)

@@ -676,7 +676,7 @@ class Arena:
             self.stats.rollouts += 1
         self.stats.failed += status == "failed"
         if failure:
-            self.stats.failure_reasons[failure.splitlines()[0][:160]] += 1
+            self.stats.failure_reasons[failure.splitlines()[0][:600]] += 1
         self.stats.truncated += status == "truncated"
         return GenerateResult(rollout=rollout, steps=ctx.steps, children=list(state.children))
 

@@ -180,9 +180,11 @@ def _drop_training_states(ckdir: Path) -> None:
 
 
 def context_length(plan, model_dir: Path) -> int:
-    """vLLM's context: the recipe's ``seq_len`` (2048 when it has none), at most what the model was trained for."""
+    """vLLM's context: the recipe's ``[inference.vllm] max_model_len``, else its ``seq_len``, else 2048; at most what
+    the model was trained for."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    return min(plan.seq_len or 2048, int(config.get("max_position_embeddings") or 2048))
+    wanted = plan.server.get("max_model_len") or plan.seq_len or 2048
+    return min(int(wanted), int(config.get("max_position_embeddings") or 2048))
 
 
 # -- live view of the run --------------------------------------------------------------------------------
@@ -304,6 +306,8 @@ def load_plan(args):
     from schemas.plan_compiler import compile_plan
 
     plan = compile_plan(args.plan)
+    if getattr(args, "max_steps", None):  # `rollout rl --max-steps`: the run's last revision
+        plan = plan.model_copy(update={"max_steps": args.max_steps})
     require_runnable(plan)
     served = None
     if args.policy == "vllm":
@@ -355,7 +359,7 @@ async def _run(settings, args, run: str, prefix: str) -> int:
                 port = args.vllm_port or free_port()
                 cores = choose(args.cores, plan)
                 split = split_cores() if cores == "split" else None
-                vllm = VllmServer(served.path, port=port, served_model_name=family, log_path=rundir / "vllm.log",
+                vllm = VllmServer.for_plan(plan, served.path, port=port, log_path=rundir / "vllm.log",
                                   max_model_len=context_length(plan, served.path),
                                   cores=vllm_bind(split) if split else None)
                 rundir.mkdir(parents=True, exist_ok=True)
@@ -438,6 +442,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
             "--evaluate", "--await-final-revision", "900", "--no-progress", "--run-id", run, *arena_args,
             *(["--eval-interval", str(args.eval_interval)] if args.eval_interval else []),
             *(["--await-servers", str(STARTUP_TIMEOUT_S)] if server_up is not None else []),
+            *(["--until-revision", str(args.until_revision)] if getattr(args, "until_revision", None) else []),
             cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         out = b""
         rc = 0

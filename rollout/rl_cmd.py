@@ -14,7 +14,6 @@ key (``rollout plan RECIPE`` lists them).
 from __future__ import annotations
 
 import argparse
-import math
 
 DEFAULT_LR = 2e-5        # the reference trainer's rate for SmolLM2 when the recipe sets no trainer.optim.lr
 DEFAULT_MAX_STEPS = 20   # trained revisions when the recipe sets no max_steps
@@ -38,10 +37,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_rl)
 
 
-def run_shape(plan, max_steps: int | None) -> tuple[int, int]:
-    """(trained revisions, groups the arena admits): enough groups to fill that many batches."""
-    steps = max_steps or plan.max_steps or DEFAULT_MAX_STEPS
-    return steps, math.ceil(steps * plan.batch_size / plan.group_size)
 
 
 def cmd_rl(args: argparse.Namespace) -> int:
@@ -64,7 +59,11 @@ def cmd_rl(args: argparse.Namespace) -> int:
     except PlanError as e:
         print(f"rollout rl: error: {e}", file=sys.stderr)
         return 1
-    steps, args.groups = run_shape(plan, args.max_steps)
+    # prime-rl's max_steps: optimizer steps. The arena admits groups until the trainer has published that revision
+    # (whatever the records a rollout yields: two seats, routed members, sub-episodes), and the trainer trains none
+    # past it (records generated meanwhile are refused: RunComplete)
+    steps = args.max_steps = args.max_steps or plan.max_steps or DEFAULT_MAX_STEPS
+    args.groups, args.until_revision = 0, steps
     args.policy = "tiny" if plan.family == TINY_FAMILY else "vllm"
     if args.lr is not None:
         lr, origin = args.lr, "--lr"
@@ -73,6 +72,6 @@ def cmd_rl(args: argparse.Namespace) -> int:
     else:
         lr = args.lr = DEFAULT_LR
         origin = "rollout rl's default: the recipe sets no trainer.optim.lr"
-    print(f"recipe {args.plan}: {steps} trained revisions ({args.groups} groups of {plan.group_size}, batches of "
-          f"{plan.batch_size}); lr {lr:g} ({origin})", flush=True)
+    print(f"recipe {args.plan}: {steps} trained revisions (max_steps; groups of {plan.group_size}, batches of "
+          f"{plan.batch_size} records); lr {lr:g} ({origin})", flush=True)
     return run_loop(args, "rl")

@@ -578,3 +578,23 @@ async def test_a_training_state_the_disk_refuses_is_named_by_no_commit_and_train
     assert task.base["revision"] == 2 and [o for _, o in task.since] == [2]
     wait_for_training_states()
     assert len(calls) == 3 and not list((tmp_path / "ck").glob(".train-*"))  # no half-written folder left
+
+
+async def test_nothing_is_trained_past_the_runs_max_steps(tmp_path):
+    """``max_steps`` 2 (prime-rl's optimizer steps): two batches train r1 and r2; a third, made of records generated
+    meanwhile, is refused record by record (RunComplete dead letters), and no r3 is published."""
+    from schemas import codec
+    from schemas.policy import PolicyRevision
+
+    rev0 = initial_revision("tiny", tmp_path / "r0", seed=0)
+    task = TrainerTask(0, "tiny", tmp_path / "ck", max_steps=2, target_checkpoint=lambda t: rev0.checkpoint)
+    target, kinds = rev0, []
+    for k in range(3):
+        recs = [testing.training_record(10 * k + i, revision_=min(k, 2), reward=float(i % 2)) for i in range(4)]
+        outs = await task.process(_Rec(k, codec.encode(batch_of(recs, target)), key=b"tiny"))
+        task.committed()
+        kinds.append([type(o.event).__name__ for o in outs])
+        target = next((o.event for o in outs if isinstance(o.event, PolicyRevision)), target)
+    assert target.revision == 2 and kinds[:2] == [["PolicyRevision"], ["PolicyRevision"]]
+    assert kinds[2] == ["DeadLetter"] * 4
+    assert all(o.event.error_type == "RunComplete" and "max_steps 2" in o.event.error_message for o in outs)

@@ -57,7 +57,8 @@ class TrainerTask(TaskDefaults):
                  target_checkpoint: Callable[[Any], CheckpointRef | None] | None = None,
                  keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None,
                  state_every: int = DEFAULT_STATE_EVERY, micro_batch_tokens: int = MICRO_BATCH_TOKENS,
-                 read_records: Callable[[str, int, list[int]], Awaitable[list[Any]]] | None = None) -> None:
+                 read_records: Callable[[str, int, list[int]], Awaitable[list[Any]]] | None = None,
+                 max_steps: int | None = None) -> None:
         """``target_checkpoint``: where the first batch's target revision's weights are (default: this trainer's
         checkpoint_dir naming of the tiny model); the revisions topic says it, see ``wiring``. ``read_records(topic,
         partition, offsets)``: committed records read back from the log (a take-over's batches to train again);
@@ -69,6 +70,7 @@ class TrainerTask(TaskDefaults):
         self.target_checkpoint = target_checkpoint
         self.producer = producer
         self.read_records = read_records
+        self.max_steps = max_steps  # the run's last revision: nothing is trained past it
         self.options = dict(lr=lr, epochs=epochs, keep_checkpoints=keep_checkpoints, weight_decay=weight_decay,
                             served_model=served_model, state_every=state_every, micro_batch_tokens=micro_batch_tokens)
         self.trainer: ReferenceTrainer | None = None
@@ -193,6 +195,12 @@ class TrainerTask(TaskDefaults):
         # loading the model, taking over and training take seconds to minutes on a busy CPU: on the process's one
         # torch thread (``policy.compute``)
         trainer = await computed(self._ensure, batch, committed)
+        if self.max_steps is not None and trainer.revision >= self.max_steps:
+            why = (f"batch {batch.batch_id}: the run's last revision (max_steps {self.max_steps}) is trained; "
+                   "records generated past it are not")
+            self.refused += len(batch.records)
+            return [dead_letter(rec, NAME, "RunComplete", why, batch.run_id, raw=codec.encode(r))
+                    for r in batch.records]
         step, refused, stats = await computed(self._train, trainer, batch)
         outs = [dead_letter(rec, NAME, "StaleRecordError", why, batch.run_id, raw=codec.encode(r)) for r, why in refused]
         self.refused += len(outs)
@@ -248,5 +256,5 @@ async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIt
                                 producer=f"{NAME}{cfg.instance}", target_checkpoint=start,
                                 keep_checkpoints=cfg.keep_checkpoints, weight_decay=cfg.weight_decay,
                                 served_model=cfg.served_model, state_every=cfg.state_every,
-                                micro_batch_tokens=cfg.micro_batch_tokens,
+                                micro_batch_tokens=cfg.micro_batch_tokens, max_steps=cfg.max_steps,
                                 read_records=lambda topic, p, offsets: records_at(client_kwargs, topic, p, offsets))
