@@ -309,6 +309,13 @@ def load_plan(args):
     if getattr(args, "max_steps", None):  # `rollout rl --max-steps`: the run's last revision
         plan = plan.model_copy(update={"max_steps": args.max_steps})
     require_runnable(plan)
+    from schemas.plan import PlanError
+    from schemas.policy import TINY_FAMILY
+
+    if args.policy == "tiny" and plan.family != TINY_FAMILY:
+        raise PlanError(f"{args.plan}: --policy tiny runs the tiny byte-level model ({TINY_FAMILY}), and this plan's "
+                        f"model is {plan.family!r}: leave out --policy to serve it on vLLM, or name "
+                        f"[model] name = \"{TINY_FAMILY}\" in the plan")
     served = None
     if args.policy == "vllm":
         from policy.served import served_model

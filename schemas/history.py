@@ -14,10 +14,10 @@ derived trainer. What the stages share about it is declared here, once:
 from __future__ import annotations
 
 import hashlib
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from schemas.envelope import Record
 from schemas.policy import PolicyRef
@@ -74,6 +74,13 @@ class Derivation(Record):
     since: datetime | None = Field(None, description="only rollouts created at or after this time")
     until: datetime | None = Field(None, description="only rollouts created before this time")
     rescore: Rescore | None = None
+
+    @field_validator("since", "until")
+    @classmethod
+    def _zoned(cls, t: datetime | None) -> datetime | None:
+        """A time without a zone (``--since 2026-11-20``) is UTC, as every event's ``created_at`` is: a naive and
+        a zoned time cannot be compared."""
+        return t.replace(tzinfo=timezone.utc) if t is not None and t.tzinfo is None else t
 
     def rule(self) -> HistoryRule:
         return HistoryRule(source_run_id=self.source_run_id, fork=self.fork)
