@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,46 @@ def test_demo_on_vllm_trains_serves_and_evaluates_revisions(kafka_bootstrap, vll
                              WHERE s.trainable AND p.revision IS NULL""").fetchone()[0]
     accuracy = con.execute("SELECT count(*) FROM v_eval_accuracy_by_revision").fetchone()[0]
     assert unknown == 0 and accuracy == len(evaluated)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_demo_killed_mid_run_leaves_no_process_behind(kafka_bootstrap, sig):
+    """SIGKILL (the OOM killer) or SIGTERM (a terminal, a scheduler) to `rollout demo` once its arena runs: within 10 s
+    no process it started is alive (its children end with it: ``producers.children``)."""
+    import time
+
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
+    demo = subprocess.Popen([sys.executable, "-m", "rollout.cli", "demo", "--policy", "tiny", "--groups", "400",
+                             "--no-progress"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+    def children(pid: int) -> set[int]:
+        found = set()
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            kids = (task / "children")
+            found |= {int(c) for c in kids.read_text().split()} if kids.exists() else set()
+        return found
+
+    deadline = time.monotonic() + 120
+    arena: set[int] = set()
+    while not arena and time.monotonic() < deadline:
+        arena = {c for c in children(demo.pid)
+                 if b"arena" in Path(f"/proc/{c}/cmdline").read_bytes()} if demo.poll() is None else set()
+        time.sleep(0.2)
+    assert arena, "the demo's arena never started"
+    time.sleep(3)  # mid-run: rollouts in flight
+    started = arena | {g for a in arena for g in children(a)}
+    demo.send_signal(sig)
+    demo.wait(30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in started):
+        time.sleep(0.1)
+    assert not [p for p in started if _alive(p)], "processes of the run still alive 10 s after the demo ended"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
