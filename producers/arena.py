@@ -751,10 +751,16 @@ class Arena:
         return None
 
     async def run(self, num_groups: int | None = None, *, stop: asyncio.Event | None = None,
-                  collect: bool = False) -> ArenaStats | tuple[ArenaStats, list[GenerateResult]]:
+                  collect: bool = False, until_revision: int | None = None
+                  ) -> ArenaStats | tuple[ArenaStats, list[GenerateResult]]:
         """Admit ``num_groups`` groups (or until ``stop`` is set), paced; wait for all to be emitted. Once all
         ``num_groups`` are admitted, ``last_revision`` is the revision trained on the last full batch (by every
-        arena of the run, as far as this one has seen)."""
+        arena of the run, as far as this one has seen). ``until_revision``: the run's last revision (it is
+        ``last_revision``); nothing more is admitted once the rollouts admitted fill the batches up to it at one
+        record each (an episode yielding more fills them sooner: the caller sets ``stop`` when it is current; one
+        yielding none leaves a partial batch, which the batcher flushes)."""
+        if until_revision is not None:
+            self.last_revision = until_revision
         sem = asyncio.Semaphore(self.concurrency)
         results: list[GenerateResult] | None = [] if collect else None
         progress = _Progress(self) if self.progress else None
@@ -764,6 +770,8 @@ class Arena:
             admitted = 0
             while (num_groups is None or admitted < num_groups) and not (stop and stop.is_set()):
                 if self._fatal is not None:
+                    break
+                if until_revision is not None and self.pacer.final_revision() >= until_revision:
                     break
                 group = self.sample_request_group()
                 try:
