@@ -28,6 +28,7 @@ Timeouts and the topic prefix come from ``streams.settings``.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 import time
@@ -52,6 +53,15 @@ from streams.settings import FETCH_OPTIONS, MAX_MESSAGE_BYTES, ProcessingSetting
 log = logging.getLogger("rollout.eos")
 
 POISON_ATTEMPTS = 3  # a record a task raises on this many times is dead-lettered (``TransactionalProcessor._process``)
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
+ENVIRONMENT_RETRY_S = 30.0  # how long an instance waits before trying again after the environment's fault
+
+
+def environment_fault(e: BaseException) -> bool:
+    """The machine's fault, not the record's (a full disk, a failing or read-only one, memory exhausted): waited
+    out and tried again, never a reason to dead-letter the record."""
+    return isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS)
+
 
 _PROCESS_ID = uuid.uuid4().hex[:8]  # the transactional id of an instance without a name: unique to this process
 
@@ -536,7 +546,8 @@ class TransactionalProcessor:
     async def _process(self, task: PartitionTask, rec: Any) -> list[Out]:
         """``task.process(rec)``; a record it raised on ``POISON_ATTEMPTS`` times (each time the transaction was
         aborted and the partition rebuilt) is dead-lettered with the last error instead, so one poison record
-        cannot hold its instance's partitions for ever."""
+        cannot hold its instance's partitions for ever. The environment's faults (``environment_fault``) are
+        waited out and tried again, however often: they say nothing about the record."""
         key = (rec.topic, rec.partition, rec.offset)
         failed, why = self.poison.get(key, (0, ""))
         if failed >= POISON_ATTEMPTS:
@@ -547,6 +558,13 @@ class TransactionalProcessor:
         try:
             return await task.process(rec)
         except Exception as e:
+            if environment_fault(e):  # not counted towards poison: the same record succeeds once space is freed
+                log.error("%s%s: %s[%d]@%d: %s: %s. The environment's fault, not the record's: nothing is "
+                          "dead-lettered; trying again in %.0fs (free the space or memory meanwhile)", self.service,
+                          self.instance, rec.topic, rec.partition, rec.offset, type(e).__name__, e,
+                          ENVIRONMENT_RETRY_S)
+                await asyncio.sleep(ENVIRONMENT_RETRY_S)
+                raise
             self.poison[key] = (failed + 1, f"{type(e).__name__}: {e}")
             raise
 

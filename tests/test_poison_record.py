@@ -54,3 +54,33 @@ async def test_a_record_the_task_raises_on_is_dead_lettered_and_the_rest_goes_on
     assert "RuntimeError: a bug this one rollout triggers" in letters[0].error_message
     assert codec.decode(letters[0].raw, Rollout).rollout_id == POISON  # the record kept whole
     assert list(attempts.values()) == [POISON_ATTEMPTS]
+
+
+async def test_a_full_disk_is_waited_out_and_dead_letters_nothing(kafka_settings, monkeypatch):
+    """The environment's fault (ENOSPC, five times: more than ``POISON_ATTEMPTS``) on one rollout: the instance
+    waits and tries again; once space is back the rollout is scored exactly once, and nothing is dead-lettered."""
+    import errno
+
+    from streams import transactions
+
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", f"enospc{uuid.uuid4().hex[:8]}.")
+    monkeypatch.setattr(transactions, "ENVIRONMENT_RETRY_S", 0.2)
+    attempts = Counter()
+    process = verifier.VerifierTask.process
+
+    async def disk_full(self, rec):
+        if rec.topic == topics.ROLLOUTS.name and serde.from_message(rec.value, Rollout).rollout_id == POISON \
+                and attempts[rec.offset] < POISON_ATTEMPTS + 2:
+            attempts[rec.offset] += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await process(self, rec)
+
+    monkeypatch.setattr(verifier.VerifierTask, "process", disk_full)
+    kw = kafka_settings.client_kwargs()
+    async with System(("verifier",), ServiceSettings(family=testing.FAMILY), kw):
+        await seed_groups(kw, 10)
+        scored = await read_all(kw, topics.SCORES.name, until=lambda rs: len(rs) >= 40, timeout_s=120)
+    ids = Counter(codec.decode(r.value, RolloutScored).rollout_id for r in scored)
+    assert ids[POISON] == 1 and len(ids) == 40 and max(ids.values()) == 1
+    assert list(attempts.values()) == [POISON_ATTEMPTS + 2]
+    assert not await read_all(kw, topics.DEAD_LETTERS.name, idle_s=2)
