@@ -68,7 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def tools_beside_interpreter() -> None:
+    """The tools installed beside this interpreter first on PATH, as in an activated venv: verifiers runs ``uv``
+    (a dependency) by name, and ``.venv/bin/rollout`` is run without activating ``.venv``."""
+    here = os.path.dirname(sys.executable)
+    if here not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(p for p in (here, os.environ.get("PATH", "")) if p)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    tools_beside_interpreter()
     parser = build_parser()
     args = parser.parse_args(argv)
     # aiokafka logs every failed connection attempt; commands report failures themselves, in one line.
