@@ -157,18 +157,24 @@ def _span(revs: list[int]) -> str:
     return "none" if not revs else f"r{revs[0]}" if len(revs) == 1 else f"r{revs[0]}..r{revs[-1]}"
 
 
-async def publish_fork(kw: dict[str, Any], family: str, derivation, source, where, checkpoint) -> None:
-    """The derived chain's first revision, with the derivation's settings. Idempotent: a resumed run finds it,
-    and is refused unless its settings are the ones the run started with (other settings would mix two runs)."""
+async def publish_fork(kw: dict[str, Any], family: str, derivation, source, where, checkpoint,
+                       flags: dict[str, Any]) -> None:
+    """The derived chain's first revision, with the derivation's settings and the flags that shape its training
+    (``flags``: credit, batch, lr, bound, flush). Idempotent: a resumed run finds it, and is refused unless they are
+    the ones the run started with (other settings would mix two runs). A run started before its flags were
+    recorded is compared on its derivation alone."""
     from schemas.policy import PolicyRevision
     from streams.revisions import RevisionFollower, publish
 
-    settings = derivation.model_dump(mode="json")
+    settings = {**derivation.model_dump(mode="json"), "flags": flags}
     async with RevisionFollower(kw, family) as follower:
         have = next((rev for _, rev in await follower.read_to_end() if rev.fork is not None), None)
     if have is not None:
-        if have.derivation != settings:
-            changed = sorted(k for k in settings if (have.derivation or {}).get(k) != settings[k])
+        before = dict(have.derivation or {})
+        before_flags = before.pop("flags", flags)
+        changed = sorted([k for k in settings if k != "flags" and before.get(k) != settings[k]] +
+                         [k for k in flags if before_flags.get(k) != flags[k]])
+        if changed:
             raise DeriveError(f"derived run {derivation.run_id} was started with other settings ({', '.join(changed)}"
                               f" differ): resume it with its first flags, or start a new run without --run-id")
         return
@@ -196,7 +202,9 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
                             from_revision=lo, to_revision=hi, since=args.since, until=args.until, rescore=rescore)
     os.environ["ROLLOUT_TOPIC_PREFIX"] = f"{run_id}."  # the derived run's own topics, groups and ids
     await topics.create_topics(kafka.admin_kwargs())
-    await publish_fork(kw, family, derivation, source, where, checkpoint)
+    shaping = {"credit": args.credit, "batch_records": args.batch_records, "lr": args.lr,
+               "max_off_policy_steps": args.max_off_policy_steps, "flush_after_s": args.flush_after_s}
+    await publish_fork(kw, family, derivation, source, where, checkpoint, shaping)
     flags = {k: v for k, v in (("credit", args.credit), ("batch_records", args.batch_records), ("lr", args.lr))
              if v is not None}
     cfg = service_settings.build(flags, family=family, derivation=derivation, flush_after_s=args.flush_after_s,

@@ -187,7 +187,12 @@ async def test_a_derived_run_refuses_what_it_cannot_use_in_one_line(kafka_settin
     monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)  # run_derived moved this process to the derived run's topics
     with pytest.raises(DeriveError, match=rf"derived run {derived} was started with other settings \(rescore "
                                           r"differ\): resume it with its first flags"):
-        await run_derived(_args(source, "--run-id", derived, "--rubric", "tests._rewards:fixed_sum"), kafka_settings)
+        await run_derived(_args(source, "--run-id", derived, "--flush-after-s", "0.5", "--rubric",
+                                "tests._rewards:fixed_sum"), kafka_settings)
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
+    with pytest.raises(DeriveError, match=rf"derived run {derived} was started with other settings \(flush_after_s, "
+                                          r"lr differ\)"):  # the flags that shape its training, too
+        await run_derived(_args(source, "--run-id", derived, "--lr", "0.5"), kafka_settings)
     monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", prefix)
     ckpt = next((tmp_path / "a").glob("*.pt"))
     ckpt.write_bytes(ckpt.read_bytes() + b"\0")
