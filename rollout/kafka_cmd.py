@@ -156,9 +156,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_acls(args: argparse.Namespace) -> int:
+    from consumers.registry import SERVICES
     from streams import security
 
-    acls = security.all_acls()
+    acls = security.all_acls(SERVICES)
     print(security.table(acls))
     if args.apply:
         from streams.local_broker import run_sync

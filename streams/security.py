@@ -3,7 +3,7 @@
     rollout kafka acls            the table (principal, operation, resource)
     rollout kafka acls --apply    create them on ROLLOUT_BOOTSTRAP_SERVERS, as the admin principal in the env
 
-Each service in ``consumers.registry`` (principal ``User:<service name>``) reads its inputs, side inputs
+Each service in ``consumers.registry`` (passed in by the caller; principal ``User:<service name>``) reads its inputs, side inputs
 and its changelog, writes its outputs and its changelog, creates its changelog (the admin creates the
 pipeline's topics: ``rollout topics create``), uses its consumer group ``group_id(name)`` and
 the transactional ids ``group_id(name)-<instance>`` (a PREFIXED pattern). The arena (``User:arena``)
@@ -71,10 +71,9 @@ def arena_acls() -> set[Acl]:
             | {Acl(p, "WRITE", "TRANSACTIONAL_ID", f"{ARENA}-", "PREFIXED")})
 
 
-def all_acls(services: Mapping[str, Any] | None = None) -> list[Acl]:
-    """Every principal's ACLs: the services of the registry and the arena, sorted."""
-    if services is None:
-        from consumers.registry import SERVICES as services
+def all_acls(services: Mapping[str, Any]) -> list[Acl]:
+    """Every principal's ACLs: the services given (``consumers.registry.SERVICES``: the caller passes them, streams
+    knows no service) and the arena, sorted."""
     out = arena_acls()
     for svc in services.values():
         out |= service_acls(svc)

@@ -294,7 +294,7 @@ def kafka_problems(env: dict[str, str], principal: str | None) -> list[str]:
         if not kafka.sasl_username or kafka.sasl_password is None:
             out.append("SASL without ROLLOUT_KAFKA_SASL_USERNAME and ROLLOUT_KAFKA_SASL_PASSWORD")
         elif principal is not None and (kafka.sasl_username != principal
-                                        or f"User:{principal}" not in {a.principal for a in all_acls()}):
+                                        or f"User:{principal}" not in {a.principal for a in all_acls(SERVICES)}):
             out.append(f"SASL user {kafka.sasl_username!r} is not {principal}'s principal (streams/security.py)")
     return out
 

@@ -128,7 +128,7 @@ def secured(secure_broker, monkeypatch):
     admin = settings(bootstrap, certs, "admin").admin_kwargs()
     changelogs = [changelog_topic(s.name, s.partitions) for s in SERVICES.values()]
     run_sync(topics.create_topics(admin, [*topics.TOPICS.values(), *changelogs]))
-    run_sync(security.apply_acls(admin, security.all_acls()))
+    run_sync(security.apply_acls(admin, security.all_acls(SERVICES)))
     return lambda user, **kw: settings(bootstrap, certs, user, **kw).client_kwargs()
 
 
@@ -221,7 +221,7 @@ def test_acls_cli_prints_and_applies(secured, secure_broker):
     assert out.returncode == 0, out.stderr
     assert f"User:credit      READ   GROUP            {topics.group_id('credit')}" in out.stdout
     assert "User:arena       WRITE  TRANSACTIONAL_ID arena-*" in out.stdout
-    assert out.stdout.rstrip().endswith(f"applied {len(security.all_acls())} ACLs to {bootstrap}")
+    assert out.stdout.rstrip().endswith(f"applied {len(security.all_acls(SERVICES))} ACLs to {bootstrap}")
     bad = subprocess.run([sys.executable, "-m", "rollout.cli", "kafka", "acls", "--apply"],
                          env={**env, "ROLLOUT_KAFKA_SASL_PASSWORD": "wrong"}, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1
