@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
+import logging
 import os
 import sys
 import types
@@ -53,6 +55,12 @@ from producers.asgi_server import JSON, AppServer, Request, body_json, error, js
 from producers.inference import SAMPLING_KEYS, InferenceError, from_openai_message, to_openai_message
 from schemas.events import ChatMessage
 from schemas.scoring import ScoringSpec, WeightedFunc
+
+log = logging.getLogger("rollout.verifiers")
+
+EAGER_TASKS = 100_000
+"""The most tasks a taskset that does not declare itself endless is read into memory at once: one that goes past it
+(a ``load()`` that never ends, without ``INFINITE``) is drawn lazily instead of filling memory for ever."""
 
 KEY_VAR = "ROLLOUT_VERIFIERS_V1_PROXY_KEY"
 SESSION_HEADER = "x-session-id"  # verifiers.v1.clients.client.SESSION_ID_HEADER: the seat's trace id
@@ -381,15 +389,23 @@ def verifiers_v1_environment(vf_env: Any, *, name: str, version: str, members: M
                              eval_tasks: Any = None, tasks: Any = None, buffer: int = 256) -> Environment:
     """Wrap a ``verifiers.v1.Env``: its taskset's tasks as examples, each rollout one ``run_episode``, scored
     by the env's own rewards (see the module docstring). A finite taskset (``Taskset.bounded``, or capped by
-    ``num_tasks``) is read whole; an endless one is drawn lazily (``TaskStream``: a seeded shuffle buffer of
+    ``num_tasks``) is read whole, up to ``EAGER_TASKS``; an endless one, or one past that, is drawn lazily (``TaskStream``: a seeded shuffle buffer of
     ``buffer`` tasks, bounded memory). ``tasks``: a view of the env's taskset to draw from (default: all of it);
     ``eval_tasks``: a finite taskset view of held-out tasks."""
     episode = VerifiersV1Episode(vf_env, members=members, member=member, model=model)
     taskset = vf_env.taskset if tasks is None else tasks
     taskset = taskset if num_tasks is None else taskset.take(num_tasks)
+    train: Any = None
     if taskset.bounded:
-        train: Any = [task_example(t) for t in taskset]
-    else:
+        first = list(itertools.islice(taskset, EAGER_TASKS + 1))
+        if len(first) <= EAGER_TASKS:
+            train = [task_example(t) for t in first]
+        else:
+            log.warning("the taskset of %r does not declare itself endless (Taskset.INFINITE) but has more than %d "
+                        "tasks: drawn lazily from a shuffle buffer, as an endless one", vf_env.config.env_id,
+                        EAGER_TASKS)
+        del first
+    if train is None:
         train = TaskStream(lambda: (task_example(t) for t in taskset), buffer=buffer)
     if eval_tasks is not None and not eval_tasks.bounded:
         raise ValueError(f"the held-out tasks of {vf_env.config.env_id!r} never end: bound them "

@@ -227,3 +227,21 @@ def test_pose_solve_config_and_finite_taskset():
     assert len(set(keys)) == 20 and keys == [t.data.id for t in tasks]
     assert all("a + b" in t.data.prompt for t in tasks)
     assert [t.key for t in load({"taskset": {"id": "rlt-pose-solve"}})[1].taskset] == keys
+
+
+def test_an_endless_taskset_that_does_not_say_so_is_drawn_lazily_not_read_for_ever(monkeypatch, caplog):
+    """rlt-tally-duel's endless taskset with its ``INFINITE`` declaration taken away (as a package that forgot it
+    ships): it was read whole, spinning with memory growing until killed. Past ``EAGER_TASKS`` it is drawn lazily,
+    with one warning naming ``INFINITE``."""
+    from producers import verifiers_v1
+    from producers.environment import TaskStream
+
+    cfg, env = load({"taskset": {"id": "rlt-tally-duel", "seed": 3}, "player0": SEAT, "player1": SEAT})
+    monkeypatch.setattr(type(env.taskset), "INFINITE", False)
+    assert env.taskset.bounded  # what verifiers reports for it now
+    monkeypatch.setattr(verifiers_v1, "EAGER_TASKS", 50)
+    wrapped = verifiers_v1.verifiers_v1_environment(env, name="rlt-tally-duel", version="0")
+    assert isinstance(wrapped.dataset, TaskStream)
+    assert "does not declare itself endless (Taskset.INFINITE) but has more than 50 tasks" in caplog.text
+    finite = verifiers_v1.verifiers_v1_environment(env, name="rlt-tally-duel", version="0", num_tasks=20)
+    assert isinstance(finite.dataset, list) and len(finite.dataset) == 20  # a bounded view: read whole, as before
