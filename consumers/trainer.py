@@ -410,7 +410,8 @@ class ReferenceTrainer:
         written."""
         if self._writing is not None and self._writing[2].done():
             self._wait_for_state()
-        return max(self.states.items()) if self.states else None
+        newest = max(self.states, default=None)
+        return None if newest is None else (newest, self.states[newest])
 
     def load_training_state(self, ref: CheckpointRef, revision: int | None = None) -> bool:
         """Resume the weights and optimizer saved with checkpoint ``ref`` (``_save_training_state``, or the single

@@ -756,11 +756,19 @@ class Arena:
         """Admit ``num_groups`` groups (or until ``stop`` is set), paced; wait for all to be emitted. Once all
         ``num_groups`` are admitted, ``last_revision`` is the revision trained on the last full batch (by every
         arena of the run, as far as this one has seen). ``until_revision``: the run's last revision (it is
-        ``last_revision``); nothing more is admitted once the rollouts admitted fill the batches up to it at one
-        record each (an episode yielding more fills them sooner: the caller sets ``stop`` when it is current; one
-        yielding none leaves a partial batch, which the batcher flushes)."""
+        ``last_revision``); nothing more is admitted once it is current, or once the rollouts admitted fill the
+        batches up to it at one record each (an episode yielding none leaves a partial batch, which the batcher
+        flushes)."""
+        watcher = None
         if until_revision is not None:
             self.last_revision = until_revision
+            stop, given = asyncio.Event(), stop
+
+            async def end_at_last_revision() -> None:
+                await _first(self.wait_for_revision(until_revision, float("inf"), idle_s=float("inf")),
+                             *([given.wait()] if given is not None else []))
+                stop.set()
+            watcher = asyncio.create_task(end_at_last_revision())
         sem = asyncio.Semaphore(self.concurrency)
         results: list[GenerateResult] | None = [] if collect else None
         progress = _Progress(self) if self.progress else None
@@ -794,6 +802,9 @@ class Arena:
             if self._tasks:
                 await asyncio.gather(*list(self._tasks))
         finally:
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
             if progress:
                 progress.stop()
         if self._fatal is not None:

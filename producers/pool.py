@@ -39,6 +39,15 @@ def server_root(base_url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
+async def answers(http: httpx.AsyncClient, url: str) -> bool:
+    """Whether the server at ``url`` answers ``GET /health`` at its root with any status below 500 (an endpoint
+    without /health answers 404: it is up)."""
+    try:
+        return (await http.get(server_root(url) + "/health", timeout=5.0)).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
 async def await_servers(urls: Sequence[str], timeout_s: float, every_s: float = 0.25) -> list[str]:
     """Wait until every server answers ``GET /health`` (the pool's own test: any status below 500), at most
     ``timeout_s``: an arena started beside servers still loading (a demo's vLLM, a pod's sidecar) admits nothing
@@ -47,10 +56,7 @@ async def await_servers(urls: Sequence[str], timeout_s: float, every_s: float = 
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as http:
         while silent:
-            for url in list(silent):
-                with suppress(httpx.HTTPError):
-                    if (await http.get(server_root(url) + "/health")).status_code < 500:
-                        silent.remove(url)
+            silent = [url for url in silent if not await answers(http, url)]
             if not silent or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(every_s)
@@ -150,11 +156,7 @@ class InferencePool:
         async with httpx.AsyncClient(timeout=httpx.Timeout(self.rejoin_timeout_s, connect=5.0)) as http:
             while not server.up:
                 await asyncio.sleep(self.probe_s)
-                try:
-                    r = await http.get(server_root(server.url) + "/health", timeout=5.0)
-                except httpx.HTTPError:
-                    continue
-                if r.status_code >= 500:
+                if not await answers(http, server.url):
                     continue
                 try:
                     async with self.membership:

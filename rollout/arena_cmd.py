@@ -207,16 +207,7 @@ async def _main(args: argparse.Namespace) -> int:
                 print(f"rollout arena: error: no answer from {', '.join(silent)} within {args.await_servers:.0f}s "
                       "(--await-servers): is the server started, and on that address?", file=sys.stderr)
                 return 1
-        ending = None
-        reached = asyncio.Event()  # the run's last revision is current: stop admitting (not a signal's stop)
-
-        async def until() -> None:
-            await arena.wait_for_revision(args.until_revision, float("inf"), idle_s=float("inf"))
-            reached.set()
-            stop.set()
         async with arena:
-            if args.until_revision:
-                ending = asyncio.create_task(until())
             try:
                 stats = await arena.run(num_groups=args.groups or None, stop=stop, until_revision=args.until_revision)
             except WeightLoadError as e:  # every admitted rollout is on the log (failed ones with the reason)
@@ -227,10 +218,8 @@ async def _main(args: argparse.Namespace) -> int:
                 print(json.dumps({"run_id": run_id, "plan": args.plan, **arena.stats.as_dict()}))
                 return 1
             awaited: dict = {}
-            if ending is not None:
-                ending.cancel()
             if args.await_final_revision > 0 and follower is not None and arena.last_revision is not None \
-                    and (reached.is_set() or not stop.is_set()):
+                    and not stop.is_set():
                 final = arena.last_revision
                 awaited = {"final_revision": final,
                            "final_revision_reached": await arena.wait_for_revision(final, args.await_final_revision)}

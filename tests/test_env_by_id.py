@@ -300,8 +300,9 @@ def test_recipe_whole_loop_on_vllm(kafka_bootstrap, vllm_server, tmp_path):
     stale = sum(n for k, n in s["dead_letter_reasons"].items() if k.endswith(": StaleRecordError"))
     late = s["dead_letter_reasons"].get("trainer: RunComplete", 0)  # batched, then refused by the trainer
     assert s["records_in_batches"] + stale + s["failed_rollouts"] == s["rollouts"]
-    assert s["dead_letters"] == stale + late and late <= s["records_in_batches"] - 3 * 32
-    # one record a rollout: the arena admits no more than the 3 batches the run trains (it generated 12 before)
+    assert s["dead_letters"] == stale + late
+    # one record a rollout: the arena admits no more than the 3 batches the run trains (it generated 12 before), so
+    # nothing is refused as past the run's end (a rollout that failed leaves its batch partial: flushed, trained)
     assert s["rollouts"] == 3 * 32 and late == 0
     # the eval source (split "test", num_examples 48, interval 1): every revision answers the 48 questions
     assert [int(k) for k in s["eval_accuracy_by_revision"]][:4] == [0, 1, 2, 3]

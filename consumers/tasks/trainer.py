@@ -218,7 +218,7 @@ class TrainerTask(TaskDefaults):
         if state is not None and (not self.base or self.base.get("fresh") or state[0] > int(self.base["revision"])):
             at, ref = state
             self.base = {"revision": at, "checkpoint": ref.model_dump(mode="json")}
-            self.since = self.since[len(self.since) - (rev.revision - at):] if rev.revision > at else []
+            self.since = self.since[len(self.since) - (rev.revision - at):]  # the batches trained after it
         return outs + [Out(topics.POLICY_REVISIONS.name, rev)]
 
 
