@@ -242,13 +242,16 @@ class ReferenceTrainer:
                  kind: type[TinyPolicy] | type[HFPolicy] = TinyPolicy, ref: CheckpointRef | None = None,
                  keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None,
                  state_every: int = 1, micro_batch_tokens: int = MICRO_BATCH_TOKENS, mismatch_rows: int = 8,
-                 group: Group | None = None, device: str | torch.device = "cpu") -> None:
+                 group: Group | None = None, device: str | torch.device = "cpu",
+                 last_revision: int | None = None) -> None:
         """``ref``: the checkpoint ``model`` was loaded from (the mismatch of that revision's tokens is measured on
         its file). ``keep_checkpoints``: keep only the newest N checkpoints this trainer wrote (0: all; never fewer
         than 2, the one before the current is what a pipelined batch came from). ``state_every``: write the
         training state every N revisions. ``micro_batch_tokens``: the token budget of one forward/backward.
         ``mismatch_rows``: at most this many rows of earlier revisions are run again under their own weights for
-        the mismatch figure (the current revision's rows cost nothing: they are the training pass)."""
+        the mismatch figure (the current revision's rows cost nothing: they are the training pass).
+        ``last_revision``: the run's last (its max_steps): no training state is written there, since nothing trains
+        after it (a take-over at the end trains the batches since the state before again, from the log)."""
         # the model trained is on ``device``, and in a data-parallel group (``consumers.distributed``) it is FSDP2's
         # shard of it; rank 0 (or the only process) keeps the whole model on the CPU as well: what it writes as
         # checkpoints (the same object when training alone on the CPU)
@@ -271,6 +274,7 @@ class ReferenceTrainer:
         self.kind = kind
         self.keep_checkpoints = keep_checkpoints
         self.state_every = max(1, state_every)
+        self.last_revision = last_revision
         self.micro_batch_tokens = micro_batch_tokens
         self.mismatch_rows = mismatch_rows
         self.written: dict[int, CheckpointRef] = {}  # checkpoints this trainer wrote, by revision
@@ -517,7 +521,7 @@ class ReferenceTrainer:
             ref = self.kind.save(self.whole, self.dir, self.family, nxt)
         del state
         parent, self.revision = self.revision, nxt
-        if nxt % self.state_every == 0:
+        if nxt % self.state_every == 0 and nxt != self.last_revision:
             self._save_training_state(ref)
         if ref is None:
             return None

@@ -219,6 +219,23 @@ def test_nothing_a_take_over_may_need_is_removed_before_the_commit_that_supersed
     assert (tmp_path / "r0").exists() and any((tmp_path / "r0").iterdir())  # never one it did not write
 
 
+def test_no_training_state_is_written_at_the_runs_last_revision(tmp_path):
+    """Nothing trains after the run's last revision (its max_steps), so its state is not written there: states every
+    2 revisions over a 4-revision run leave r2's only."""
+    rev0 = initial_revision("tiny", tmp_path / "r0", seed=0)
+    model = load_checkpoint(rev0.checkpoint)
+    b = batch_of([_record(i, model, list(b"2+2="), list(b"4"), 1.0 if i % 2 else -1.0) for i in range(4)], rev0)
+    trainer = ReferenceTrainer(model, "tiny", 0, tmp_path / "ck", state_every=2, last_revision=4)
+    revs = []
+    for _ in range(4):
+        trainer.step(to_tensors(b), b)
+        revs.append(trainer.publish(run_id="run", batch=b))
+    wait_for_training_states()
+    states = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.endswith(TRAINING_STATE_SUFFIX))
+    assert states == [Path(revs[1].checkpoint.uri).name.replace(".pt", TRAINING_STATE_SUFFIX)]
+    assert trainer.last_state() == (2, revs[1].checkpoint)
+
+
 # -- a family named as Hugging Face names models (org/name) -------------------------------------------------
 HF_FAMILY = "org/tiny-byte-lm"
 

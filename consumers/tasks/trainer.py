@@ -72,7 +72,8 @@ class TrainerTask(TaskDefaults):
         self.read_records = read_records
         self.max_steps = max_steps  # the run's last revision: nothing is trained past it
         self.options = dict(lr=lr, epochs=epochs, keep_checkpoints=keep_checkpoints, weight_decay=weight_decay,
-                            served_model=served_model, state_every=state_every, micro_batch_tokens=micro_batch_tokens)
+                            served_model=served_model, state_every=state_every, micro_batch_tokens=micro_batch_tokens,
+                            last_revision=max_steps)
         self.trainer: ReferenceTrainer | None = None
         self.current: dict[str, Any] = {}  # the revision: {"revision", "checkpoint"}
         self.base: dict[str, Any] = {}  # the last training state: {"revision", "checkpoint", "fresh"?}
