@@ -63,6 +63,9 @@ def metrics_endpoint(service: Service, port: int | None = None) -> tuple[Endpoin
     return ep.start(), ServiceMetrics(service.name, ep.registry) if ep.port else None
 
 
+ABANDON_AFTER_S = 2.0  # a System stopped by a signal: what its services have not committed by then is abandoned
+
+
 class System:
     """Several services in one process (the demo, tests, benchmarks): ``async with System(...) as s``
     creates the topics, opens each service's wiring, runs its processor, and on exit stops the
@@ -91,9 +94,16 @@ class System:
         self._tasks = [asyncio.create_task(p.run(), name=n) for n, p in self.processors.items()]
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, exc_type: Any, *exc: Any) -> None:
+        """Each processor finishes its transaction in hand and stops; when the block ended by an exception (a
+        signal cancelled it) they get ``ABANDON_AFTER_S``, then what is still open is abandoned uncommitted (its
+        input is read again by the next owner: nothing committed is lost)."""
         for p in self.processors.values():
             p.stopping.set()
+        if exc_type is not None and self._tasks:
+            _, late = await asyncio.wait(self._tasks, timeout=ABANDON_AFTER_S)
+            for t in late:
+                t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._stack.aclose()
 

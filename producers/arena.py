@@ -95,6 +95,9 @@ from streams.admissions import MemoryLedger
 from streams.revisions import RevisionFollower
 
 log = logging.getLogger("rollout.arena")
+# a stopped arena (SIGTERM, Ctrl-C) lets its episodes in flight finish and be emitted for this long, then cuts the
+# rest short, so that a command stops within 10 s of SIGTERM whatever its episodes wait on
+STOP_GRACE_S = 5.0
 
 
 # -- pacing -------------------------------------------------------------------------------------
@@ -253,6 +256,25 @@ class AdmissionPacer:
         if revision > self.trainer_revision:
             self.trainer_revision = revision
             self._woken.set()
+
+
+async def _acquired(sem: asyncio.Semaphore, stop: asyncio.Event | None) -> bool:
+    """``sem`` acquired; False (nothing acquired) when ``stop`` is set first."""
+    if stop is None:
+        await sem.acquire()
+        return True
+    if stop.is_set():
+        return False
+    got, stopped = asyncio.ensure_future(sem.acquire()), asyncio.ensure_future(stop.wait())
+    await asyncio.wait({got, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if got.done() and not got.cancelled():
+        return True
+    got.cancel()
+    await asyncio.gather(got, return_exceptions=True)
+    if got.done() and not got.cancelled() and got.exception() is None:  # acquired while being cancelled
+        sem.release()
+    return False
 
 
 async def _first(*aws: Any) -> None:
@@ -457,6 +479,8 @@ class Arena:
         self._clients: dict[str, InferenceClient] = {}
         self._follow_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._generating: set[asyncio.Task] = set()  # rollouts still in their episode (not yet being emitted)
+        self._cut: set[asyncio.Task] = set()  # ... cut short by a stop (``STOP_GRACE_S``)
         self._fatal: BaseException | None = None
         self._revision_seen = asyncio.Event()
         self.revision_log: list[tuple[float, int]] = []
@@ -685,8 +709,17 @@ class Arena:
         """The status of the rollout on the log; None when it is not on it. A rollout of a claim another arena
         released meanwhile (this one was frozen past its lease) is not emitted: its capacity went to another
         group."""
+        me = asyncio.current_task()
         try:
-            result = await self.run_rollout(req)
+            self._generating.add(me)
+            try:
+                result = await self.run_rollout(req)
+            except asyncio.CancelledError:
+                if me in self._cut:
+                    return None  # stopped: the episode was cut short and nothing of it emitted
+                raise
+            finally:
+                self._generating.discard(me)
             if claim_id is not None and not await self.pacer.held(claim_id):
                 log.warning("rollout %s not emitted: its group's admission claim %s was released while this arena "
                             "was not renewing it (frozen or cut off for over %gs)", req.rollout_id, claim_id,
@@ -703,15 +736,15 @@ class Arena:
         finally:
             sem.release()
 
-    async def _close_claim(self, claim_id: str, rollouts: list[asyncio.Task]) -> None:
-        """Done once every rollout of the group is on the log; released (capacity back) if one never will be.
-        A group whose every rollout failed counts towards ``max_failed_groups``; one that did not resets it."""
+    async def _close_claim(self, claim_id: str, rollouts: list[asyncio.Task], size: int) -> None:
+        """Done once every rollout of the group (``size``) is on the log; released (capacity back) if one never
+        will be. A group whose every rollout failed counts towards ``max_failed_groups``; one that did not resets it."""
         statuses = await asyncio.gather(*rollouts)
-        if all(s is not None for s in statuses):
+        if len(statuses) == size and all(s is not None for s in statuses):
             await self.pacer.done(claim_id)
         elif self.pacer.book.held(claim_id):
-            await self.pacer.release(claim_id, f"abandoned: {sum(s is None for s in statuses)} rollouts not "
-                                               "emitted")
+            await self.pacer.release(claim_id, f"abandoned: {size - sum(s is not None for s in statuses)} rollouts "
+                                               "not emitted")
         if statuses and all(s == "failed" for s in statuses):
             self.stats.failed_groups_in_a_row += 1
         elif any(s is not None for s in statuses):
@@ -759,7 +792,7 @@ class Arena:
         ``last_revision``); nothing more is admitted once it is current, or once the rollouts admitted fill the
         batches up to it at one record each (an episode yielding none leaves a partial batch, which the batcher
         flushes)."""
-        watcher = None
+        watcher, given_stop = None, stop
         if until_revision is not None:
             self.last_revision = until_revision
             stop, given = asyncio.Event(), stop
@@ -792,13 +825,22 @@ class Arena:
                 self.stats.groups += 1
                 rollouts = []
                 for req in group:
-                    await sem.acquire()
+                    if not await _acquired(sem, given_stop):  # stopped while every slot is busy: the rest never start
+                        break
                     rollouts.append(asyncio.create_task(self._run_and_emit(req, sem, results, claim_id)))
-                t = asyncio.create_task(self._close_claim(claim_id, rollouts))
+                t = asyncio.create_task(self._close_claim(claim_id, rollouts, len(group)))
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
             if admitted == num_groups:  # the revision trained on the last batch is the run's last: evaluated
                 self.last_revision = self.pacer.final_revision()
+            if self._tasks and given_stop is not None and given_stop.is_set():  # stopped: the episodes in flight
+                _, late = await asyncio.wait(list(self._tasks), timeout=STOP_GRACE_S)  # get a bounded while
+                if late:
+                    log.warning("stopping: %d episodes still running after %gs cut short (not emitted; their "
+                                "groups' claims released)", len(self._generating), STOP_GRACE_S)
+                    self._cut |= self._generating
+                    for t in list(self._generating):
+                        t.cancel()
             if self._tasks:
                 await asyncio.gather(*list(self._tasks))
         finally:

@@ -13,7 +13,7 @@ Violations (the audit fails):
 * ``replayed_lineage``    the lineage digest recomputed from the replayed records does not match;
 * ``batch_record_missing`` a batch names a record that is not on the log;
 * ``batch_conflict``      one batch_id appears twice with different digests;
-* ``record_unbatched``    a record in no batch (and not dead-lettered);
+* ``record_unbatched``    a record in no batch (and not dead-lettered) while a later record of its partition is;
 * ``record_multi_batch``  a record in two or more batches;
 * ``off_policy``          a batch with a record outside its off-policy bound (too stale, ahead, other family);
 * ``unknown_revision``    a step, record or batch target whose policy revision was never published (every
@@ -30,7 +30,8 @@ Violations (the audit fails):
 Warnings (reported, not failing): missing steps of a rollout (steps may have a shorter retention),
 dead letters, harmless re-emissions (same content, new event id), and steps whose revision is the
 arena's belief only (``policy_exact`` false: ``inexact_policy``, one finding per revision with the count),
-and revisions that name no batch in a log written before revisions named them (``unnamed_batches``).
+revisions that name no batch in a log written before revisions named them (``unnamed_batches``), and records after
+the last batched one of their partition (``pending_records``: a run stopped or still running before their batch).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ VIOLATIONS = ("record_digest", "record_conflict", "batch_digest", "lineage_diges
               "replayed_lineage", "batch_record_missing", "batch_conflict", "record_unbatched", "record_multi_batch",
               "off_policy", "unknown_revision", "checkpoint_mismatch", "revision_conflict", "undecodable",
               "evaluation_trained", "revision_chain")
-WARNINGS = ("missing_step", "dead_letter", "re_emitted", "inexact_policy", "unnamed_batches")
+WARNINGS = ("missing_step", "dead_letter", "re_emitted", "inexact_policy", "unnamed_batches", "pending_records")
 
 
 @dataclass
@@ -274,14 +275,28 @@ def audit(con: duckdb.DuckDBPyConnection) -> AuditReport:
             "SELECT record_id, list(DISTINCT batch_id ORDER BY batch_id) FROM batch_records GROUP BY record_id "
             "HAVING count(DISTINCT batch_id) > 1 ORDER BY record_id").fetchall():
         report.add("record_multi_batch", rid, f"record {rid} is in {len(batch_ids)} batches: {', '.join(batch_ids)}")
-    for rid, part, off in con.execute("""
-            SELECT DISTINCT ON (tr.record_id) tr.record_id, tr._partition, tr._offset FROM training_records tr
+    # a record after the last batched one of its partition is pending (the run stopped before its batch was full:
+    # SIGTERM, a run cut short), not lost; one before it that no batch took is
+    pending = Counter()
+    for rid, part, off, tail in con.execute("""
+            WITH batched AS (SELECT tr._partition AS part, max(tr._offset) AS last FROM training_records tr
+                             WHERE tr.record_id IN (SELECT record_id FROM batch_records) GROUP BY ALL)
+            SELECT DISTINCT ON (tr.record_id) tr.record_id, tr._partition, tr._offset,
+                   tr._offset > coalesce((SELECT last FROM batched b WHERE b.part = tr._partition), -1)
+              FROM training_records tr
             WHERE tr.record_id NOT IN (SELECT record_id FROM batch_records)
               AND NOT EXISTS (SELECT 1 FROM dead_letters d WHERE d.raw_subject_id = tr.record_id
                               OR (d.origin_topic = tr._topic AND d.origin_partition = tr._partition
                                   AND d.origin_offset = tr._offset))
             ORDER BY tr.record_id""").fetchall():
-        report.add("record_unbatched", rid, f"record {rid} (partition {part} offset {off}) is in no batch")
+        if tail:
+            pending[part] += 1
+        else:
+            report.add("record_unbatched", rid, f"record {rid} (partition {part} offset {off}) is in no batch, and "
+                                                "a later record of its partition is")
+    for part, n in sorted(pending.items()):
+        report.add("pending_records", f"partition {part}", f"{n} records after the last batched one of partition "
+                   f"{part} are in no batch yet (the run stopped, or is running, before their batch was full)")
 
     # -- policy revisions: every reference resolves, with the published checkpoint
     for fam, rev, ckpts in con.execute(

@@ -202,7 +202,14 @@ async def _main(args: argparse.Namespace) -> int:
         if args.await_servers > 0:
             from producers.pool import await_servers
 
-            silent = await await_servers(urls or plan.learner.base_urls, args.await_servers)
+            waiting = asyncio.ensure_future(await_servers(urls or plan.learner.base_urls, args.await_servers))
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not waiting.done():  # stopped before any server answered: nothing was admitted
+                waiting.cancel()
+                return 0
+            silent = waiting.result()
             if silent:
                 print(f"rollout arena: error: no answer from {', '.join(silent)} within {args.await_servers:.0f}s "
                       "(--await-servers): is the server started, and on that address?", file=sys.stderr)

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -295,8 +296,22 @@ async def _demo(settings, args) -> int:
 
     run = uuid.uuid4().hex[:8]
     prefix = f"demo-{run}."
-    with overridden(topic_prefix=prefix):
-        return await _run(settings, args, run, prefix)
+    # SIGTERM/SIGINT cancel the run: the arena is stopped (its episodes in flight get a few seconds), the services
+    # finish or abandon their open transactions (nothing committed is lost), vLLM is stopped; all within 10 s
+    main, loop, caught = asyncio.current_task(), asyncio.get_running_loop(), []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: caught.append(s) or main.cancel())
+    try:
+        with overridden(topic_prefix=prefix):
+            return await _run(settings, args, run, prefix, stopping=lambda: bool(caught))
+    except asyncio.CancelledError:
+        if not caught:
+            raise
+    # not through asyncio.run's exit: it would wait for a training step in hand to finish in its thread
+    print(f"rollout: stopped by {signal.Signals(caught[0]).name}: what was committed stays on the log (run {run}; "
+          "`rollout runs`, `rollout replay`)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(128 + caught[0])
 
 
 def load_plan(args):
@@ -329,7 +344,7 @@ def load_plan(args):
     return plan, served
 
 
-async def _run(settings, args, run: str, prefix: str) -> int:
+async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) -> int:
     from consumers.trainer import initial_revision
     from policy.compute import computed
     from rollout.cores import choose, pin_this_process, split_cores, vllm_bind
@@ -409,7 +424,7 @@ async def _run(settings, args, run: str, prefix: str) -> int:
         if metrics is not None:
             metrics.close()
         if vllm is not None:
-            await vllm.stop()
+            await vllm.stop(grace_s=2.0 if stopping() else 20.0)
     if rc == 0:
         _drop_training_states(ckdir)
     summary["seconds"] = round(time.monotonic() - t0, 1)
@@ -427,6 +442,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
     from consumers.registry import SERVICES
     from consumers.runner import System
     from producers.children import die_with_parent
+    from producers.arena import STOP_GRACE_S
     from producers.vllm_server import STARTUP_TIMEOUT_S
     from streams import topics
     from streams.revisions import publish
@@ -484,10 +500,14 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
             arena.kill()
             rc = 1
             print(f"rollout demo: the arena did not finish within {args.timeout:.0f}s (--timeout)", file=sys.stderr)
-        except BaseException:  # vLLM did not start, or this was cancelled: no arena is left behind
+        except BaseException:  # vLLM did not start, or a signal cancelled this: no arena is left behind
             if arena.returncode is None:
-                arena.kill()
-                await arena.wait()
+                arena.terminate()  # its episodes in flight get STOP_GRACE_S to finish and be emitted
+                try:
+                    await asyncio.wait_for(arena.wait(), STOP_GRACE_S + 1.5)
+                except asyncio.TimeoutError:
+                    arena.kill()
+                    await arena.wait()
             raise
         finally:
             stop_tail.set()

@@ -208,7 +208,7 @@ def test_audit_catches_off_policy_unknown_revision_and_checkpoint(run):
     assert all(f.subject == last[1].batch_id for f in report.violations if f.kind == "off_policy")
 
 
-def test_audit_catches_unbatched_and_twice_batched_records_but_not_dead_lettered(run):
+def test_audit_catches_unbatched_and_twice_batched_records_but_not_dead_lettered_or_pending(run):
     records = run.events("training-records")
     revisions = run.events("policy-revisions")
     orphan = records[0].model_copy(update={"record_id": "orphan"})
@@ -217,15 +217,20 @@ def test_audit_catches_unbatched_and_twice_batched_records_but_not_dead_lettered
     letter = DeadLetter(run_id=run.run_id, producer="batcher", origin_topic="t.training-records", origin_partition=0,
                         origin_offset=999, raw=codec.encode(dead), error_type="StaleRecordError", error_message="stale",
                         service="batcher")
-    con = load(flat(run) + [("training-records", orphan), ("training-records", dead), ("trainer-batches", twice),
-                            ("dead-letters", letter)])
+    late = records[2].model_copy(update={"record_id": "late"})
+    # the orphan before records that were batched: lost; ``late`` after the last batched one: pending (the run
+    # stopped before its batch was full), a warning
+    con = load([("training-records", orphan)] + flat(run) + [("training-records", dead), ("trainer-batches", twice),
+                                                            ("dead-letters", letter), ("training-records", late)])
     report = audit(con)
     by = defaultdict(set)
     for f in report.findings:
         by[f.kind].add(f.subject)
     assert by["record_unbatched"] == {"orphan"}
     assert by["record_multi_batch"] == {records[0].record_id}
-    assert "dead_letter" in by and not any(f.kind == "dead_letter" for f in report.violations)
+    assert by["pending_records"] == {"partition 0"} and "1 records" in next(
+        f.message for f in report.findings if f.kind == "pending_records")
+    assert not any(f.kind in ("dead_letter", "pending_records") for f in report.violations)
 
 
 def test_audit_catches_a_database_row_edited_after_replay(run):
