@@ -119,9 +119,10 @@ class Batcher(Generic[T]):
                 return max(i, 1)
         return len(items)
 
-    def poll(self, target: PolicyRevision | None, now: float, *, flush: bool = False
+    def poll(self, target: PolicyRevision | None, now: float, *, flush: bool = False, dropped: int = 0
              ) -> tuple[list[tuple[TrainerBatch, list[Item[T]]]], list[Refusal[T]]]:
-        """Batches ready for ``target`` and records refused as stale. ``flush`` empties what is eligible."""
+        """Batches ready for ``target`` and records refused as stale. ``flush`` empties what is eligible.
+        ``dropped``: batches the trainer dead-lettered (never to be trained; a derived run's pace counts them)."""
         refusals: list[Refusal[T]] = []
         keep: list[Item[T]] = []
         for it in self.items:
@@ -145,7 +146,7 @@ class Batcher(Generic[T]):
         room = len(self.items)  # batches this poll may emit: all there are, but for history...
         if self.policy.history is not None:  # ...no arena paces it: the trainer's steps do
             trained = target.revision - self.policy.history.fork.revision
-            room = HISTORY_AHEAD - (self.history_batches - trained)
+            room = HISTORY_AHEAD - (self.history_batches - trained - dropped)
             if room <= 0:
                 return [], refusals
         eligible = [it for it in self.items if staleness(it.record, target, self.policy.history) >= 0]

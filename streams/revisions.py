@@ -5,7 +5,8 @@ arena, batcher and trainer sees every revision the trainer committed, in order. 
 
 * ``RevisionFollower``: hands each revision of a family to a callback as it arrives (the arena);
 * ``RevisionWatcher``: keeps the latest revision with a checkpoint per family (the batcher's side input);
-* ``latest_revision``: reads to the end once (the trainer, at start).
+* ``latest_revision``: reads to the end once (the trainer, at start);
+* ``DroppedBatches``: the same reader on the dead letters: the batches the trainer will never train.
 
 ``publish`` writes a revision outside the trainer's transactions (revision 0 of a fresh log).
 
@@ -19,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from schemas.errors import EventDecodeError
+from schemas.events import DeadLetter
 from schemas.policy import PolicyRevision
 from streams import topics
 from streams.serde import from_message
@@ -37,12 +39,15 @@ def without_superseded(revs: list[PolicyRevision], skippable: Callable[[PolicyRe
 
 
 class RevisionFollower:
-    """The revisions on the topic (default: the policy-revisions topic), of ``family`` only when given."""
+    """The revisions on the topic (default: the policy-revisions topic), of ``family`` only when given; or, with
+    ``event``, the events of that type on ``topic`` (``DroppedBatches``: the dead letters)."""
 
-    def __init__(self, client_kwargs: Mapping[str, Any], family: str | None = None, topic: str | None = None) -> None:
+    def __init__(self, client_kwargs: Mapping[str, Any], family: str | None = None, topic: str | None = None,
+                 event: type = PolicyRevision) -> None:
         self.client_kwargs = dict(client_kwargs)
         self.family = family
         self.topic = topic or topics.POLICY_REVISIONS.name
+        self.event = event
         self._consumer: Any = None
 
     async def start(self) -> None:
@@ -62,7 +67,7 @@ class RevisionFollower:
             await asyncio.sleep(0.1)
         if not parts:
             await self.stop()
-            raise RuntimeError(f"policy revisions topic {self.topic!r} does not exist")
+            raise RuntimeError(f"topic {self.topic!r} does not exist")
         tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
         self._consumer.assign(tps)
         await self._consumer.seek_to_beginning(*tps)
@@ -89,10 +94,10 @@ class RevisionFollower:
         pairs = []
         for rec in (r for recs in got.values() for r in recs):
             try:
-                rev = from_message(rec.value, PolicyRevision)
+                rev = from_message(rec.value, self.event)
             except EventDecodeError:
                 continue
-            if self.family is None or rev.family == self.family:
+            if self.family is None or getattr(rev, "family", None) == self.family:
                 pairs.append((rec, rev))
         return pairs, bool(got)
 
@@ -140,6 +145,35 @@ class RevisionFollower:
             idle = 0 if arrived else idle + 1
             out.extend(pairs)
         return out
+
+
+class DroppedBatches:
+    """Side input: the trainer batches the trainer dead-lettered (poison, past the run's last revision, refused
+    whole), each of which will never become a revision. A derived run's batcher paces itself on the trainer's
+    revisions (``consumers.batching.HISTORY_AHEAD``) and counts these as gone, not as still ahead of the trainer."""
+
+    def __init__(self, client_kwargs: Mapping[str, Any]) -> None:
+        self.seen: set[tuple[int, int]] = set()  # (partition, offset) of each dropped batch
+        self._follower = RevisionFollower(client_kwargs, topic=topics.DEAD_LETTERS.name, event=DeadLetter)
+        self._task: asyncio.Task | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.seen)
+
+    async def start(self) -> None:
+        await self._follower.start()
+        self._task = asyncio.create_task(self._follower.follow(self._see), name="dropped-batches")
+
+    def _see(self, letter: DeadLetter) -> None:
+        if letter.origin_topic == topics.TRAINER_BATCHES.name:
+            self.seen.add((letter.origin_partition, letter.origin_offset))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._follower.stop()
 
 
 async def latest_revision(client_kwargs: Mapping[str, Any], family: str, *, idle_polls: int = 2,

@@ -59,6 +59,18 @@ def test_the_derived_batcher_stays_at_most_HISTORY_AHEAD_batches_ahead_of_the_tr
     assert not batches and [r.error_type for r in refused] == ["StaleRecordError"] * 2
 
 
+def test_batches_the_trainer_dead_lettered_give_the_derived_batcher_its_room_back():
+    """A dead-lettered batch will never become a revision: counted as still ahead of the trainer, HISTORY_AHEAD of
+    them stopped the derived batcher for good; counted as gone (``dropped``), it goes on."""
+    b: Batcher = Batcher(BatchPolicy(family=DERIVED, max_off_policy_steps=2, batch_records=2, history=RULE), "b")
+    for i in range(2 * 2 * HISTORY_AHEAD):
+        b.add(testing.training_record(i, revision_=3, family="tiny"), 0.0)
+    assert len(b.poll(_target(3), 1.0)[0]) == HISTORY_AHEAD
+    assert b.poll(_target(3), 2.0) == ([], [])  # every one dead-lettered, but not known so: no room
+    batches, refused = b.poll(_target(3), 3.0, dropped=HISTORY_AHEAD)
+    assert len(batches) == HISTORY_AHEAD and not refused and b.history_batches == 2 * HISTORY_AHEAD
+
+
 def test_the_range_a_derived_run_takes():
     t0 = datetime(2026, 11, 1, tzinfo=UTC)
     d = Derivation(run_id="b", source_run_id="a", source_prefix="a.", fork=FORK, from_revision=2, to_revision=5,

@@ -16,7 +16,7 @@ from consumers.settings import ServiceSettings
 from schemas.errors import EventDecodeError
 from schemas.events import TrainingRecord
 from streams import topics
-from streams.revisions import RevisionWatcher
+from streams.revisions import DroppedBatches, RevisionWatcher
 from streams.settings import MAX_MESSAGE_BYTES
 from streams.transactions import Out
 
@@ -24,10 +24,12 @@ NAME = "batcher"
 
 
 class BatcherTask(TaskDefaults):  # no state beyond the buffered records, and a derived run's pace
-    def __init__(self, partition: int, cfg: ServiceSettings, revisions: RevisionWatcher) -> None:
+    def __init__(self, partition: int, cfg: ServiceSettings, revisions: RevisionWatcher,
+                 dropped: DroppedBatches | None = None) -> None:
         self.p = partition
         self.family = cfg.family
         self.revisions = revisions
+        self.dropped = dropped  # a derived run's: the batches its trainer dead-lettered
         self.batcher: Batcher[Any] = Batcher(BatchPolicy(
             family=cfg.family, max_off_policy_steps=cfg.max_off_policy_steps,
             batch_records=None if cfg.batch_tokens else cfg.batch_records, batch_tokens=cfg.batch_tokens,
@@ -53,7 +55,8 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records, and a 
         self._add(rec, decode(rec, TrainingRecord))
 
     def tick(self, now: float) -> list[Out]:
-        batches, refusals = self.batcher.poll(self.revisions.latest.get(self.family), now)
+        batches, refusals = self.batcher.poll(self.revisions.latest.get(self.family), now,
+                                              dropped=self.dropped.count if self.dropped else 0)
         outs = [Out(topics.TRAINER_BATCHES.name, b) for b, _ in batches]
         outs += [dead_letter(r.item.tag, NAME, r.error_type, r.reason, r.item.record.run_id) for r in refusals]
         return outs
@@ -72,8 +75,13 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records, and a 
 @asynccontextmanager
 async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIterator[TaskFactory]:
     revisions = RevisionWatcher(client_kwargs)
+    dropped = DroppedBatches(client_kwargs) if cfg.derivation else None  # paced by its trainer's revisions
     await revisions.start()
     try:
-        yield lambda p: BatcherTask(p, cfg, revisions)
+        if dropped is not None:
+            await dropped.start()
+        yield lambda p: BatcherTask(p, cfg, revisions, dropped)
     finally:
+        if dropped is not None:
+            await dropped.stop()
         await revisions.stop()
