@@ -34,6 +34,9 @@ from typing import Any
 
 DEFAULT_MAX_LAG = 8  # the plan's default off-policy bound (schemas.plan.DEFAULT_MAX_OFF_POLICY_STEPS)
 SERVICES = ("verifier", "credit", "batcher", "trainer")
+# history arrives as fast as it is read: a group still incomplete this long after its first record was cut by the
+# derivation's range (or a weight swap), and goes to the dead letters (GroupTimeout) instead of being held for ever
+GROUP_TIMEOUT_S = 60.0
 
 
 class DeriveError(Exception):
@@ -64,6 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, help="learning rate (default: the trainer's)")
     p.add_argument("--flush-after-s", type=float, default=2.0,
                    help="train a partial batch after this long without a full one (default 2)")
+    p.add_argument("--group-timeout-s", type=float, default=GROUP_TIMEOUT_S,
+                   help="a group still incomplete this long after its first record was cut by the range (or the source "
+                        f"run stopped mid-group): its records go to the dead letters as GroupTimeout, and the run "
+                        f"finishes (default {GROUP_TIMEOUT_S:g})")
     p.add_argument("--checkpoint-dir", help="where the derived checkpoints go (default .state/derived/<run id>)")
     p.add_argument("--follow", action="store_true", help="keep running for a source run still being written")
     p.add_argument("--no-progress", action="store_true")
@@ -85,7 +92,8 @@ def _revision_range(text: str | None) -> tuple[int | None, int | None]:
 def rescore_of(rubric: list[str] | None, kind: str | None):
     """The re-scoring the flags ask for, every function imported now: a verifier that cannot be loaded stops
     the run before anything is written."""
-    from consumers.scoring import VERIFIERS, load_func
+    from consumers.reward_functions import load_func
+    from consumers.scoring import VERIFIERS
     from schemas.history import Rescore
     from schemas.scoring import WeightedFunc
 
@@ -208,7 +216,7 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
     flags = {k: v for k, v in (("credit", args.credit), ("batch_records", args.batch_records), ("lr", args.lr))
              if v is not None}
     cfg = service_settings.build(flags, family=family, derivation=derivation, flush_after_s=args.flush_after_s,
-                                 max_off_policy_steps=args.max_off_policy_steps,
+                                 max_off_policy_steps=args.max_off_policy_steps, group_timeout_s=args.group_timeout_s,
                                  checkpoint_dir=args.checkpoint_dir or str(Path(".state/derived") / run_id))
     print(f"derived run {run_id}: from run {args.source} (topics {source_prefix}*), training {family} from "
           f"{source.family}@r{source.revision}", file=sys.stderr)
@@ -218,7 +226,7 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
           file=sys.stderr)
     t0 = time.monotonic()
     quiet_s = 2 * cfg.flush_after_s + 4
-    async with System(SERVICES, cfg, kw):
+    async with System(SERVICES, cfg, kw) as system:
         last, still = None, time.monotonic()
         while True:
             await asyncio.sleep(1.0)
@@ -230,11 +238,25 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
                 print("\r" + "  ".join(f"{s}: {rows[s]['committed']}/{rows[s]['end']}" for s in SERVICES if s in rows),
                       end="", file=sys.stderr, flush=True)
             caught_up = len(rows) == len(SERVICES) and all(r["lag"] == 0 for r in rows.values())
-            if caught_up and not args.follow and time.monotonic() - still >= quiet_s:
+            # read to the end is not done: a group cut by the range is held by credit until GROUP_TIMEOUT_S (then
+            # dead-lettered, GroupTimeout), a partial batch by the batcher until flush_after_s
+            held = {name: n for name, n in held_input(system).items() if n}
+            if caught_up and not args.follow and held and time.monotonic() - still >= quiet_s:
+                print(f"\rcaught up; waiting for what is held: {', '.join(f'{s} {n} records' for s, n in held.items())}"
+                      f" (incomplete groups go to the dead letters after {args.group_timeout_s:g}s)", end="",
+                      file=sys.stderr, flush=True)
+            if caught_up and not held and not args.follow and time.monotonic() - still >= quiet_s:
                 break
     if not args.no_progress:
         print(file=sys.stderr)
     return {"run_id": run_id, "family": family, "seconds": time.monotonic() - t0 - quiet_s, "prefix": f"{run_id}."}
+
+
+def held_input(system: Any) -> dict[str, int]:
+    """Records each service of ``system`` holds uncommitted in its state (credit's incomplete groups, the
+    batcher's partial batch): input read, not yet turned into output."""
+    return {name: sum(len(offsets) for task in list(proc.tasks.values()) for offsets in task.buffered().values())
+            for name, proc in system.processors.items()}
 
 
 def cmd_derive(args: argparse.Namespace) -> int:

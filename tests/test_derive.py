@@ -25,10 +25,10 @@ from replay.ingest import Replayer
 from rollout.cli import build_parser
 from rollout.derive_cmd import DeriveError, run_derived
 from schemas import codec
-from schemas.events import Rollout, RolloutScored, Step, TrainerBatch
+from schemas.events import DeadLetter, Rollout, RolloutScored, Step, TrainerBatch
 from schemas.policy import PolicyRevision
 from schemas.scoring import ScoringSpec, WeightedFunc
-from streams import topics
+from streams import serde, topics
 from streams.revisions import publish
 from tests import _rewards
 from tests._processes import stop
@@ -170,6 +170,30 @@ async def test_a_derived_run_sigkilled_and_resumed_uses_every_source_rollout_onc
     assert used == Counter(s.rollout_id for s in scores)  # every source rollout trained once: none lost, none twice
     assert [r.revision for r in revs] == list(range(len(revs)))  # the chain from the fork (r0), unbroken
     assert len(revs) - 1 == len(batches)
+
+
+async def test_a_group_the_source_run_left_incomplete_is_dead_lettered_before_derive_finishes(
+        kafka_settings, monkeypatch, tmp_path):
+    """A source group with 3 of its 4 rollouts (an arena stopped mid-group, or a range that cuts it): derive does not
+    say it is done while credit holds the group; after ``--group-timeout-s`` credit flushes it (credited within the 3
+    that arrived), it is trained with the whole groups, and the run then ends."""
+    kw = kafka_settings.client_kwargs()
+    source, _ = await _source_run(kw, monkeypatch, tmp_path, 2)
+    cut = []
+    for steps, ro in testing.arithmetic_group("gcut", 4, run_id=source)[:3]:
+        for ev, topic in [*((st, topics.STEPS.name) for st in steps), (ro, topics.ROLLOUTS.name)]:
+            key, value, _ = serde.to_message(ev)
+            cut.append((topic, key, value))
+    await seed_groups(kw, 1, start=100, extra=cut, run_id=source)
+    out = await run_derived(_args(source, "--batch-records", "4", "--flush-after-s", "1", "--group-timeout-s", "12",
+                                  "--checkpoint-dir", str(tmp_path / "b"), "--no-progress"), kafka_settings)
+    prefix_b = out["prefix"]
+    assert not await _events(kw, prefix_b + "dead-letters", DeadLetter)
+    batches = await _events(kw, prefix_b + "trainer-batches", TrainerBatch)
+    records = [r for b in batches for r in b.records]
+    assert Counter(r.rollout_id.rsplit("-r", 1)[0] for r in records) == \
+        Counter({"g000000": 4, "g000001": 4, "g000100": 4, "gcut": 3})
+    assert {r.credit for r in records if r.rollout_id.startswith("gcut")} == {"grpo:flushed(3/4,timeout)"}
 
 
 async def test_a_derived_run_refuses_what_it_cannot_use_in_one_line(kafka_settings, monkeypatch, tmp_path):
