@@ -1,4 +1,6 @@
-"""Verifiers: score one rollout (with its steps) according to its ScoringSpec. Pure, async, no Kafka.
+"""Verifiers: score one rollout (with its steps) according to its ScoringSpec. Pure, async, no Kafka, no I/O of its
+own: the judge is a callable handed in (``consumers.judge.http_judge`` builds one over HTTP), and the rubric's
+reward functions are imported and called by ``consumers.reward_functions``.
 
 A scoring kind (``ScoringSpec.kind``) is a ``Verifier`` subclass registered with ``@register_verifier``
 into ``VERIFIERS``: ``exact_match``, ``rubric``, ``llm_judge``, ``zero_sum_judge``, ``monte_carlo`` and
@@ -14,13 +16,12 @@ plan target; its output only ever becomes a number in ``rewards``, never a train
 from __future__ import annotations
 
 import asyncio
-import importlib
-import inspect
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, ClassVar, Mapping, Sequence
 
+from consumers.reward_functions import call_func, load_func
 from schemas.envelope import SourceEvent
 from schemas.events import Rollout, RolloutScored, Step, StepTokens
 from schemas.history import Rescore
@@ -201,33 +202,6 @@ class ExactMatch(Verifier):
                 else float(normalize(answer) == "")  # type: ignore[arg-type]
             metrics[f"{m}/completion_tokens"] = float(sum(len(s.completion_token_ids) for s in ms))
         return Verdict(rewards, metrics, "exact_match")
-
-
-def load_func(path: str) -> Callable[..., Any]:
-    mod, _, attr = path.partition(":")
-    obj: Any = importlib.import_module(mod)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-async def call_func(fn: Callable[..., Any], kwargs: Mapping[str, Any], timeout_s: float) -> float:
-    """Call a reward function with the keyword arguments it declares (all of them if it takes **kwargs)."""
-    sig = inspect.signature(fn)
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        args = dict(kwargs)
-    else:
-        args = {k: v for k, v in kwargs.items() if k in sig.parameters}
-    if inspect.iscoroutinefunction(fn):
-        value = await asyncio.wait_for(fn(**args), timeout_s)
-    else:
-        value = await asyncio.wait_for(asyncio.to_thread(fn, **args), timeout_s)
-        if inspect.isawaitable(value):
-            value = await asyncio.wait_for(value, timeout_s)
-    out = float(value)
-    if not math.isfinite(out):
-        raise ValueError(f"returned {value!r}")
-    return out
 
 
 async def _weighted(funcs: Sequence[WeightedFunc], kwargs: Mapping[str, Any], timeout_s: float,
@@ -501,21 +475,3 @@ def to_scored(rollout: Rollout, steps: Sequence[Step], verdict: Verdict, *, prod
         metrics=verdict.metrics, verifier=verdict.verifier or "verifier",
         verifier_version=VERIFIER_VERSION + (f"+{rescore.version()}" if rescore is not None else ""),
         trainable_steps=trainable_steps(steps) if rollout.status != "failed" else [], evaluation=rollout.evaluation)
-
-
-def http_judge(targets: Mapping[str, Any], *, timeout_s: float = 60.0) -> Judge:
-    """A Judge over OpenAI-compatible chat endpoints: ``targets[name]`` has ``model`` and ``base_urls``."""
-    import httpx
-
-    client = httpx.AsyncClient(timeout=timeout_s)
-
-    async def judge(target: str, messages: list[dict[str, Any]]) -> str:
-        t = targets[target]
-        model = getattr(t, "model", None) or t["model"]
-        urls = getattr(t, "base_urls", None) or t["base_urls"]
-        resp = await client.post(f"{urls[0].rstrip('/')}/chat/completions",
-                                 json={"model": model, "messages": messages, "temperature": 0.0})
-        resp.raise_for_status()
-        return resp.json()["choices"][0]["message"]["content"]
-
-    return judge

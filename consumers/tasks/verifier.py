@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from consumers import scoring
+from consumers.judge import http_judge
 from consumers.service import TaskDefaults, TaskFactory, dead_letter, decode
 from consumers.settings import ServiceSettings
 from schemas.envelope import SourceEvent
@@ -161,5 +162,5 @@ class VerifierTask(TaskDefaults):
 
 @asynccontextmanager
 async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIterator[TaskFactory]:
-    judge = scoring.http_judge(cfg.judge_targets) if cfg.judge_targets else None
+    judge = http_judge(cfg.judge_targets) if cfg.judge_targets else None
     yield lambda p: VerifierTask(p, cfg, judge)
