@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from streams import serde, topics
-from streams.transactions import Out, PartitionTask, dead_letter  # noqa: F401 - the tasks' dead letters
+from streams.partition_task import Out, PartitionTask, dead_letter  # noqa: F401 - the tasks' dead letters
 
 TaskFactory = Callable[[int], PartitionTask]
 Wiring = Callable[[Any, dict[str, Any]], AbstractAsyncContextManager[TaskFactory]]

@@ -28,7 +28,7 @@ from streams.settings import MAX_MESSAGE_BYTES
 from streams.topics import Topic
 
 if TYPE_CHECKING:
-    from streams.transactions import PartitionTask
+    from streams.partition_task import PartitionTask
 
 
 def changelog_topic(service: str, partitions: int) -> Topic:

@@ -35,19 +35,18 @@ import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError, ProducerFenced
 
-from schemas.envelope import Event
-from schemas.events import DeadLetter
 from streams import aiokafka_internals, serde, topics
 from streams.batched_send import PartitionBatches
 from streams.changelog import Restorer, changelog_topic, encode_snapshot
 from streams.commits import CommitWatch, StallWatch, commit_again
 from streams.group_fencing import GroupFenced, GroupMember, fence_by_group, fence_error_seen
+from streams.partition_task import Out, PartitionTask, dead_letter
 from streams.settings import FETCH_OPTIONS, MAX_MESSAGE_BYTES, ProcessingSettings
 
 log = logging.getLogger("rollout.eos")
@@ -69,50 +68,6 @@ _PROCESS_ID = uuid.uuid4().hex[:8]  # the transactional id of an instance withou
 # ``benchmarks send`` measures a producer opened the same way.
 PRODUCER_OPTIONS: dict[str, Any] = {"enable_idempotence": True, "acks": "all", "max_request_size": MAX_MESSAGE_BYTES,
                                     "max_batch_size": 1024 * 1024}
-
-
-@dataclass(frozen=True)
-class Out:
-    """One output message of a transaction."""
-
-    topic: str
-    event: Event
-
-
-def dead_letter(rec: Any, service: str, error_type: str, message: str, run_id: str | None = None, *,
-                raw: bytes | None = None) -> Out:
-    """The dead letter for input record ``rec``: its bytes (or ``raw``, the part of it refused: one record of a
-    batch), where it came from and why it was refused."""
-    run = run_id or serde.header(rec.headers, "run_id") or "unknown"
-    return Out(topics.DEAD_LETTERS.name, DeadLetter(
-        run_id=run, producer=service, origin_topic=rec.topic, origin_partition=rec.partition,
-        origin_offset=rec.offset, origin_key=rec.key, raw=(rec.value or b"") if raw is None else raw,
-        error_type=error_type, error_message=message[:4000], service=service))
-
-
-class PartitionTask(Protocol):
-    """Per-partition-number processing state. Pure with respect to Kafka: the processor owns I/O."""
-
-    async def process(self, record: Any) -> list[Out]:
-        """Handle one input record (aiokafka ConsumerRecord); may buffer it instead of emitting."""
-
-    def restore(self, record: Any) -> None:
-        """Re-buffer a record listed in the snapshot (no outputs: it was processed before)."""
-
-    def tick(self, now: float) -> list[Out]:
-        """Time-based work (timeouts, partial-batch flushes)."""
-
-    def buffered(self) -> dict[str, list[int]]:
-        """Input offsets still held in memory, by topic name."""
-
-    def state(self) -> dict[str, Any]:
-        """Small JSON state that must survive a crash."""
-
-    def load_state(self, state: dict[str, Any]) -> None: ...
-
-    def committed(self) -> None:
-        """The transaction holding everything processed so far, and ``state()``, is committed: what only the state
-        before it needed may go now (a trainer's older training states). Not called for an aborted one."""
 
 
 @dataclass

@@ -22,7 +22,7 @@ from consumers.settings import ServiceSettings
 from schemas import codec
 from schemas.events import DeadLetter, RolloutScored
 from streams import topics
-from streams.transactions import Out
+from streams.partition_task import Out
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ from consumers.settings import ServiceSettings
 from schemas.errors import EventDecodeError
 from schemas.events import RolloutScored
 from streams import topics
-from streams.transactions import Out
+from streams.partition_task import Out
 
 NAME = "credit"
 

@@ -21,7 +21,7 @@ from schemas.envelope import SourceEvent
 from schemas.errors import EventDecodeError
 from schemas.events import Rollout, Step
 from streams import topics
-from streams.transactions import Out
+from streams.partition_task import Out
 
 NAME = "verifier"
 
