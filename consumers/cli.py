@@ -57,7 +57,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     from consumers.runner import serve, setup_logging
-    from streams.config import KafkaError, KafkaSettings, ensure_broker
+    from streams.config import KafkaSettings, ensure_broker
+    from streams.kafka_errors import KafkaError
 
     svc = SERVICES[args.name]
     cfg = settings_from_args(args)

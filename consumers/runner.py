@@ -22,8 +22,8 @@ from consumers.service import Service
 from consumers.settings import ServiceSettings
 from streams import topics
 from streams.changelog import changelog_topic
-from streams.config import KafkaAccessError
 from streams.errors import diagnose
+from streams.kafka_errors import KafkaAccessError
 from streams.metrics import SERVICE_OFFSET, Endpoint, ServiceMetrics, port_for
 from streams.security import check_access
 from streams.settings import ProcessingSettings

@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # errors that say what to do in one line; their modules are looked up, not imported: an error of a class
         # from a module the command never imported cannot have been raised (and `rollout kafka status` need not
         # load the plan models to find that out)
-        if _raised(e, "streams.config", "KafkaError"):
+        if _raised(e, "streams.kafka_errors", "KafkaError"):
             print(f"rollout: error: {e}", file=sys.stderr)
             return 1
         if _raised(e, "schemas.plan", "PlanError") or _raised(e, "producers.environment", "EnvironmentUnavailable"):

@@ -166,7 +166,7 @@ def cmd_acls(args: argparse.Namespace) -> int:
 
         settings = _settings()
         if not settings.external:
-            from streams.config import KafkaError
+            from streams.kafka_errors import KafkaError
 
             raise KafkaError("rollout kafka acls --apply needs ROLLOUT_BOOTSTRAP_SERVERS (a cluster with an authorizer) "
                              "and an admin principal in ROLLOUT_KAFKA_SASL_USERNAME/PASSWORD")

@@ -23,23 +23,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, SecretStr, field_validator
 
+from streams.kafka_errors import KafkaError
+from streams.local_broker import DEFAULT_LOCAL_PORT, LocalBroker
+
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"]
-
-DEFAULT_LOCAL_PORT = 9092
-
-
-class KafkaError(Exception):
-    """A Kafka-side problem worth one clear line to the user (the CLI prints it without a traceback)."""
-
-
-class KafkaUnreachable(KafkaError):
-    pass
-
-
-class KafkaAccessError(KafkaError):
-    """Credentials, certificates or permissions are wrong: waiting and retrying will not fix it."""
-
 
 _ENV = {
     "bootstrap_servers": "ROLLOUT_BOOTSTRAP_SERVERS",
@@ -159,8 +147,6 @@ def ensure_broker(settings: KafkaSettings | None = None) -> str:
     settings = settings or KafkaSettings.from_env()
     if settings.external:
         return settings.bootstrap
-    from streams.local_broker import LocalBroker
-
     broker = LocalBroker.from_env(port=settings.local_port)
     broker.up()
     return broker.bootstrap

@@ -22,7 +22,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from streams.config import KafkaError, KafkaUnreachable
+from streams.kafka_errors import KafkaError, KafkaUnreachable
 from streams.local_broker import fetch_metadata, free_port, run_sync
 
 DEFAULT_IMAGE = "rollout-log/kafka:local"

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiokafka import errors as ak
 
-from streams.config import KafkaAccessError, KafkaError, KafkaUnreachable
+from streams.kafka_errors import KafkaAccessError, KafkaError, KafkaUnreachable
 
 
 def principal(client_kwargs: Mapping[str, Any]) -> str:

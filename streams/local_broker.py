@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streams.config import DEFAULT_LOCAL_PORT, KafkaError, KafkaUnreachable
+from streams.kafka_errors import KafkaError, KafkaUnreachable
 
 # Keep in sync with <kafka.version> in kafka/pom.xml (tests/test_local_broker.py checks it).
 KAFKA_VERSION = "4.4.0"
 MAIN_CLASS = "kafka.Kafka"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POM = REPO_ROOT / "kafka" / "pom.xml"
+DEFAULT_LOCAL_PORT = 9092  # the local broker's port unless ROLLOUT_KAFKA_PORT says otherwise
 LOG4J_CONFIG = REPO_ROOT / "kafka" / "log4j2.xml"
 
 

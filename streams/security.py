@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streams import topics
-from streams.config import KafkaAccessError, KafkaError
+from streams.kafka_errors import KafkaAccessError, KafkaError
 
 ARENA = "arena"
 

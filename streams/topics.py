@@ -23,7 +23,7 @@ from typing import Any
 from schemas.events import DeadLetter, Rollout, RolloutScored, Step, TrainerBatch, TrainingRecord
 from schemas.policy import PolicyRevision
 from streams import settings
-from streams.config import KafkaAccessError, KafkaError
+from streams.kafka_errors import KafkaAccessError, KafkaError
 
 INFINITE = "-1"
 TOPIC_ALREADY_EXISTS = 36  # Kafka protocol error codes
@@ -235,6 +235,6 @@ async def _start(admin: Any, admin_kwargs: Mapping[str, Any]) -> None:
         await admin.start()
     except (KafkaConnectionError, AIOKafkaError, OSError) as e:
         await admin.close()
-        from streams.config import KafkaUnreachable
+        from streams.kafka_errors import KafkaUnreachable
 
         raise KafkaUnreachable(f"cannot reach Kafka at {admin_kwargs.get('bootstrap_servers')}: {e}") from None

@@ -30,7 +30,8 @@ from typing import Any
 
 import pytest
 
-from streams.config import KafkaSettings, KafkaUnreachable
+from streams.config import KafkaSettings
+from streams.kafka_errors import KafkaUnreachable
 from streams.local_broker import fetch_metadata, free_port, run_sync
 from streams.topics import replication_factor
 

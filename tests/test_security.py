@@ -20,8 +20,9 @@ from consumers.runner import System
 from consumers.settings import ServiceSettings
 from streams import security, topics
 from streams.changelog import changelog_topic
-from streams.config import KafkaError, KafkaSettings
+from streams.config import KafkaSettings
 from streams.errors import diagnose
+from streams.kafka_errors import KafkaError
 from streams.local_broker import free_port, run_sync
 from tests._certs import make_ca, make_keystore
 from tests.conftest import CLUSTER_ID, LABEL, LABEL_PID, _docker_client, kafka_image
