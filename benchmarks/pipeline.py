@@ -534,8 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings.with_bootstrap(ensure_broker(settings))
     kw = settings.client_kwargs()
     from consumers.runner import tune_gc
+    from streams.settings import ProcessingSettings
 
-    tune_gc()  # before both sides, not only where System sets it for the services
+    tune_gc(ProcessingSettings())  # before both sides, not only where System sets it for the services
 
     async def both(i: int):
         raw = await bench_raw(kw, n, args.tokens, m, args.latency_rate, args.layout)

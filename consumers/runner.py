@@ -39,21 +39,24 @@ async def ensure_topics(service: Service, admin_kwargs: dict[str, Any]) -> None:
                                        *service.side_inputs, *service.outputs])
 
 
-def tune_gc() -> None:
-    """The cyclic collector's pace in a service process (``ROLLOUT_GC_THRESHOLD``; 0, the default, leaves
-    Python's). A service allocates a few models a record and leaves almost no cycles, so at Python's pace
+def tune_gc(processing: ProcessingSettings) -> None:
+    """The cyclic collector's pace in a service process (``processing.gc_threshold``, ``ROLLOUT_GC_THRESHOLD``; 0,
+    the default, leaves Python's). A service allocates a few models a record and leaves almost no cycles, so at Python's pace
     (every 700 allocations) the collector mostly walks live objects: at 50,000, ~8% less CPU a rollout for
     the three services, and a median latency 15-35 ms higher in the runs measured (benchmarks/RESULTS.md,
     issue 14), hence off unless asked for."""
-    threshold = ProcessingSettings().gc_threshold
+    threshold = processing.gc_threshold
     if threshold:
         gc.set_threshold(threshold, 20, 100)
 
 
-def processor(service: Service, factory: Any, settings: ServiceSettings, client_kwargs: dict[str, Any]
-              ) -> TransactionalProcessor:
+def processor(service: Service, factory: Any, settings: ServiceSettings, client_kwargs: dict[str, Any],
+              processing: ProcessingSettings) -> TransactionalProcessor:
+    """The service's transactional processor: ``factory`` its partition tasks, ``settings`` the service's own
+    (the instance, a derived run's topics), ``processing`` the process's stream-processing settings."""
     return TransactionalProcessor(service.name, [settings.reads(t) for t in service.inputs], service.partitions, factory,
-                                  client_kwargs, instance=settings.instance, max_process_s=service.max_process_s)
+                                  client_kwargs, instance=settings.instance, max_process_s=service.max_process_s,
+                                  settings=processing)
 
 
 def metrics_endpoint(service: Service, port: int | None = None) -> tuple[Endpoint, ServiceMetrics | None]:
@@ -69,7 +72,10 @@ ABANDON_AFTER_S = 2.0  # a System stopped by a signal: what its services have no
 class System:
     """Several services in one process (the demo, tests, benchmarks): ``async with System(...) as s``
     creates the topics, opens each service's wiring, runs its processor, and on exit stops the
-    processors and then closes the wiring. ``s.processors[name]`` is each service's processor."""
+    processors and then closes the wiring. ``s.processors[name]`` is each service's processor.
+
+    ``settings``: the services' own; ``client_kwargs``: aiokafka connection kwargs. The stream-processing settings
+    (``streams.settings``) are read from the environment once, on entering, and handed to every processor."""
 
     def __init__(self, names: Iterable[str], settings: ServiceSettings, client_kwargs: dict[str, Any]) -> None:
         self.services = [SERVICES[n] for n in names]
@@ -81,12 +87,13 @@ class System:
         self._stack = AsyncExitStack()
 
     async def __aenter__(self) -> System:
-        tune_gc()
+        processing = ProcessingSettings()
+        tune_gc(processing)
         for svc in self.services:
             await ensure_topics(svc, self.kw)
         for svc in self.services:
             factory = await self._stack.enter_async_context(svc.open(self.settings, self.kw))
-            self.processors[svc.name] = processor(svc, factory, self.settings, self.kw)
+            self.processors[svc.name] = processor(svc, factory, self.settings, self.kw, processing)
             self.metrics[svc.name], observer = metrics_endpoint(svc)
             self._stack.callback(self.metrics[svc.name].close)
             if observer is not None:
@@ -114,7 +121,9 @@ async def serve(service: Service, settings: ServiceSettings, client_kwargs: dict
     """Run one service until SIGTERM. Supervises its own Kafka clients: if the broker is unreachable at start,
     or the clients lose the cluster (aiokafka can be left with no known brokers after a broker restart), or
     partitions with input make no progress, the processor is torn down and built again; exactly-once is
-    unaffected, since a new processor takes its partitions over from the log (fence, offsets, changelog)."""
+    unaffected, since a new processor takes its partitions over from the log (fence, offsets, changelog).
+    The stream-processing settings (``streams.settings``) are read from the environment once, here, and handed to
+    every processor built."""
     import signal
 
     stop = asyncio.Event()
@@ -122,19 +131,19 @@ async def serve(service: Service, settings: ServiceSettings, client_kwargs: dict
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     fields = {"service": service.name, "instance": settings.instance}
-    stall_s = ProcessingSettings().stall_s
-    tune_gc()
+    processing = ProcessingSettings()
+    tune_gc(processing)
     endpoint, observer = metrics_endpoint(service, metrics_port)
     try:
-        await _serve(service, settings, client_kwargs, stop, fields, stall_s, stats_every_s, observer)
+        await _serve(service, settings, client_kwargs, stop, fields, processing, stats_every_s, observer)
     finally:
         endpoint.close()
     log.info("service stopped", extra={"fields": fields})
 
 
 async def _serve(service: Service, settings: ServiceSettings, client_kwargs: dict[str, Any], stop: asyncio.Event,
-                 fields: dict[str, Any], stall_s: float, stats_every_s: float, observer: ServiceMetrics | None
-                 ) -> None:
+                 fields: dict[str, Any], processing: ProcessingSettings, stats_every_s: float,
+                 observer: ServiceMetrics | None) -> None:
     checked = False
     while not stop.is_set():
         if not await _retry(lambda: ensure_topics(service, client_kwargs), stop, client_kwargs):
@@ -144,12 +153,12 @@ async def _serve(service: Service, settings: ServiceSettings, client_kwargs: dic
             checked = True
         try:
             async with service.open(settings, client_kwargs) as factory:
-                proc = processor(service, factory, settings, client_kwargs)
+                proc = processor(service, factory, settings, client_kwargs, processing)
                 proc.stopping = stop
                 if observer is not None:
                     observer.attach(proc)
                 try:
-                    await _supervise(proc, fields, stop, stall_s, stats_every_s)
+                    await _supervise(proc, fields, stop, processing.stall_s, stats_every_s)
                 finally:
                     try:
                         await asyncio.wait_for(proc.stop(), 5)  # a broker that is away must not keep us spinning

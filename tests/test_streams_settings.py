@@ -75,14 +75,14 @@ def test_a_service_process_collects_cycles_at_the_configured_pace(monkeypatch) -
     before = gc.get_threshold()
     try:
         monkeypatch.setenv("ROLLOUT_GC_THRESHOLD", "12345")
-        tune_gc()
+        tune_gc(settings.ProcessingSettings())
         assert gc.get_threshold() == (12345, 20, 100)
         gc.set_threshold(*before)
         monkeypatch.setenv("ROLLOUT_GC_THRESHOLD", "0")  # 0: Python's settings stay
-        tune_gc()
+        tune_gc(settings.ProcessingSettings())
         assert gc.get_threshold() == before
         monkeypatch.delenv("ROLLOUT_GC_THRESHOLD")  # the default: Python's settings too
-        tune_gc()
+        tune_gc(settings.ProcessingSettings())
         assert gc.get_threshold() == before
     finally:
         gc.set_threshold(*before)
