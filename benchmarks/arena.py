@@ -28,7 +28,8 @@ from benchmarks._shared import kafka_for, report
 
 
 def _env(tokens: int, n: int = 64):
-    from producers.environment import Environment, Example
+    from producers.dataset import Example
+    from producers.environment_types import Environment
     from producers.episodes import SingleTurnEpisode
     from schemas.scoring import ScoringSpec
 

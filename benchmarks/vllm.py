@@ -61,8 +61,9 @@ async def _raw(url: str, model: str, prompts: list[str], sampling: dict, concurr
 async def _arena(settings, url: str, model: str, prompts: list[str], sampling: dict, concurrency: int,
                  gated: bool) -> dict:
     from producers.arena import Arena
+    from producers.dataset import Example
     from producers.emitter import KafkaEmitter
-    from producers.environment import Environment, Example
+    from producers.environment_types import Environment
     from producers.episodes import SingleTurnEpisode
     from producers.vllm_server import CPU_CLIENT_OPTIONS
     from producers.weights import VllmWeights

@@ -80,8 +80,10 @@ from typing import Any
 
 import httpx
 
+from producers.dataset import Example
 from producers.emitter import Emitter
-from producers.environment import Environment, Example, environment_from_spec
+from producers.environment import environment_from_spec
+from producers.environment_types import Environment
 from producers.episodes import Episode, EpisodeState, GenerateResult
 from producers.inference import Completion, InferenceClient, InferenceError
 from producers.pool import InferencePool

@@ -39,7 +39,7 @@ from producers.tools import ToolError, ToolRegistry
 from schemas.events import ChatMessage, Rollout, Step, ToolCall
 
 if TYPE_CHECKING:
-    from producers.environment import Example
+    from producers.dataset import Example
     from producers.inference import Completion
     from schemas.scoring import ScoringSpec
 

@@ -35,7 +35,7 @@ import os
 import shutil
 from typing import Any
 
-from producers.environment import Environment, EnvironmentUnavailable
+from producers.environment_types import Environment, EnvironmentUnavailable
 from producers.verifiers_v1 import CHAT_HARNESS_ID, register_chat_harness, verifiers_v1_environment
 
 # verifiers' tool-less chat harnesses: run in-process by the capture harness

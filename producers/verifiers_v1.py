@@ -49,7 +49,8 @@ import types
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from producers.environment import Environment, Example, TaskStream
+from producers.dataset import Example, TaskStream
+from producers.environment_types import Environment
 from producers.episodes import Episode, EpisodeState
 from producers.asgi_server import JSON, AppServer, Request, body_json, error, json_app
 from producers.inference import SAMPLING_KEYS, InferenceError, from_openai_message, to_openai_message

@@ -9,9 +9,10 @@ import asyncio
 import sys
 
 from producers.arena import Arena
+from producers.dataset import Example
 from producers.echo_server import EchoServer
 from producers.emitter import KafkaEmitter
-from producers.environment import Environment, Example
+from producers.environment_types import Environment
 from producers.episodes import MultiTurnEpisode, user
 from schemas.plan_compiler import compile_plan
 from schemas.scoring import ScoringSpec

@@ -229,7 +229,7 @@ def _duel_environment():
 
 
 def test_endless_taskset_draws_are_seeded_and_memory_is_bounded():
-    from producers.environment import TaskStream
+    from producers.dataset import TaskStream
 
     one, two, other = _duel_environment(), _duel_environment(), _duel_environment()
     assert isinstance(one.store, TaskStream)

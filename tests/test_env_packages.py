@@ -234,7 +234,7 @@ def test_an_endless_taskset_that_does_not_say_so_is_drawn_lazily_not_read_for_ev
     ships): it was read whole, spinning with memory growing until killed. Past ``EAGER_TASKS`` it is drawn lazily,
     with one warning naming ``INFINITE``."""
     from producers import verifiers_v1
-    from producers.environment import TaskStream
+    from producers.dataset import TaskStream
 
     cfg, env = load({"taskset": {"id": "rlt-tally-duel", "seed": 3}, "player0": SEAT, "player1": SEAT})
     monkeypatch.setattr(type(env.taskset), "INFINITE", False)

@@ -13,9 +13,11 @@ import torch
 from policy import PolicyModel, save_checkpoint, token_logprobs
 from policy.tokenizer import TOKENIZER
 from producers.arena import AdmissionPacer, Arena
+from producers.dataset import ArtifactStore, Example
 from producers.echo_server import FlakyServer, ScriptedServer, tool_call
 from producers.emitter import MemoryEmitter
-from producers.environment import ArtifactStore, Environment, Example, load_environment
+from producers.environment import load_environment
+from producers.environment_types import Environment
 from producers.episodes import (MultiTurnEpisode, StatefulToolEpisode, ToolEpisode, stop,
                                 user)
 from producers.inference import InferenceClient, InferenceRequestError, InferenceUnavailable

@@ -217,7 +217,8 @@ async def test_producer_killed_mid_transaction_leaves_nothing_visible(kafka_sett
     # ...a new instance with the same transactional id fences the dead one (its transaction is aborted),
     async with EchoServer() as echo:
         from _kill_mid_transaction import TwoTurns  # noqa: F401  (same episode, committed this time)
-        from producers.environment import Environment, Example
+        from producers.dataset import Example
+        from producers.environment_types import Environment
         from schemas.scoring import ScoringSpec
 
         env_ = Environment(name="killme", version="1", dataset=[Example(id="x", prompt="committed")],

@@ -16,8 +16,9 @@ import torch
 
 from policy.hf import FAMILY, load_model, prepare_model, save_checkpoint, token_logprobs
 from producers.arena import Arena
+from producers.dataset import Example
 from producers.emitter import MemoryEmitter
-from producers.environment import Environment, Example
+from producers.environment_types import Environment
 from producers.episodes import MultiTurnEpisode
 from producers.inference import InferenceClient
 from producers.vllm_server import CPU_CLIENT_OPTIONS

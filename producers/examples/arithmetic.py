@@ -16,7 +16,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from producers.environment import Environment, Example
+from producers.dataset import Example
+from producers.environment_types import Environment
 from producers.episodes import SingleTurnEpisode
 from schemas.scoring import ScoringSpec, WeightedFunc
 

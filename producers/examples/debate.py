@@ -9,7 +9,8 @@ tie 0.
 
 from __future__ import annotations
 
-from producers.environment import Environment, Example
+from producers.dataset import Example
+from producers.environment_types import Environment
 from producers.episodes import AlternatingRolesEpisode
 from schemas.scoring import ScoringSpec
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from producers.environment import Environment, Example
+from producers.dataset import Example
+from producers.environment_types import Environment
 from producers.episodes import Episode, EpisodeState, SingleTurnEpisode, system, user
 from producers.examples.arithmetic import make_dataset
 from schemas.scoring import ScoringSpec
