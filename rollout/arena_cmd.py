@@ -100,7 +100,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 async def _main(args: argparse.Namespace) -> int:
     import json
 
-    from producers.arena import Arena, RunFailing, default_arena_id
+    from producers.arena import Arena, RunFailing
+    from producers.pacer import default_arena_id
     from streams.admissions import KafkaLedger
     from streams.revisions import RevisionFollower
     from producers.emitter import KafkaEmitter

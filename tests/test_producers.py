@@ -12,15 +12,16 @@ import torch
 
 from policy import PolicyModel, save_checkpoint, token_logprobs
 from policy.tokenizer import TOKENIZER
-from producers.arena import AdmissionPacer, Arena
-from producers.dataset import ArtifactStore, Example
+from producers.arena import Arena
 from producers.echo_server import FlakyServer, ScriptedServer, tool_call
 from producers.emitter import MemoryEmitter
+from producers.dataset import ArtifactStore, Example
 from producers.environment import load_environment
 from producers.environment_types import Environment
 from producers.episodes import (MultiTurnEpisode, StatefulToolEpisode, ToolEpisode, stop,
                                 user)
 from producers.inference import InferenceClient, InferenceRequestError, InferenceUnavailable
+from producers.pacer import AdmissionPacer
 from producers.policy_server import PolicyServer
 from producers.tools import ToolRegistry, tool_schema
 from schemas.plan import GenerationPlan
