@@ -40,11 +40,11 @@ async def ensure_topics(service: Service, admin_kwargs: dict[str, Any]) -> None:
 
 
 def tune_gc(processing: ProcessingSettings) -> None:
-    """The cyclic collector's pace in a service process (``processing.gc_threshold``, ``ROLLOUT_GC_THRESHOLD``; 0,
-    the default, leaves Python's). A service allocates a few models a record and leaves almost no cycles, so at Python's pace
-    (every 700 allocations) the collector mostly walks live objects: at 50,000, ~8% less CPU a rollout for
-    the three services, and a median latency 15-35 ms higher in the runs measured (benchmarks/RESULTS.md,
-    issue 14), hence off unless asked for."""
+    """The cyclic collector's pace in a service process (``processing.gc_threshold``, ``ROLLOUT_GC_THRESHOLD``;
+    0, the default, leaves Python's). A service allocates a few models a record and leaves almost no cycles, so at
+    Python's pace (every 700 allocations) the collector mostly walks live objects: at 50,000, ~8% less CPU a
+    rollout for the three services, and a median latency 15-35 ms higher in the runs measured
+    (benchmarks/RESULTS.md, issue 14), hence off unless asked for."""
     threshold = processing.gc_threshold
     if threshold:
         gc.set_threshold(threshold, 20, 100)

@@ -96,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _raised(e, "streams.kafka_errors", "KafkaError"):
             print(f"rollout: error: {e}", file=sys.stderr)
             return 1
-        if _raised(e, "schemas.plan", "PlanError") or _raised(e, "producers.environment_types", "EnvironmentUnavailable"):
+        unavailable = _raised(e, "producers.environment_types", "EnvironmentUnavailable")
+        if _raised(e, "schemas.plan", "PlanError") or unavailable:
             print(f"rollout {args.command}: error: {e}", file=sys.stderr)
             return 1
         raise
