@@ -38,6 +38,7 @@ import torch
 from consumers.distributed import (Group, full_state, load_full_state, load_full_weights, load_sharded, local_state,
                                   save_sharded, shard)
 from consumers.settings import MICRO_BATCH_TOKENS
+from policy.lora import load_served, served_state
 from schemas.events import TrainerBatch
 from schemas.history import DEFAULT_CLIP
 from schemas.policy import CheckpointRef, PolicyRevision
@@ -243,7 +244,7 @@ class ReferenceTrainer:
                  keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None,
                  state_every: int = 1, micro_batch_tokens: int = MICRO_BATCH_TOKENS, mismatch_rows: int = 8,
                  group: Group | None = None, device: str | torch.device = "cpu",
-                 last_revision: int | None = None) -> None:
+                 last_revision: int | None = None, lora: Any = None) -> None:
         """``ref``: the checkpoint ``model`` was loaded from (the mismatch of that revision's tokens is measured on
         its file). ``keep_checkpoints``: keep only the newest N checkpoints this trainer wrote (0: all; never fewer
         than 2, the one before the current is what a pipelined batch came from). ``state_every``: write the
@@ -251,7 +252,16 @@ class ReferenceTrainer:
         ``mismatch_rows``: at most this many rows of earlier revisions are run again under their own weights for
         the mismatch figure (the current revision's rows cost nothing: they are the training pass).
         ``last_revision``: the run's last (its max_steps): no training state is written there, since nothing trains
-        after it (a take-over at the end trains the batches since the state before again, from the log)."""
+        after it (a take-over at the end trains the batches since the state before again, from the log).
+        ``lora`` (``schemas.plan.LoraSpec``): adapters injected into the HF model (``policy.lora``); only they train
+        and have optimizer moments, every revision is served merged."""
+        if lora is not None:
+            if kind is not HFPolicy or group is not None:
+                raise ValueError("LoRA training needs the HF model on one trainer process (not the tiny model, not a "
+                                 "torchrun group)")
+            from policy.lora import inject
+
+            inject(model, lora)
         # the model trained is on ``device``, and in a data-parallel group (``consumers.distributed``) it is FSDP2's
         # shard of it; rank 0 (or the only process) keeps the whole model on the CPU as well: what it writes as
         # checkpoints (the same object when training alone on the CPU)
@@ -283,7 +293,7 @@ class ReferenceTrainer:
         self.refs: dict[int, CheckpointRef] = {revision: ref} if ref is not None else {}  # probed for the mismatch
         # fused: one kernel over every tensor. For SmolLM2 on two cores the default loop of small ops took 0.39 s a
         # step (6 s while vLLM computed beside it) against 0.09 s (0.55 s), with bit-identical weights here
-        params = self.model.parameters()
+        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
         self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True) if kind is HFPolicy \
             else torch.optim.Adam(params, lr=lr, fused=True)
 
@@ -453,7 +463,7 @@ class ReferenceTrainer:
         only the optimizer's moments come from the re-training."""
         self._wait_for_state()
         self.revision = revision
-        state = full_state(self.model, self.group)
+        state = served_state(self.model) if self.group is None else full_state(self.model, self.group)
         same, served = None, None
         if self.whole is not None:
             served = self.kind.weights(ref)
@@ -466,7 +476,10 @@ class ReferenceTrainer:
                 log.warning("the re-trained weights differ from revision %d's served weights (max |diff| %.3g): "
                             "taking the served weights, the optimizer's moments from the re-training", self.revision,
                             worst)
-            load_full_weights(self.model, served if self.whole is not None else {}, self.group)
+            if state.keys() != self.model.state_dict().keys():  # LoRA: the base takes them, the adapters restart
+                load_served(self.model, served)
+            else:
+                load_full_weights(self.model, served if self.whole is not None else {}, self.group)
         self.refs[self.revision] = ref
         return bool(same)
 

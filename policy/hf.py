@@ -148,7 +148,9 @@ def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revis
 
     tmp = Path(directory) / f"{checkpoint_stem(family, revision)}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    from policy.lora import served_state
+
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in served_state(model).items()}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     from safetensors.torch import save_file

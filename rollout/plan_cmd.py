@@ -83,6 +83,10 @@ def render(plan, rollout: str | None = None, seed: int = 0, members: list[str] |
            f"  eval_interval         {plan.eval_interval}{'; skip_first_step' if plan.eval_skip_first_step else ''}"
            f"   ({prov.get('eval_interval', '?')})",
            f"  trainer               {_kv(plan.trainer) if plan.trainer else 'the reference trainer defaults'}"]
+    if plan.lora:
+        out.append(f"  lora                  rank {plan.lora.rank}, alpha {plan.lora.alpha:g}, dropout "
+                   f"{plan.lora.dropout:g}, on {', '.join(plan.lora.target_modules)} (those the model has): only the "
+                   "adapters train; each revision is served merged")
     if plan.served_model:
         out.append(f"  served model          {plan.served_model}  (stands in for {plan.family})")
     out += ["", "environments (training)"]

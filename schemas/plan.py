@@ -136,6 +136,21 @@ SERVER_KEYS = frozenset({"tool_call_parser", "reasoning_parser", "chat_template"
 (prime-rl's ``[inference.vllm]``, vLLM's argument names): applied to the vLLM a run starts, never dropped."""
 
 
+# prime-rl's [trainer.model.lora] defaults (prime_rl.configs.trainer.LoRAConfig)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts",
+                "fc1_latent_proj", "fc2_latent_proj")
+
+
+class LoraSpec(Record):
+    """LoRA training of the learner: adapters of this rank on the target modules, every other weight frozen."""
+
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32.0, ge=0)
+    dropout: float = Field(0.0, ge=0, le=1)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS),
+                                      description="module names; those a model lacks are left out")
+
+
 class GenerationPlan(Record):
     source: str = Field(description="file the plan was compiled from")
     family: str = Field(min_length=1, description="learner model family (the learner model name)")
@@ -172,6 +187,8 @@ class GenerationPlan(Record):
     trainer: dict[str, JsonValue] = Field(
         default_factory=dict, description="the recipe's optimizer settings for the reference trainer (lr, "
                                           "weight_decay); empty: the trainer's own defaults")
+    lora: LoraSpec | None = Field(default=None, description="LoRA training ([trainer.model.lora]); None: every "
+                                                          "weight trains")
     served_model: str | None = Field(
         default=None, description="the weights that stand in for ``family`` where its own model cannot be served "
                                   "here (``--model``); None: the family's own model")

@@ -54,7 +54,7 @@ from pydantic import ValidationError
 from schemas.recipe_keys import neutral_reason, refusals
 from schemas.plan import (DEFAULT_BATCH_SIZE, DEFAULT_EVAL_INTERVAL, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ASYNC_LEVEL,
                           DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, AdvantageSpec, EnvSpec, GenerationPlan,
-                          MemberRoute, PlanError, SERVER_KEYS, Seat, Target, TrainOne)
+                          LoraSpec, MemberRoute, PlanError, SERVER_KEYS, Seat, Target, TrainOne)
 
 # Sampling keys we know: prime-rl's train/eval sampling configs (and the fork's), verifiers'
 # SamplingConfig and the request fields producers.inference sends. Any other key is a sampling
@@ -294,6 +294,7 @@ class _Compiler:
         train_one, untrained = self._multi_agent(orch, op)
         max_steps, seq_len = self._run_length(data, orch, op, unified)
         trainer = self._trainer(data) if unified else {}
+        lora = self._lora(data) if unified else None
         server = self._server(data) if unified else {}
 
         try:
@@ -303,7 +304,7 @@ class _Compiler:
                 eval_environments=eval_environments, eval_interval=eval_interval,
                 eval_skip_first_step=eval_skip_first_step, group_size=group_size, batch_size=batch_size,
                 token_batch_size=token_batch_size, max_off_policy_steps=max_off, max_async_level=max_async,
-                max_steps=max_steps, seq_len=seq_len, trainer=trainer, server=server, refused=self.refused,
+                max_steps=max_steps, seq_len=seq_len, trainer=trainer, lora=lora, server=server, refused=self.refused,
                 advantage=advantage, ignored_sections=self.ignored_sections, ignored_keys=self.ignored_keys,
                 passthrough_sampling=self.passthrough, provenance={"family": model_path, **self.provenance})
         except ValidationError as exc:
@@ -732,6 +733,29 @@ class _Compiler:
             self.provenance[f"trainer.{k}"] = f"trainer.optim.{k}"
         self.ignore("trainer", {k: v for k, v in trainer.items()})
         return out
+
+    def _lora(self, data: dict) -> LoraSpec | None:
+        """``[trainer.model.lora]`` (prime-rl's defaults for what it leaves out), with ``[orchestrator.model.lora]``'s
+        rank and alpha over it where set (the per-run adapter; its name is the server's business)."""
+        table = ((data.get("trainer") or {}).get("model") or {}).get("lora")
+        run = ((data.get("orchestrator") or {}).get("model") or {}).get("lora")
+        if table is None:
+            if run:
+                raise self.fail("orchestrator.model.lora", "a LoRA adapter as the policy needs [trainer.model.lora] "
+                                                           "(the adapter's rank, alpha and target modules)")
+            return None
+        if not isinstance(table, dict) or (run is not None and not isinstance(run, dict)):
+            raise self.fail("trainer.model.lora", "must be a table")
+        fields = {k: table[k] for k in ("rank", "alpha", "dropout", "target_modules") if k in table}
+        fields.update({k: run[k] for k in ("rank", "alpha") if run and run.get(k) is not None})
+        try:
+            spec = LoraSpec(**fields)
+        except ValueError as e:
+            raise self.fail("trainer.model.lora", str(e).splitlines()[-1] if str(e) else "invalid") from None
+        for k in fields:
+            self.provenance[f"lora.{k}"] = f"orchestrator.model.lora.{k}" if run and k in run else \
+                f"trainer.model.lora.{k}"
+        return spec
 
     def _staleness(self, data: dict, orch: dict, op: str, unified: bool) -> tuple[int, int]:
         scopes = [(orch, op)] + ([(data, "")] if unified else [])

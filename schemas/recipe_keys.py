@@ -52,12 +52,15 @@ NEUTRAL: dict[str, str] = {
 
 # Keys read by the plan compiler outside the orchestrator's generation part (GenerationPlan fields).
 APPLIED = frozenset({"max_steps", "orchestrator.max_steps", "seq_len", "trainer.optim.lr",
-                     "trainer.optim.type", "trainer.optim.weight_decay", "orchestrator.eval.skip_first_step"})
+                     "trainer.optim.type", "trainer.optim.weight_decay", "orchestrator.eval.skip_first_step",
+                     "trainer.model.lora.rank", "trainer.model.lora.alpha", "trainer.model.lora.dropout",
+                     "trainer.model.lora.target_modules", "orchestrator.model.lora.rank",
+                     "orchestrator.model.lora.alpha", "orchestrator.model.lora.name"})
 
 # Known run-changing keys, with what is missing here to honour them.
 REASONS: dict[str, str] = {
-    "trainer.model.lora": "LoRA training: the reference trainer trains every weight",
-    "orchestrator.model.lora": "a LoRA adapter as the policy: the reference trainer trains every weight",
+    "trainer.model.lora.modules_to_save": "fully trained modules beside LoRA: the reference trainer freezes every "
+                                          "weight but the adapters",
     "trainer.model.quantization": "quantized training: the reference trainer trains in bf16 autocast",
     "trainer.model.reduce_dtype": "a reduction dtype: the reference trainer uses bf16 autocast with fp32 weights",
     "trainer.model.optimization_dtype": "an optimizer dtype: the reference trainer keeps fp32 optimizer state",

@@ -615,3 +615,58 @@ async def test_nothing_is_trained_past_the_runs_max_steps(tmp_path):
     assert target.revision == 2 and kinds[:2] == [["PolicyRevision"], ["PolicyRevision"]]
     assert kinds[2] == ["DeadLetter"] * 4
     assert all(o.event.error_type == "RunComplete" and "max_steps 2" in o.event.error_message for o in outs)
+
+
+def test_a_lora_recipe_trains_the_adapters_only_and_serves_the_merged_weights(tmp_path):
+    """``[trainer.model.lora]``: adapters on the attention and MLP projections, the rest frozen. Two revisions: the
+    adapters move and the base weights do not (bit for bit), the optimizer holds moments for the adapters only, and
+    each served checkpoint is the merged weights under the model's own names (what vLLM loads), equal to base +
+    scale B A and different from revision 0 where an adapter sits. A take-over from the training state resumes the
+    adapters exactly (``settle`` finds the served weights)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from consumers.trainer import HFPolicy
+    from policy import hf
+    from policy.lora import adapter_state
+    from schemas.plan import LoraSpec
+
+    fam = "org/tiny-llama"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True))
+    ck = tmp_path / "checkpoints"
+    ref0 = hf.save_checkpoint(model, ck, fam, 0)
+    rev0 = testing.revision(0, family=fam).model_copy(update={"checkpoint": ref0})
+    spec = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "experts"])  # experts: not in Llama
+    trainer = ReferenceTrainer(HFPolicy.load(ref0), fam, 0, ck, lr=5e-2, kind=HFPolicy, lora=spec, state_every=2)
+    base0 = {k: v.clone() for k, v in trainer.model.state_dict().items() if "lora_" not in k}
+    adapters0 = {k: v.clone() for k, v in adapter_state(trainer.model).items()}
+    assert adapters0 and all(("q_proj" in k or "v_proj" in k) for k in adapters0)
+    assert {id(p) for g in trainer.opt.param_groups for p in g["params"]} == \
+        {id(p) for n, p in trainer.model.named_parameters() if "lora_" in n}
+    rev = rev0
+    for k in range(2):
+        recs = [testing.training_record(10 * k + i, family=fam, revision_=k, reward=float(i % 2)) for i in range(4)]
+        b = batch_of(recs, rev)
+        trainer.step(to_tensors(b), b)
+        rev = trainer.publish(run_id="run", batch=b)
+    wait_for_training_states()
+    after = trainer.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base0.items())  # the base did not move
+    moved = [k for k, v in adapters0.items() if not torch.equal(after[k], v)]
+    assert any("lora_A" in k for k in moved) and any("lora_B" in k for k in moved)
+    served = hf.load_weights(rev.checkpoint)
+    assert set(served) == set(hf.load_weights(ref0))  # the model's own names, nothing of peft's
+    q = "model.layers.0.self_attn.q_proj"
+    a, b_ = after[f"{q}.lora_A.default.weight"], after[f"{q}.lora_B.default.weight"]
+    merged = after[f"{q}.base_layer.weight"] + (spec.alpha / spec.rank) * b_ @ a
+    assert torch.equal(served[f"{q}.weight"], merged.to(torch.bfloat16))
+    assert not torch.equal(served[f"{q}.weight"], hf.load_weights(ref0)[f"{q}.weight"])
+    assert torch.equal(served["model.layers.0.mlp.up_proj.weight"], hf.load_weights(ref0)["model.layers.0.mlp.up_proj.weight"])
+
+    # a take-over from r2's training state: the adapters and the served weights exactly
+    successor = ReferenceTrainer(HFPolicy.load(rev.checkpoint), fam, 2, ck, lr=5e-2, kind=HFPolicy, lora=spec)
+    assert successor.load_training_state(rev.checkpoint, 2)
+    assert all(torch.equal(successor.model.state_dict()[k], v) for k, v in adapter_state(trainer.model).items())
+    assert successor.settle(rev.checkpoint, 2)
