@@ -107,7 +107,8 @@ def _batch(model: Any, vocab: int, shape: dict, revision: int, seed: int, family
     return assemble_batch(records, target, 1, run_id="bench", producer="bench")
 
 
-def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_every: int) -> dict:
+def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_every: int,
+         lora: int | None = None) -> dict:
     """One shape in this process: the trainer opened at revision 1 (revision 0 is the packaged model)."""
     import torch
 
@@ -123,6 +124,10 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
     from consumers.trainer import ReferenceTrainer
 
     cadence = {"state_every": state_every} if "state_every" in inspect.signature(ReferenceTrainer).parameters else {}
+    if lora:  # prime-rl's [trainer.model.lora] defaults but the rank (alpha 2 x rank)
+        from schemas.plan import LoraSpec
+
+        cadence["lora"] = LoraSpec(rank=lora, alpha=2 * lora)
     trainer = distributed.open_trainer(ref=ref, revision=1, family=FAMILY, checkpoint_dir=str(out_dir), lr=2e-5,
                                        **cadence)
     params = sum(p.numel() for p in trainer.model.parameters())
@@ -193,10 +198,11 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
     }
 
 
-def _child(shape: str, steps: int, seq_len: int | None, state_every: int) -> dict:
+def _child(shape: str, steps: int, seq_len: int | None, state_every: int, lora: int | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         cmd = [sys.executable, "-m", "benchmarks", "trainer_step", "--child", shape, "--steps", str(steps),
-               "--state-every", str(state_every), "--out", tmp] + (["--seq-len", str(seq_len)] if seq_len else [])
+               "--state-every", str(state_every), "--out", tmp] + (["--seq-len", str(seq_len)] if seq_len else []) \
+            + (["--lora", str(lora)] if lora else [])
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
         if proc.returncode:
@@ -214,12 +220,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="sequence lengths for the peak-RSS sweep (two-seat shape, one step each); '' for none")
     p.add_argument("--state-every", type=int, default=None,
                    help="training state every N revisions (default: the trainer service's, consumers.settings)")
+    p.add_argument("--lora", type=int, metavar="RANK", help="LoRA adapters of this rank (alpha 2 x rank, prime-rl's "
+                                                            "target modules) instead of training every weight")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(_one(a.child, a.steps, a.seq_len, Path(a.out), a.state_every)), flush=True)
+        print(json.dumps(_one(a.child, a.steps, a.seq_len, Path(a.out), a.state_every, a.lora)), flush=True)
         return 0
     if a.state_every is None:
         try:
@@ -230,12 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     shapes = ["demo"] if a.quick else [s for s in a.shapes.split(",") if s]
     results = []
     for shape in shapes:
-        r = _child(shape, 1 if a.quick else a.steps, None, a.state_every)
+        r = _child(shape, 1 if a.quick else a.steps, None, a.state_every, a.lora)
         print(json.dumps(r), file=sys.stderr, flush=True)
         results.append(r)
     sweep = []
     for n in ([] if a.quick else [int(x) for x in a.sweep.split(",") if x]):
-        r = _child("two-seat", 2, n, a.state_every)  # the second step has the optimizer's moments
+        r = _child("two-seat", 2, n, a.state_every, a.lora)  # the second step has the optimizer's moments
         print(json.dumps(r), file=sys.stderr, flush=True)
         sweep.append({k: r.get(k) for k in ("seq_len", "tokens_per_step", "peak_rss_mb", "peak_over_state",
                                             "error", "returncode")})

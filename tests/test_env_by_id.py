@@ -315,6 +315,36 @@ def test_recipe_whole_loop_on_vllm(kafka_bootstrap, vllm_server, tmp_path):
     assert envs == {"rlt-sum-quiz@0.1.0", "rlt-sum-quiz-test@0.1.0"}
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(1500)
+def test_a_lora_recipe_trains_its_adapters_on_vllm_and_leaves_the_base(kafka_bootstrap, vllm_server, tmp_path):
+    """rlt-sum-quiz's recipe with ``[trainer.model.lora]`` on q_proj and v_proj, through `rollout rl` on real vLLM:
+    exactly 2 revisions, each served merged (vLLM loads them as any other); in the served weights the adapted
+    projections moved from revision 0 and every other tensor (embeddings, norms, the MLP, k and o) is revision 0's
+    bit for bit: the adapters trained, the base did not."""
+    import torch
+
+    from policy.hf import load_weights
+
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
+    env.pop("ROLLOUT_TOPIC_PREFIX", None)
+    text = (RECIPES / "rlt-sum-quiz.toml").read_text() + (
+        "\n[trainer.model.lora]\nrank = 8\nalpha = 16\ntarget_modules = ['q_proj', 'v_proj']\n"
+        "\n[trainer.optim]\nlr = 1e-3\n")
+    s = _rl(_recipe(tmp_path, "lora", text), env, "--max-steps", "2", "--vllm-url", vllm_server.base_url,
+            logs=tmp_path / "rl")
+    assert s["revisions"] == 2 and s["dead_letters"] == s["dead_letter_reasons"].get("trainer: RunComplete", 0)
+    assert [int(k) for k in s["eval_accuracy_by_revision"]] == [0, 1, 2]  # each revision served and evaluated
+    _, con = _replay_and_audit(s, env, tmp_path / "run.duckdb")
+    uris = dict(con.execute("SELECT revision, checkpoint_uri FROM policy_revisions").fetchall())
+    r0, r2 = (load_weights(uris[r].removeprefix("file://")) for r in (0, 2))
+    assert r0.keys() == r2.keys()
+    adapted = {k for k in r0 if k.endswith(("q_proj.weight", "v_proj.weight"))}
+    assert len(adapted) == 2 * 30  # SmolLM2-135M's 30 layers
+    assert all(torch.equal(r0[k], r2[k]) for k in r0.keys() - adapted)
+    assert sum(not torch.equal(r0[k], r2[k]) for k in adapted) >= len(adapted) // 2, "the adapters did not move"
+
+
 def _tiny(recipe: str, tmp_path: Path, extra: str = "") -> Path:
     """A package's recipe with the tiny byte-level model as the policy (the fast loop), everything else as written."""
     text = (RECIPES / f"{recipe}.toml").read_text()
