@@ -12,9 +12,12 @@ names models is one file in ``directory``, never a sub-folder; the family inside
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
+from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -79,7 +82,10 @@ def place(tmp: Path, final: Path) -> Path:
             raise FileExistsError(final)
         os.replace(tmp, final)
     except OSError:  # there already (a folder cannot be replaced): the same content
-        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
     fsync_dir(final.parent)
     return final
 
@@ -92,6 +98,34 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+FULL_BELOW_BYTES = 1 << 20  # a filesystem with less room than this after a failed write was full
+
+
+@contextmanager
+def writing(folder: Path, tmp: Path) -> Iterator[None]:
+    """A checkpoint write into ``tmp`` (in ``folder``). A full disk raises ``OSError(ENOSPC)`` whatever the library
+    writing said (``torch.save`` raises RuntimeError "unexpected pos", safetensors its own error), so the service
+    waits it out as the environment's fault (``streams.transactions.environment_fault``) instead of dead-lettering
+    the batch; the partial write is removed, so it holds no room."""
+    try:
+        yield
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        if not isinstance(e, OSError) and isinstance(e, Exception) and _full(folder, e):
+            raise OSError(errno.ENOSPC, f"No space left on device writing {tmp.name} in {folder} ({e})") from e
+        raise
+
+
+def _full(folder: Path, e: Exception) -> bool:
+    if "os error 28" in str(e) or "No space left" in str(e):
+        return True
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < FULL_BELOW_BYTES
+
+
 def save_checkpoint(model: PolicyModel, directory: str | os.PathLike, family: str, revision: int) -> CheckpointRef:
     """Write atomically (temp file + rename to its content-addressed name) and return the reference with the
     file's SHA-256."""
@@ -99,8 +133,9 @@ def save_checkpoint(model: PolicyModel, directory: str | os.PathLike, family: st
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f"{checkpoint_stem(family, revision)}.tmp{os.getpid()}"
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    torch.save({"format": FORMAT, "family": family, "revision": int(revision),
-                "config": model.config.to_dict(), "state_dict": state}, tmp)
+    with writing(d, tmp):
+        torch.save({"format": FORMAT, "family": family, "revision": int(revision),
+                    "config": model.config.to_dict(), "state_dict": state}, tmp)
     digest = file_sha256(tmp)
     path = place(tmp, d / checkpoint_filename(family, revision, digest))
     return CheckpointRef(uri=path.resolve().as_uri(), digest=digest)

@@ -144,7 +144,7 @@ def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revis
     (created if missing); the ref's digest is the file's. The family itself is kept in the metadata and ``revision.json``."""
     import torch
 
-    from policy.checkpoint import checkpoint_name, checkpoint_stem, file_sha256, place
+    from policy.checkpoint import checkpoint_name, checkpoint_stem, file_sha256, place, writing
 
     tmp = Path(directory) / f"{checkpoint_stem(family, revision)}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -155,10 +155,11 @@ def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revis
         state.pop("lm_head.weight", None)
     from safetensors.torch import save_file
 
-    tmp.mkdir(parents=True)
-    save_file(state, tmp / WEIGHTS, metadata={"format": "pt", "family": family, "revision": str(revision)})
-    model.config.to_json_file(tmp / "config.json")
-    (tmp / "revision.json").write_text(json.dumps({"family": family, "revision": revision}) + "\n")
+    with writing(Path(directory), tmp):
+        tmp.mkdir(parents=True)
+        save_file(state, tmp / WEIGHTS, metadata={"format": "pt", "family": family, "revision": str(revision)})
+        model.config.to_json_file(tmp / "config.json")
+        (tmp / "revision.json").write_text(json.dumps({"family": family, "revision": revision}) + "\n")
     digest = file_sha256(tmp / WEIGHTS)
     folder = place(tmp, Path(directory) / checkpoint_name(family, revision, digest))  # never over another's
     return CheckpointRef(uri=(folder / WEIGHTS).resolve().as_uri(), digest=digest)
