@@ -23,7 +23,7 @@ def add_service_parser(ssub: argparse._SubParsersAction, name: str) -> argparse.
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (default: ROLLOUT_METRICS_PORT + the service's offset; "
-                        "see README 'Metrics'; 0: off)")
+                        "see docs/OBSERVABILITY.md 'Metrics'; 0: off)")
     settings_mod.add_flags(p, COMMON + svc.options)
     p.set_defaults(func=cmd_serve, name=name)
     return p

@@ -14,7 +14,7 @@ import argparse
 import asyncio
 
 METRICS_HELP = ("serve Prometheus metrics on this port (default: ROLLOUT_METRICS_PORT + this process's offset, "
-                "see README 'Metrics'; 0: off)")
+                "see docs/OBSERVABILITY.md 'Metrics'; 0: off)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

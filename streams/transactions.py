@@ -1,6 +1,6 @@
 """The transactional read-process-write loop every service runs (exactly-once, Kafka Streams EOS-v2 style).
 
-Why this shape (see README "Services and exactly-once"):
+Why this shape (see docs/EXACTLY-ONCE.md):
 
 * **One transactional producer per service instance**, and one transaction per step for the work of all the
   partitions it owns: outputs, changelog snapshots and the input offsets of every owned partition. Zombies

@@ -80,7 +80,7 @@ def test_the_range_a_derived_run_takes():
     assert not d.takes("a", 1, t0) and not d.takes("a", 6, t0)
     assert not d.takes("a", 3, t0 - timedelta(seconds=1)) and not d.takes("a", 3, t0 + timedelta(days=1))
     assert Derivation(run_id="b", source_run_id="a", source_prefix="a.", fork=FORK).takes("a", None, t0)
-    # the README's form, `--since 2026-11-01` (datetime.fromisoformat: no zone), is UTC: it compares, and so
+    # the documented form (docs/DERIVED-RUNS.md), `--since 2026-11-01` (datetime.fromisoformat: no zone), is UTC: it compares, and so
     naive = Derivation(run_id="b", source_run_id="a", source_prefix="a.", fork=FORK,
                        since=datetime.fromisoformat("2026-11-01"), until=datetime.fromisoformat("2026-11-02"))
     assert naive.since == t0 and naive.takes("a", 3, t0) and not naive.takes("a", 3, t0 - timedelta(seconds=1))
