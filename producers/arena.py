@@ -85,16 +85,18 @@ log = logging.getLogger("rollout.arena")
 STOP_GRACE_S = 5.0
 
 
-async def _acquired(sem: asyncio.Semaphore, stop: asyncio.Event | None) -> bool:
-    """``sem`` acquired; False (nothing acquired) when ``stop`` is set first."""
+async def _acquired(sem: asyncio.Semaphore, stop: asyncio.Event | None, grace_until: Callable[[], float]) -> bool:
+    """``sem`` acquired. Once ``stop`` is set, the group being started still gets its slots, but only until the
+    stop's grace runs out (``grace_until``, loop time): False then, nothing acquired (the rest never starts)."""
+    got = asyncio.ensure_future(sem.acquire())
     if stop is None:
-        await sem.acquire()
-        return True
-    if stop.is_set():
-        return False
-    got, stopped = asyncio.ensure_future(sem.acquire()), asyncio.ensure_future(stop.wait())
-    await asyncio.wait({got, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
+        return await got
+    if not stop.is_set():
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({got, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+    if not got.done():
+        await asyncio.wait({got}, timeout=max(0.0, grace_until() - asyncio.get_running_loop().time()))
     if got.done() and not got.cancelled():
         return True
     got.cancel()
@@ -276,6 +278,7 @@ class Arena:
         self._tasks: set[asyncio.Task] = set()
         self._generating: set[asyncio.Task] = set()  # rollouts still in their episode (not yet being emitted)
         self._cut: set[asyncio.Task] = set()  # ... cut short by a stop (``STOP_GRACE_S``)
+        self._stop_by: float | None = None  # loop time the stop's grace ends
         self._fatal: BaseException | None = None
         self._revision_seen = asyncio.Event()
         self.revision_log: list[tuple[float, int]] = []
@@ -531,6 +534,12 @@ class Arena:
         finally:
             sem.release()
 
+    def _grace_until(self) -> float:
+        """When a stop's grace ends (loop time): ``STOP_GRACE_S`` after the first time anyone asks."""
+        if self._stop_by is None:
+            self._stop_by = asyncio.get_running_loop().time() + STOP_GRACE_S
+        return self._stop_by
+
     async def _close_claim(self, claim_id: str, rollouts: list[asyncio.Task], size: int) -> None:
         """Done once every rollout of the group (``size``) is on the log; released (capacity back) if one never
         will be. A group whose every rollout failed counts towards ``max_failed_groups``; one that did not resets it."""
@@ -620,7 +629,7 @@ class Arena:
                 self.stats.groups += 1
                 rollouts = []
                 for req in group:
-                    if not await _acquired(sem, given_stop):  # stopped while every slot is busy: the rest never start
+                    if not await _acquired(sem, given_stop, self._grace_until):  # the grace ran out: the rest never start
                         break
                     rollouts.append(asyncio.create_task(self._run_and_emit(req, sem, results, claim_id)))
                 t = asyncio.create_task(self._close_claim(claim_id, rollouts, len(group)))
@@ -629,7 +638,8 @@ class Arena:
             if admitted == num_groups:  # the revision trained on the last batch is the run's last: evaluated
                 self.last_revision = self.pacer.final_revision()
             if self._tasks and given_stop is not None and given_stop.is_set():  # stopped: the episodes in flight
-                _, late = await asyncio.wait(list(self._tasks), timeout=STOP_GRACE_S)  # get a bounded while
+                _, late = await asyncio.wait(list(self._tasks), timeout=max(  # get what is left of the grace
+                    0.0, self._grace_until() - asyncio.get_running_loop().time()))
                 if late:
                     log.warning("stopping: %d episodes still running after %gs cut short (not emitted; their "
                                 "groups' claims released)", len(self._generating), STOP_GRACE_S)
