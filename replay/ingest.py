@@ -172,6 +172,17 @@ def discover_prefixes(topic_names: Iterable[str]) -> list[str]:
     return sorted({sp[0] for sp in map(split_topic, topic_names) if sp is not None})
 
 
+async def _started(consumer: Any) -> Any:
+    """``consumer`` started; stopped again when it cannot start (an unreachable broker), so the command's one-line
+    error is not followed by aiokafka's "Unclosed AIOKafkaConsumer"."""
+    try:
+        await consumer.start()
+    except BaseException:
+        await consumer.stop()
+        raise
+    return consumer
+
+
 def consumer_kwargs(settings: Any, **extra: Any) -> dict[str, Any]:
     kw = settings.client_kwargs()
     kw["client_id"] = f"{kw.get('client_id', 'rollout-log')}-replay"
@@ -231,8 +242,7 @@ async def list_runs(settings: Any, *, prefixes: Iterable[str] | None = None, all
 
     from streams import topics
 
-    consumer = AIOKafkaConsumer(**consumer_kwargs(settings))
-    await consumer.start()
+    consumer = await _started(AIOKafkaConsumer(**consumer_kwargs(settings)))
     try:
         if prefixes is None:
             prefixes = [explicit_prefix()] if explicit_prefix() is not None else \
@@ -457,8 +467,7 @@ class Replayer:
                                   "replay into a fresh --db to see an earlier state")
         result = ReplayResult(run_id=run_id, db=self.db, prefix=prefix, rows={name: 0 for name in T.TABLES})
         tm = result.timings
-        consumer = AIOKafkaConsumer(**consumer_kwargs(self.settings))
-        await consumer.start()
+        consumer = await _started(AIOKafkaConsumer(**consumer_kwargs(self.settings)))
         try:  # the run's topics, and those of the runs it derives from, each read for its own run's events
             runs = await sources_of(consumer, run_id, prefix)
         except BaseException:

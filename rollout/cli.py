@@ -96,6 +96,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _raised(e, "streams.kafka_errors", "KafkaError"):
             print(f"rollout: error: {e}", file=sys.stderr)
             return 1
+        if _raised(e, "aiokafka.errors", "KafkaConnectionError"):
+            print(f"rollout {args.command}: error: cannot reach Kafka ({e}): is the broker up (`rollout kafka up` "
+                  "starts the local one), and is ROLLOUT_BOOTSTRAP_SERVERS its address?", file=sys.stderr)
+            return 1
+        if _raised(e, "duckdb", "IOException"):  # a database folder that does not exist, a file not DuckDB's
+            print(f"rollout {args.command}: error: {e}", file=sys.stderr)
+            return 1
         unavailable = _raised(e, "producers.environment_types", "EnvironmentUnavailable")
         if _raised(e, "schemas.plan", "PlanError") or unavailable:
             print(f"rollout {args.command}: error: {e}", file=sys.stderr)

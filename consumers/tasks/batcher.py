@@ -18,7 +18,7 @@ from schemas.events import TrainingRecord
 from streams import topics
 from streams.revisions import DroppedBatches, RevisionWatcher
 from streams.settings import MAX_MESSAGE_BYTES
-from streams.transactions import Out
+from streams.partition_task import Out
 
 NAME = "batcher"
 

@@ -24,7 +24,7 @@ from schemas.policy import CheckpointRef, PolicyRef, PolicyRevision
 from streams import topics
 from streams.records_at import records_at
 from streams.revisions import latest_revision, publish
-from streams.transactions import Out
+from streams.partition_task import Out
 
 if TYPE_CHECKING:
     from consumers.trainer import ReferenceTrainer, TrainStep
