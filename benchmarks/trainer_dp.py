@@ -39,6 +39,7 @@ def _rank_program(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from consumers import distributed
+    from consumers.trainer import open_trainer
     from consumers.trainer import to_tensors
     from schemas import codec
     from schemas.events import TrainerBatch
@@ -47,7 +48,7 @@ def _rank_program(argv: list[str]) -> int:
     group = distributed.launch() if distributed.world_size() > 1 else None
     batches = [codec.decode(b, TrainerBatch) for b in _read_frames(Path(a.batches))]
     ref = CheckpointRef.model_validate_json(a.ref)
-    trainer = distributed.open_trainer(ref=ref, revision=batches[0].target.revision, family=batches[0].family,
+    trainer = open_trainer(ref=ref, revision=batches[0].target.revision, family=batches[0].family,
                                        checkpoint_dir=a.out, lr=a.lr, group=group)
     step_s, revs = [], []
     for b in batches:

@@ -112,8 +112,7 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
     """One shape in this process: the trainer opened at revision 1 (revision 0 is the packaged model)."""
     import torch
 
-    from consumers import distributed
-    from consumers.trainer import to_tensors
+    from consumers.trainer import open_trainer, to_tensors
     from policy.hf import FAMILY, prepare_model
 
     shape = dict(SHAPES[shape_name])
@@ -128,7 +127,7 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
         from schemas.plan import LoraSpec
 
         cadence["lora"] = LoraSpec(rank=lora, alpha=2 * lora)
-    trainer = distributed.open_trainer(ref=ref, revision=1, family=FAMILY, checkpoint_dir=str(out_dir), lr=2e-5,
+    trainer = open_trainer(ref=ref, revision=1, family=FAMILY, checkpoint_dir=str(out_dir), lr=2e-5,
                                        **cadence)
     params = sum(p.numel() for p in trainer.model.parameters())
     state_mb = 4 * 4 * params / 2**20  # float32 weights, gradients, and AdamW's two moments

@@ -72,7 +72,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         group = distributed.launch()
         if not group.leader:  # no Kafka here: train in lockstep with rank 0 until it stops
-            distributed.follow(group)
+            from consumers.trainer import open_trainer
+
+            distributed.follow(group, open_trainer)
             return 0
     try:
         kafka = KafkaSettings.from_env()

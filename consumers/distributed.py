@@ -30,6 +30,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -223,9 +224,10 @@ class Lockstep:
         self.local = opened
 
     @classmethod
-    def open(cls, group: Group, **kw: Any) -> Lockstep:
+    def open(cls, group: Group, opener: Callable[..., Any], **kw: Any) -> Lockstep:
+        """Every rank opens its trainer with ``opener`` (``consumers.trainer.open_trainer``) and ``kw``."""
         group.agree(("open", (), kw))
-        return cls(group, open_trainer(group=group, **kw))
+        return cls(group, opener(group=group, **kw))
 
     def call(self, name: str, *args: Any, **kw: Any) -> Any:
         self.group.agree((name, args, kw))
@@ -267,7 +269,7 @@ def leave(group: Group) -> None:
     dist.destroy_process_group()
 
 
-def follow(group: Group) -> None:
+def follow(group: Group, opener: Callable[..., Any]) -> None:
     """A rank > 0: make every call rank 0 broadcasts on its own trainer, until rank 0 stops. SIGTERM is left to
     rank 0, which finishes its step and transaction and then stops the group; if rank 0 dies instead, the next
     broadcast fails at once and this rank exits with the error."""
@@ -282,16 +284,7 @@ def follow(group: Group) -> None:
             leave(group)
             return
         if name == "open":  # rank 0 opened its trainer again (a new task after a rebalance or a client rebuild)
-            trainer = open_trainer(group=group, **kw)
+            trainer = opener(group=group, **kw)
         else:
             getattr(trainer, name)(*args, **kw)
 
-
-def open_trainer(*, ref: Any, revision: int, family: str, checkpoint_dir: str, group: Group | None = None,
-                 **options: Any) -> Any:
-    """The reference trainer on checkpoint ``ref`` at ``revision``, sharded over ``group`` when there is one."""
-    from consumers.trainer import ReferenceTrainer, policy_kind
-
-    kind = policy_kind(ref)
-    return ReferenceTrainer(kind.load(ref), family, revision, checkpoint_dir, kind=kind, ref=ref, group=group,
-                            device=device(), **options)

@@ -35,8 +35,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from consumers.distributed import (Group, full_state, load_full_state, load_full_weights, load_sharded, local_state,
-                                  save_sharded, shard)
+from consumers.distributed import (Group, device, full_state, load_full_state, load_full_weights, load_sharded,
+                                  local_state, save_sharded, shard)
 from consumers.settings import MICRO_BATCH_TOKENS
 from policy.lora import load_served, served_state
 from schemas.events import TrainerBatch
@@ -556,6 +556,15 @@ class ReferenceTrainer:
         if self.keep_checkpoints:
             for old in sorted(r for r in self.written if r <= revision)[:-max(2, self.keep_checkpoints)]:
                 self.kind.remove(self.written.pop(old))
+
+
+def open_trainer(*, ref: CheckpointRef, revision: int, family: str, checkpoint_dir: str, group: Group | None = None,
+                 **options: Any) -> ReferenceTrainer:
+    """The reference trainer on checkpoint ``ref`` at ``revision``, sharded over ``group`` when there is one (every
+    rank of a group opens its own: ``consumers.distributed.Lockstep``)."""
+    kind = policy_kind(ref)
+    return ReferenceTrainer(kind.load(ref), family, revision, checkpoint_dir, kind=kind, ref=ref, group=group,
+                            device=device(), **options)
 
 
 def initial_revision(family: str, checkpoint_dir: str | Path, *, seed: int = 0, run_id: str = "run",

@@ -15,7 +15,8 @@ import torch
 
 from benchmarks.trainer_dp import drift, run_group, weights
 from consumers import testing
-from consumers.distributed import open_trainer, read_sharded
+from consumers.distributed import read_sharded
+from consumers.trainer import open_trainer
 from schemas.policy import CheckpointRef
 from consumers.trainer import TRAINING_STATE_SUFFIX
 from schemas.batch import assemble_batch

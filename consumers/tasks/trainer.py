@@ -95,10 +95,11 @@ class TrainerTask(TaskDefaults):
 
     def _open(self, ref: CheckpointRef, revision: int) -> ReferenceTrainer:
         from consumers import distributed
+        from consumers.trainer import open_trainer
 
         opts = dict(ref=ref, revision=revision, family=self.family, checkpoint_dir=str(self.dir), **self.options)
         group = distributed.current()  # under torchrun: every rank opens its shard of the same trainer
-        return distributed.Lockstep.open(group, **opts) if group else distributed.open_trainer(**opts)
+        return distributed.Lockstep.open(group, open_trainer, **opts) if group else open_trainer(**opts)
 
     def _first(self, batch: TrainerBatch) -> tuple[CheckpointRef, int]:
         """The weights the first batch ever is trained from: its target revision's."""
