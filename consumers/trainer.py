@@ -284,6 +284,7 @@ class ReferenceTrainer:
         self.kind = kind
         self.keep_checkpoints = keep_checkpoints
         self.state_every = max(1, state_every)
+        self.lora = lora
         self.last_revision = last_revision
         self.micro_batch_tokens = micro_batch_tokens
         self.mismatch_rows = mismatch_rows
@@ -463,7 +464,9 @@ class ReferenceTrainer:
         only the optimizer's moments come from the re-training."""
         self._wait_for_state()
         self.revision = revision
-        state = served_state(self.model) if self.group is None else full_state(self.model, self.group)
+        # the weights as served: LoRA's merged, on the CPU as the served file is read
+        state = {k: v.detach().cpu() for k, v in served_state(self.model).items()} if self.lora is not None \
+            else full_state(self.model, self.group)
         same, served = None, None
         if self.whole is not None:
             served = self.kind.weights(ref)
@@ -476,7 +479,7 @@ class ReferenceTrainer:
                 log.warning("the re-trained weights differ from revision %d's served weights (max |diff| %.3g): "
                             "taking the served weights, the optimizer's moments from the re-training", self.revision,
                             worst)
-            if state.keys() != self.model.state_dict().keys():  # LoRA: the base takes them, the adapters restart
+            if self.lora is not None:  # the base takes them, the adapters restart
                 load_served(self.model, served)
             else:
                 load_full_weights(self.model, served if self.whole is not None else {}, self.group)
