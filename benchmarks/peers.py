@@ -109,7 +109,7 @@ def job(steps: int | None = None, eval_interval: int | None = None) -> Job:
     return Job(plan=prof.plan, steps=steps or prof.groups * plan.group_size // plan.batch_size,
                group_size=plan.group_size, batch_records=plan.batch_size,
                lr=float(plan.trainer.get("lr", prof.lr)), epochs=prof.epochs,
-               clip=float(defaults["clip"].default), max_grad_norm=float(defaults["max_grad_norm"].default),
+               clip=float(defaults["clip"].default), max_grad_norm=float(plan.optimizer.max_norm),
                weight_decay=float(plan.trainer.get("weight_decay", defaults["weight_decay"].default)),
                temperature=float(sampling.get("temperature", 1.0)), max_tokens=int(sampling["max_tokens"]),
                max_off_policy_steps=plan.max_off_policy_steps, eval_interval=eval_interval or plan.eval_interval,

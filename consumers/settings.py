@@ -16,7 +16,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.history import Derivation
-from schemas.plan import DEFAULT_BATCH_SIZE, DEFAULT_MAX_OFF_POLICY_STEPS, GenerationPlan, LoraSpec
+from schemas.plan import DEFAULT_BATCH_SIZE, DEFAULT_MAX_OFF_POLICY_STEPS, GenerationPlan, LoraSpec, OptimizerSpec
 from schemas.policy import TINY_FAMILY
 from streams import topics
 
@@ -69,6 +69,8 @@ class ServiceSettings(BaseSettings):
     epochs: int = Field(1, ge=1, description="trainer: optimizer passes over each batch (PPO epochs)")
     lora: LoraSpec | None = Field(None, description="trainer: LoRA training (the plan's [trainer.model.lora]): only "
                                                     "the adapters train, each revision is served merged")
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="trainer: the optimizer (the "
+                                     "plan's [trainer.optim] type, betas, mu, max_norm)")
     max_steps: int | None = Field(None, ge=1, description="trainer: the run's last revision (the plan's max_steps, "
                                   "prime-rl's optimizer steps): a batch that would train past it is refused, its "
                                   "records dead-lettered with RunComplete (None: no end)")
@@ -104,7 +106,7 @@ def plan_values(plan: GenerationPlan, *, credit: bool) -> dict[str, Any]:
 
     values: dict[str, Any] = {"family": plan.family, "max_off_policy_steps": plan.max_off_policy_steps,
                               "judge_targets": dict(plan.targets), "served_model": plan.served_model,
-                              "max_steps": plan.max_steps, "lora": plan.lora,
+                              "max_steps": plan.max_steps, "lora": plan.lora, "optimizer": plan.optimizer,
                               **{k: plan.trainer[k] for k in ("lr", "weight_decay") if k in plan.trainer}}
     if plan.token_batch_size:
         values.update(batch_tokens=plan.token_batch_size, batch_records=None)
@@ -133,7 +135,7 @@ def build(flags: dict[str, Any] | None = None, plan: GenerationPlan | None = Non
 
 
 # -- flags -------------------------------------------------------------------------------------------------
-_NOT_FLAGS = {"credit_params", "judge_targets", "derivation", "lora"}  # structured: from the plan only
+_NOT_FLAGS = {"credit_params", "judge_targets", "derivation", "lora", "optimizer"}  # structured: from the plan only
 
 
 def add_flags(p: argparse.ArgumentParser, fields: tuple[str, ...]) -> None:

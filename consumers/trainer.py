@@ -38,9 +38,11 @@ import torch
 from consumers.distributed import (Group, device, full_state, load_full_state, load_full_weights, load_sharded,
                                   local_state, save_sharded, shard)
 from consumers.settings import MICRO_BATCH_TOKENS
+from policy import optimizers
 from policy.lora import load_served, served_state
 from schemas.events import TrainerBatch
 from schemas.history import DEFAULT_CLIP
+from schemas.plan import OptimizerSpec
 from schemas.policy import CheckpointRef, PolicyRevision
 
 log = logging.getLogger("rollout.trainer")
@@ -239,12 +241,12 @@ class ReferenceTrainer:
     (``consumers.tasks.trainer``)."""
 
     def __init__(self, model: Any, family: str, revision: int, checkpoint_dir: str | Path, *, lr: float = 1e-3,
-                 clip: float = DEFAULT_CLIP, max_grad_norm: float = 1.0, epochs: int = 1,
+                 clip: float = DEFAULT_CLIP, epochs: int = 1,
                  kind: type[TinyPolicy] | type[HFPolicy] = TinyPolicy, ref: CheckpointRef | None = None,
                  keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None,
                  state_every: int = 1, micro_batch_tokens: int = MICRO_BATCH_TOKENS, mismatch_rows: int = 8,
                  group: Group | None = None, device: str | torch.device = "cpu",
-                 last_revision: int | None = None, lora: Any = None) -> None:
+                 last_revision: int | None = None, lora: Any = None, optimizer: OptimizerSpec | None = None) -> None:
         """``ref``: the checkpoint ``model`` was loaded from (the mismatch of that revision's tokens is measured on
         its file). ``keep_checkpoints``: keep only the newest N checkpoints this trainer wrote (0: all; never fewer
         than 2, the one before the current is what a pipelined batch came from). ``state_every``: write the
@@ -254,7 +256,8 @@ class ReferenceTrainer:
         ``last_revision``: the run's last (its max_steps): no training state is written there, since nothing trains
         after it (a take-over at the end trains the batches since the state before again, from the log).
         ``lora`` (``schemas.plan.LoraSpec``): adapters injected into the HF model (``policy.lora``); only they train
-        and have optimizer moments, every revision is served merged."""
+        and have optimizer moments, every revision is served merged. ``optimizer``: its type and settings
+        (``policy.optimizers``; default AdamW, gradients clipped at norm 1)."""
         if lora is not None:
             if kind is not HFPolicy or group is not None:
                 raise ValueError("LoRA training needs the HF model on one trainer process (not the tiny model, not a "
@@ -262,6 +265,9 @@ class ReferenceTrainer:
             from policy.lora import inject
 
             inject(model, lora)
+        if optimizer is not None and optimizer.type == "muon" and group is not None:
+            raise ValueError("the muon optimizer orthogonalizes whole matrices, and a torchrun group's ranks hold "
+                             "shards of them: train it on one process")
         # the model trained is on ``device``, and in a data-parallel group (``consumers.distributed``) it is FSDP2's
         # shard of it; rank 0 (or the only process) keeps the whole model on the CPU as well: what it writes as
         # checkpoints (the same object when training alone on the CPU)
@@ -278,7 +284,7 @@ class ReferenceTrainer:
         self.revision = revision
         self.dir = Path(checkpoint_dir)
         self.clip = clip
-        self.max_grad_norm = max_grad_norm
+        self.optimizer = optimizer or OptimizerSpec()
         self.lr = lr
         self.epochs = epochs  # optimizer passes over each batch (PPO epochs; the clip bounds how far they go)
         self.kind = kind
@@ -292,11 +298,7 @@ class ReferenceTrainer:
         self.states: dict[int, CheckpointRef] = {}  # training states on the disk, by revision and checkpoint
         self._writing: tuple[int, CheckpointRef, Future] | None = None  # the one being written in the background
         self.refs: dict[int, CheckpointRef] = {revision: ref} if ref is not None else {}  # probed for the mismatch
-        # fused: one kernel over every tensor. For SmolLM2 on two cores the default loop of small ops took 0.39 s a
-        # step (6 s while vLLM computed beside it) against 0.09 s (0.55 s), with bit-identical weights here
-        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
-        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True) if kind is HFPolicy \
-            else torch.optim.Adam(params, lr=lr, fused=True)
+        self.opt = optimizers.build(self.optimizer, self.model.named_parameters(), lr=lr, weight_decay=weight_decay)
 
     def loss(self, t: TrainerTensors, denom: torch.Tensor | None = None, clip: float | None = None
              ) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -357,7 +359,8 @@ class ReferenceTrainer:
         if g:
             g.all_sum(totals)
             g.all_sum(new_lp)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if self.optimizer.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optimizer.max_norm)
         self._wait_for_state()  # it reads what the step changes
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)  # the gradients' memory is free for the mismatch probe and the write

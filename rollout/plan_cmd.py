@@ -46,6 +46,16 @@ def _algorithm(a) -> str:
     return f"{head} -> credit {a.credit}" + (f" ({_kv(a.credit_params)})" if a.credit_params else "") + f": {a.note}"
 
 
+def _optimizer(o) -> str:
+    clip = f"gradients clipped at norm {o.max_norm:g}" if o.max_norm is not None else "no gradient clipping"
+    if o.type == "sign_sgd":
+        return f"sign_sgd (no state); {clip}"
+    betas = f"betas {o.betas[0]:g}/{o.betas[1]:g}"
+    if o.type == "muon":
+        return f"muon (momentum {o.momentum:g}) on the 2-D weights but embeddings and LM head, AdamW ({betas}) on the rest; {clip}"
+    return f"adamw ({betas}); {clip}"
+
+
 def _env_line(e, top) -> str:
     parts = [f"id {e.id}"]
     if e.args:
@@ -82,7 +92,8 @@ def render(plan, rollout: str | None = None, seed: int = 0, members: list[str] |
            f"  seq_len               {plan.seq_len or 'the server default'}   ({prov.get('seq_len', '?')})",
            f"  eval_interval         {plan.eval_interval}{'; skip_first_step' if plan.eval_skip_first_step else ''}"
            f"   ({prov.get('eval_interval', '?')})",
-           f"  trainer               {_kv(plan.trainer) if plan.trainer else 'the reference trainer defaults'}"]
+           f"  trainer               {_kv(plan.trainer) if plan.trainer else 'the reference trainer defaults'}",
+           f"  optimizer             {_optimizer(plan.optimizer)}"]
     if plan.lora:
         out.append(f"  lora                  rank {plan.lora.rank}, alpha {plan.lora.alpha:g}, dropout "
                    f"{plan.lora.dropout:g}, on {', '.join(plan.lora.target_modules)} (those the model has): only the "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 from pydantic import Field, JsonValue, model_validator
 
@@ -151,6 +151,20 @@ class LoraSpec(Record):
                                       description="module names; those a model lacks are left out")
 
 
+OPTIMIZERS = ("adamw", "muon", "sign_sgd")
+"""prime-rl's ``[trainer.optim] type`` values the reference trainer runs (``policy.optimizers``; not ``sgd``)."""
+
+
+class OptimizerSpec(Record):
+    """The trainer's optimizer beyond its lr and weight decay (prime-rl's ``[trainer.optim]``, with its defaults
+    for each type)."""
+
+    type: Literal[OPTIMIZERS] = "adamw"  # type: ignore[valid-type]
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's betas (muon: for the non-Muon weights)")
+    momentum: float = Field(0.95, ge=0, description="muon: Muon's momentum (prime-rl's mu)")
+    max_norm: float | None = Field(1.0, ge=0, description="gradient-norm clipping; None: none")
+
+
 class GenerationPlan(Record):
     source: str = Field(description="file the plan was compiled from")
     family: str = Field(min_length=1, description="learner model family (the learner model name)")
@@ -189,6 +203,8 @@ class GenerationPlan(Record):
                                           "weight_decay); empty: the trainer's own defaults")
     lora: LoraSpec | None = Field(default=None, description="LoRA training ([trainer.model.lora]); None: every "
                                                           "weight trains")
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="the trainer's optimizer "
+                                                                              "([trainer.optim] type and its settings)")
     served_model: str | None = Field(
         default=None, description="the weights that stand in for ``family`` where its own model cannot be served "
                                   "here (``--model``); None: the family's own model")

@@ -54,7 +54,7 @@ from pydantic import ValidationError
 from schemas.recipe_keys import neutral_reason, refusals
 from schemas.plan import (DEFAULT_BATCH_SIZE, DEFAULT_EVAL_INTERVAL, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ASYNC_LEVEL,
                           DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, AdvantageSpec, EnvSpec, GenerationPlan,
-                          LoraSpec, MemberRoute, PlanError, SERVER_KEYS, Seat, Target, TrainOne)
+                          LoraSpec, MemberRoute, OPTIMIZERS, OptimizerSpec, PlanError, SERVER_KEYS, Seat, Target, TrainOne)
 
 # Sampling keys we know: prime-rl's train/eval sampling configs (and the fork's), verifiers'
 # SamplingConfig and the request fields producers.inference sends. Any other key is a sampling
@@ -113,7 +113,6 @@ ALGORITHMS: dict[str, frozenset[str]] = {
 }
 UNRUNNABLE = {
     "echo": "GRPO plus a cross-entropy loss on env-provided (tool/user) tokens; the trainer has no CE loss",
-    "max_rl": "A = (r - group mean) / group mean; no credit strategy here normalises by the mean",
     "hierarchical_grpo": "baselines per proposed problem (solvers) and per source task (proposers); no credit "
                          "strategy here groups that way",
     "opd": "on-policy distillation needs the teacher's logprobs on each sample (reference prefill) and a "
@@ -293,7 +292,7 @@ class _Compiler:
         max_off, max_async = self._staleness(data, orch, op, unified)
         train_one, untrained = self._multi_agent(orch, op)
         max_steps, seq_len = self._run_length(data, orch, op, unified)
-        trainer = self._trainer(data) if unified else {}
+        trainer, optimizer = self._trainer(data) if unified else ({}, OptimizerSpec())
         lora = self._lora(data) if unified else None
         server = self._server(data) if unified else {}
 
@@ -304,7 +303,7 @@ class _Compiler:
                 eval_environments=eval_environments, eval_interval=eval_interval,
                 eval_skip_first_step=eval_skip_first_step, group_size=group_size, batch_size=batch_size,
                 token_batch_size=token_batch_size, max_off_policy_steps=max_off, max_async_level=max_async,
-                max_steps=max_steps, seq_len=seq_len, trainer=trainer, lora=lora, server=server, refused=self.refused,
+                max_steps=max_steps, seq_len=seq_len, trainer=trainer, lora=lora, optimizer=optimizer, server=server, refused=self.refused,
                 advantage=advantage, ignored_sections=self.ignored_sections, ignored_keys=self.ignored_keys,
                 passthrough_sampling=self.passthrough, provenance={"family": model_path, **self.provenance})
         except ValidationError as exc:
@@ -390,13 +389,18 @@ class _Compiler:
             raise self.fail(_join(path, "teacher"), "opd needs a teacher = { name = ..., base_url = ... }")
         if kind == "hierarchical_grpo":
             self.string_list(params.get("episode_agents"), _join(path, "episode_agents"))
-        if kind == "grpo" and params.get("length_penalty") is not None:
-            return _cannot_run(kind, params, path, "grpo with a length_penalty: the credit service has no length "
-                                                   "shaping")
         if kind == "grpo":
+            shaping = self._length_penalty(params.get("length_penalty"), _join(path, "length_penalty"))
             return AdvantageSpec(type=kind, params=params, origin=path, credit="grpo",
-                                 credit_params={"scale_std": False},
-                                 note="prime-rl grpo, A = r - group mean: our grpo with scale_std = false")
+                                 credit_params={"scale_std": False, **shaping},
+                                 note="prime-rl grpo, A = r - group mean: our grpo with scale_std = false"
+                                      + (", rewards shaped by prime-rl's linear length penalty first" if shaping
+                                         else ""))
+        if kind == "max_rl":
+            return AdvantageSpec(type=kind, params=params, origin=path, credit="grpo",
+                                 credit_params={"scale_std": False, "scale_mean": True},
+                                 note="prime-rl max_rl, A = (r - group mean) / group mean (0 where the mean is <= 0): "
+                                      "our grpo with scale_mean = true")
         if kind == "rae":
             decay = self.number(params.get("decay", 0.95), _join(path, "decay"))
             return AdvantageSpec(type=kind, params=params, origin=path, credit="ema_per_member",
@@ -405,6 +409,25 @@ class _Compiler:
                                       "update: our ema_per_member with alpha = decay (our baseline starts at the "
                                       "first reward, prime-rl's at 0)")
         return _cannot_run(kind, params, path, UNRUNNABLE[kind])
+
+    def _length_penalty(self, table: Any, path: str) -> dict[str, Any]:
+        """prime-rl's ``algo.length_penalty`` (``LinearLengthPenaltyConfig``, its defaults for what it leaves out) as
+        the grpo strategy's ``length_penalty`` weights; {} when unset."""
+        if table is None:
+            return {}
+        if not isinstance(table, dict):
+            raise self.fail(path, f"expected a table, got {_kind(table)} {table!r}")
+        self.strict(table, path, {"type", "num_output_tokens_weight", "num_input_tokens_weight", "num_turns_weight"})
+        if table.get("type", "linear") != "linear":
+            raise self.fail(_join(path, "type"), f"{table['type']!r}: prime-rl's length penalty is 'linear'")
+        weights = {}
+        for key, name, default in (("num_output_tokens_weight", "output", 0.25),
+                                   ("num_input_tokens_weight", "input", 0.1), ("num_turns_weight", "turns", 0.1)):
+            w = self.number(table.get(key, default), _join(path, key))
+            if w < 0:
+                raise self.fail(_join(path, key), f"must be >= 0, got {w:g}")
+            weights[name] = w
+        return {"length_penalty": weights}
 
     def _advantage(self, adv: dict, path: str) -> AdvantageSpec:
         """Our (and the multi-agent fork's) [advantage]: ``type`` names a credit strategy directly. Which
@@ -718,21 +741,40 @@ class _Compiler:
                 self.provenance[f"server.{key}"] = path
         return out
 
-    def _trainer(self, data: dict) -> dict[str, Any]:
-        """The reference trainer's optimizer from ``[trainer.optim]`` (AdamW's lr and weight_decay); every other
-        trainer key is judged by ``schemas.recipe_keys`` (neutral, or refused)."""
+    def _trainer(self, data: dict) -> tuple[dict[str, Any], OptimizerSpec]:
+        """The reference trainer's lr and weight_decay, and its optimizer, from ``[trainer.optim]`` (prime-rl's
+        defaults for what it leaves out: AdamW's betas 0.9/0.999, Muon's 0.9/0.95 and mu 0.95); every other trainer
+        key is judged by ``schemas.recipe_keys`` (neutral, or refused)."""
         trainer = self.table(data, "trainer", "")
         if trainer is None:
-            return {}
+            return {}, OptimizerSpec()
         optim = self.table(trainer, "optim", "trainer") or {}
         kind = optim.get("type", "adamw")
-        if kind != "adamw":
-            self.refused.append(f"trainer.optim.type: optimizer {kind!r}: the reference trainer runs AdamW")
+        if kind not in OPTIMIZERS:
+            self.refused.append(f"trainer.optim.type: optimizer {kind!r}: the reference trainer runs "
+                                f"{', '.join(OPTIMIZERS)}")
+            kind = "adamw"
         out = {k: self.number(optim[k], _join("trainer.optim", k)) for k in ("lr", "weight_decay") if k in optim}
         for k, v in out.items():
             self.provenance[f"trainer.{k}"] = f"trainer.optim.{k}"
+        spec: dict[str, Any] = {"type": kind}
+        if kind != "sign_sgd":
+            default = (0.9, 0.95) if kind == "muon" else (0.9, 0.999)
+            spec["betas"] = tuple(self.number(optim[k], _join("trainer.optim", k)) if k in optim else d
+                                  for k, d in zip(("betas1", "betas2"), default))
+        if kind == "muon" and "mu" in optim:
+            spec["momentum"] = self.number(optim["mu"], "trainer.optim.mu")
+        if "max_norm" in optim:
+            spec["max_norm"] = None if optim["max_norm"] is None else self.number(optim["max_norm"],
+                                                                                  "trainer.optim.max_norm")
+        for k in ("type", "betas1", "betas2", "mu", "max_norm"):
+            if k in optim:
+                self.provenance[f"trainer.optim.{k}"] = f"trainer.optim.{k}"
         self.ignore("trainer", {k: v for k, v in trainer.items()})
-        return out
+        try:
+            return out, OptimizerSpec(**spec)
+        except ValidationError as exc:
+            raise self.fail("trainer.optim", exc.errors(include_url=False)[0]["msg"]) from None
 
     def _lora(self, data: dict) -> LoraSpec | None:
         """``[trainer.model.lora]`` (prime-rl's defaults for what it leaves out), with ``[orchestrator.model.lora]``'s

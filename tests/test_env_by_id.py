@@ -123,7 +123,7 @@ async def test_recipe_runs_through_the_arena(kafka_settings, prefix, name, group
     (quiz(harness="codex", runtime="prime"), ["seat 'agent' uses harness 'codex'", "runtime 'prime'"]),
     (quiz(args='split = "nope"'), ["taskset 'rlt-sum-quiz' failed while loading",
                                    "no dataset split 'nope' (data/nope.jsonl)"]),
-    (quiz(extra="[trainer.optim]\ntype = \"muon\"\n"), ["trainer.optim.type: optimizer 'muon'"]),
+    (quiz(extra="[trainer.optim]\ntype = \"sgd\"\n"), ["trainer.optim.type: optimizer 'sgd'"]),
     (quiz(extra="[orchestrator.train.sampler]\ntype = \"difficulty_pool\"\n"), ["task sampler 'difficulty_pool'"]),
 ])
 def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, text, says):

@@ -58,7 +58,7 @@ class TrainerTask(TaskDefaults):
                  keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None,
                  state_every: int = DEFAULT_STATE_EVERY, micro_batch_tokens: int = MICRO_BATCH_TOKENS,
                  read_records: Callable[[str, int, list[int]], Awaitable[list[Any]]] | None = None,
-                 max_steps: int | None = None, lora: Any = None) -> None:
+                 max_steps: int | None = None, lora: Any = None, optimizer: Any = None) -> None:
         """``target_checkpoint``: where the first batch's target revision's weights are (default: this trainer's
         checkpoint_dir naming of the tiny model); the revisions topic says it, see ``wiring``. ``read_records(topic,
         partition, offsets)``: committed records read back from the log (a take-over's batches to train again);
@@ -73,7 +73,7 @@ class TrainerTask(TaskDefaults):
         self.max_steps = max_steps  # the run's last revision: nothing is trained past it
         self.options = dict(lr=lr, epochs=epochs, keep_checkpoints=keep_checkpoints, weight_decay=weight_decay,
                             served_model=served_model, state_every=state_every, micro_batch_tokens=micro_batch_tokens,
-                            last_revision=max_steps, lora=lora)
+                            last_revision=max_steps, lora=lora, optimizer=optimizer)
         self.trainer: ReferenceTrainer | None = None
         self.current: dict[str, Any] = {}  # the revision: {"revision", "checkpoint"}
         self.base: dict[str, Any] = {}  # the last training state: {"revision", "checkpoint", "fresh"?}
@@ -259,4 +259,5 @@ async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIt
                                 keep_checkpoints=cfg.keep_checkpoints, weight_decay=cfg.weight_decay,
                                 served_model=cfg.served_model, state_every=cfg.state_every,
                                 micro_batch_tokens=cfg.micro_batch_tokens, max_steps=cfg.max_steps, lora=cfg.lora,
+                                optimizer=cfg.optimizer,
                                 read_records=lambda topic, p, offsets: records_at(client_kwargs, topic, p, offsets))
