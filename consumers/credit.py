@@ -46,20 +46,47 @@ def records_for(scored: RolloutScored, advantages: Mapping[str, float], credit: 
     return out
 
 
-def group_advantages(group: Sequence[RolloutScored], *, eps: float = 1e-6, scale_std: bool = True
+def group_advantages(group: Sequence[RolloutScored], *, eps: float = 1e-6, scale_std: bool = True,
+                     scale_mean: bool = False, length_penalty: Mapping[str, float] | None = None
                      ) -> dict[str, dict[str, float]]:
-    """rollout_id -> member -> advantage, normalised within the group for each member."""
+    """rollout_id -> member -> advantage, normalised within the group for each member: by its standard deviation
+    (``scale_std``), or by its mean (``scale_mean``, MaxRL: 0 for a group whose mean is not positive).
+    ``length_penalty`` (``{"output": w, "input": w, "turns": w}``): rewards shaped first (``length_shaped``)."""
     members = sorted({m for s in group for m in s.rewards})
     out: dict[str, dict[str, float]] = {s.rollout_id: {} for s in group}
     for m in members:
         have = [s for s in group if m in s.rewards]
         r = np.array([s.rewards[m] for s in have], dtype=np.float64)
+        if length_penalty:
+            r = length_shaped(r, [_lengths(s, m) for s in have], length_penalty)
         a = r - r.mean()
-        if scale_std:
+        if scale_mean:
+            a = a / r.mean() if r.mean() > 0 else np.zeros_like(a)
+        elif scale_std:
             a = a / (r.std() + eps)
         for s, v in zip(have, a):
             out[s.rollout_id][m] = float(v)
     return out
+
+
+def length_shaped(rewards: np.ndarray, lengths: Sequence[tuple[int, int, int]], weights: Mapping[str, float]
+                  ) -> np.ndarray:
+    """prime-rl's linear length penalty, before the group baseline: each reward less the group's pass rate (its mean
+    reward, at least 0) times ``w_output * output / max output + w_input * input / max input + w_turns * turns /
+    max turns`` (``lengths``: each rollout's (output tokens, input tokens, turns); a group max of 0 counts as 1)."""
+    n = np.array(lengths, dtype=np.float64).reshape(len(rewards), 3)
+    w = np.array([weights.get("output", 0.0), weights.get("input", 0.0), weights.get("turns", 0.0)])
+    frac = (n / np.maximum(n.max(axis=0), 1.0)) @ w
+    return rewards - max(float(rewards.mean()), 0.0) * frac
+
+
+def _lengths(s: RolloutScored, member: str) -> tuple[int, int, int]:
+    """A member's (output tokens, input tokens, turns) in a rollout: its completions, the rest of its longest
+    context (prompts, other seats' turns, tool results), its model calls."""
+    steps = [st for st in s.trainable_steps if st.member_id == member]
+    output = sum(len(st.completion_token_ids) for st in steps)
+    total = max((len(st.prompt_token_ids) + len(st.completion_token_ids) for st in steps), default=0)
+    return output, max(total - output, 0), len(steps)
 
 
 @dataclass
@@ -143,14 +170,18 @@ class CreditStrategy:
 @register_strategy
 class Grpo(CreditStrategy):
     """Group-relative: wait for all ``group_size`` rollouts of a group, then per member
-    A = (r - mean_group) / (std_group + eps); ``scale_std: false`` drops the division (Dr. GRPO)."""
+    A = (r - mean_group) / (std_group + eps); ``scale_std: false`` drops the division (Dr. GRPO);
+    ``scale_mean``: divided by the group mean instead (MaxRL); ``length_penalty``: the rewards shaped by length
+    first (``length_shaped``)."""
 
     name = "grpo"
     buffers = True
 
     def advantages(self, rollouts: Sequence[RolloutScored]) -> Advantages:
         return group_advantages(rollouts, eps=float(self.params.get("eps", 1e-6)),
-                                scale_std=bool(self.params.get("scale_std", True)))
+                                scale_std=bool(self.params.get("scale_std", True)),
+                                scale_mean=bool(self.params.get("scale_mean", False)),
+                                length_penalty=self.params.get("length_penalty"))
 
 
 class _Baselined(CreditStrategy):

@@ -176,6 +176,43 @@ def test_grpo_waits_for_whole_group_and_normalises():
     assert out[0].record_id == credit.record_id("r0", "r0-s0")
 
 
+def test_length_penalty_is_prime_rls_linear_shaping_before_the_baseline():
+    """prime-rl's own case (its GRPO test): rewards 1, 1, 0 with 10, 20, 20 completion tokens, output weight 0.25:
+    advantages 7/18, 11/36, -25/36. Through the credit service's grpo, each rollout's completion and prompt tokens
+    and turns taken from its trainable steps."""
+    def lengths(rid, reward, completion, prompt, turns):
+        s = scored(rid, "g", reward, size=3)
+        tok = s.trainable_steps[0]
+        steps = [tok.model_copy(update={"step_id": f"{rid}-s{t}", "prompt_token_ids": np.arange(prompt, dtype=np.int32),
+                                        "completion_token_ids": np.arange(completion // turns, dtype=np.int32),
+                                        "completion_logprobs": np.zeros(completion // turns, dtype=np.float32)})
+                 for t in range(turns)]
+        return s.model_copy(update={"trainable_steps": steps})
+
+    group = [lengths("a", 1.0, 10, 5, 1), lengths("b", 1.0, 20, 5, 1), lengths("c", 0.0, 20, 5, 1)]
+    adv = credit.group_advantages(group, scale_std=False, length_penalty={"output": 0.25, "input": 0.0, "turns": 0.0})
+    assert [adv[r]["solver"] for r in "abc"] == pytest.approx([7 / 18, 11 / 36, -25 / 36])
+    # the input and turns terms: the two-turn rollout with the longer context pays more, advantages stay centred
+    group = [lengths("a", 1.0, 10, 5, 1), lengths("b", 1.0, 10, 40, 2)]
+    ca = credit.CreditAssigner("grpo", {"scale_std": False, "length_penalty": {"output": 0.0, "input": 0.1,
+                                                                               "turns": 0.1}})
+    out = [r for s in group for r in ca.add(s.model_copy(update={"group_size": 2}), now=0.0)]
+    by = {}
+    for r in out:
+        by[r.rollout_id] = r.advantage
+    assert by["a"] > 0 > by["b"] and by["a"] + by["b"] == pytest.approx(0.0)
+    # (b: 45 tokens of context of which 10 its own, 2 turns; a: 5 and 1) -> penalties 0.1 * (5/35 + 1/2), 0.1 * 2
+    assert by["a"] == pytest.approx((0.2 - 0.1 * (5 / 35 + 0.5)) / 2)
+
+
+def test_max_rl_divides_by_the_group_mean_and_gives_a_groups_without_success_nothing():
+    group = [scored(f"r{i}", "g", r) for i, r in enumerate([1.0, 0.0, 0.0, 0.0])]
+    adv = credit.group_advantages(group, scale_std=False, scale_mean=True)
+    assert [adv[f"r{i}"]["solver"] for i in range(4)] == pytest.approx([3.0, -1.0, -1.0, -1.0])
+    none = credit.group_advantages([scored(f"r{i}", "g", 0.0) for i in range(4)], scale_mean=True)
+    assert all(a["solver"] == 0.0 for a in none.values())
+
+
 def test_grpo_duplicate_rollout_does_not_complete_group():
     ca = credit.CreditAssigner("grpo")
     for _ in range(3):

@@ -378,7 +378,7 @@ def peer26(name: str) -> GenerationPlan:
 
 def test_all_2026_samples_compile_and_the_trainer_only_one_is_refused() -> None:
     files = sorted(PEER_2026.glob("*.toml"))
-    assert len(files) == 10
+    assert len(files) == 13
     for f in files:
         if f.name == "configs_debug_fake_rl.toml":
             with pytest.raises(PlanError, match=r"trainer-only config with fake data .*not a generation recipe"):
@@ -498,13 +498,14 @@ def _src(extra: str = "", algo: str = "") -> dict:
 ALGOS = {  # prime-rl type -> what the credit service runs (None: refused, with this reason)
     'type = "grpo"': ("grpo", {"scale_std": False}),
     'type = "rae"\ndecay = 0.8': ("ema_per_member", {"alpha": 0.8}),
-    'type = "max_rl"': "normalises by the mean",
+    'type = "max_rl"': ("grpo", {"scale_std": False, "scale_mean": True}),
     'type = "echo"': "cross-entropy loss on env-provided",
     'type = "hierarchical_grpo"\nepisode_agents = ["solver"]': "per proposed problem",
     'type = "opd"\nteacher = { name = "t", base_url = "http://h/v1" }': "teacher's logprobs",
     'type = "opsd"': "demonstration-conditioned",
     'type = "sft"\nsampling = { source = { name = "t", base_url = "http://h/v1" } }': "trains cross-entropy",
-    'type = "grpo"\nlength_penalty = { type = "linear" }': "no length shaping",
+    'type = "grpo"\nlength_penalty = { type = "linear" }': (
+        "grpo", {"scale_std": False, "length_penalty": {"output": 0.25, "input": 0.1, "turns": 0.1}}),
     'type = "my_fork_algo"': "not one of prime-rl's",
 }
 
@@ -695,3 +696,50 @@ def test_a_lora_recipe_compiles_its_adapter_with_prime_rls_defaults_and_the_runs
     plan = compile_plan_dict(_src(extra="[trainer.model.lora]\nmodules_to_save = ['lm_head']\n"), "p.toml")
     assert [r.split(":")[0] for r in plan.refused] == ["trainer.model.lora.modules_to_save"]
     assert compile_plan_dict(_src(), "p.toml").lora is None
+
+
+def test_the_recipes_optimizer_and_length_penalty_are_applied_with_prime_rls_defaults() -> None:
+    """[trainer.optim] type muon / sign_sgd and [orchestrator.algo.length_penalty] (prime-rl recipes, unchanged):
+    the plan carries the optimizer with prime-rl's defaults for what the recipe leaves out, and the grpo credit
+    its length-penalty weights; neither is refused."""
+    from consumers.settings import plan_values
+
+    search = peer26("examples_advanced_glm-4.5-air_search.toml")
+    assert search.optimizer.type == "muon" and search.optimizer.betas == (0.9, 0.95)
+    assert search.optimizer.momentum == 0.95 and search.optimizer.max_norm == 1.0
+    assert search.advantage.credit == "grpo" and search.advantage.credit_params == {
+        "scale_std": False, "length_penalty": {"output": 0.0, "input": 0.1, "turns": 0.0}}
+    assert not any("optim" in r or "length_penalty" in r for r in search.refused)
+    values = plan_values(search, credit=True)
+    assert values["optimizer"].type == "muon" and values["credit_params"]["length_penalty"]["input"] == 0.1
+
+    concurrency = peer26("configs_debug_concurrency.toml")
+    assert concurrency.optimizer.type == "sign_sgd"
+    assert concurrency.advantage.credit_params["length_penalty"] == {"output": 0.0, "input": 0.1, "turns": 0.1}
+
+    max_rl = peer26("configs_debug_algo_max_rl.toml")
+    assert max_rl.advantage.credit == "grpo" and max_rl.advantage.credit_params == {"scale_std": False,
+                                                                                    "scale_mean": True}
+
+
+@pytest.mark.parametrize("optim, says", [
+    ('type = "sgd"', "trainer.optim.type: optimizer 'sgd'"),
+    ('type = "muon"\nmu = "fast"', "trainer.optim.mu: expected a number"),
+])
+def test_an_optimizer_not_run_here_is_refused_naming_the_key(tmp_path: Path, optim: str, says: str) -> None:
+    f = tmp_path / "r.toml"
+    f.write_text('[model]\nname = "tiny"\n[[orchestrator.env]]\nid = "arithmetic"\n[trainer.optim]\n' + optim + "\n")
+    try:
+        plan = compile_plan(f)
+    except PlanError as e:
+        assert says in str(e)
+    else:
+        assert any(says in r for r in plan.refused), plan.refused
+
+
+def test_a_length_penalty_of_another_type_fails_naming_it(tmp_path: Path) -> None:
+    f = tmp_path / "r.toml"
+    f.write_text('[model]\nname = "tiny"\n[[orchestrator.env]]\nid = "arithmetic"\n[orchestrator.algo]\n'
+                 'type = "grpo"\n[orchestrator.algo.length_penalty]\ntype = "tokens"\n')
+    with pytest.raises(PlanError, match=r"length_penalty.type: 'tokens': prime-rl's length penalty is 'linear'"):
+        compile_plan(f)
