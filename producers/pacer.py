@@ -108,15 +108,24 @@ class AdmissionPacer:
         lives; a frozen or dead arena stops renewing, and after one lease any arena may release its claims."""
         while True:
             await asyncio.sleep(self.lease_s / 3)
-            for claim_id in list(self._renewed):
-                try:
-                    await self.ledger.append(AdmissionRenew(run_id=self.run_id, producer=self.arena_id,
-                                                            claim_id=claim_id, arena_id=self.arena_id))
-                except Exception as e:  # noqa: BLE001 - the ledger is away: held() finds out before emitting
-                    log.warning("renewing admission claim %s: %s", claim_id, e)
-                    break
-                if claim_id in self._renewed:
+            await self.renew()
+
+    async def renew(self) -> None:
+        """One renewal of every open claim. A renewal counts only for a claim the book still holds once it is
+        folded: an arena frozen past its lease may find its claim released by another before its renewal, and
+        then its group is not its to emit (``held`` asks the ledger for a claim not renewed here)."""
+        for claim_id in list(self._renewed):
+            try:
+                await self.ledger.append(AdmissionRenew(run_id=self.run_id, producer=self.arena_id,
+                                                        claim_id=claim_id, arena_id=self.arena_id))
+            except Exception as e:  # noqa: BLE001 - the ledger is away: held() finds out before emitting
+                log.warning("renewing admission claim %s: %s", claim_id, e)
+                break
+            if claim_id in self._renewed:
+                if self.book.held(claim_id):
                     self._renewed[claim_id] = time.monotonic()
+                else:
+                    del self._renewed[claim_id]
 
     async def held(self, claim_id: str) -> bool:
         """Whether the claim is still this arena's, so its group may be emitted. Asked of the ledger only when

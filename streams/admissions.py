@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from schemas import codec
-from schemas.admission import ADMISSION_EVENTS, AdmissionBook, AdmissionClaim
+from schemas.admission import ADMISSION_EVENTS, AdmissionBook, AdmissionClaim, AdmissionRenew
 from schemas.envelope import Event
 from schemas.errors import EventDecodeError
 from streams import topics
@@ -112,7 +112,7 @@ class KafkaLedger(MemoryLedger):
                 "would be timed by each arena's own clock. It was created before rollout-log set LogAppendTime, or "
                 "by hand. Fix it once: kafka-configs.sh --bootstrap-server HOST:PORT --alter --entity-type topics "
                 f"--entity-name {self.topic} --add-config message.timestamp.type=LogAppendTime")
-        if isinstance(event, AdmissionClaim):
+        if isinstance(event, (AdmissionClaim, AdmissionRenew)):  # its fate is decided by what precedes it
             await self.sync(through=meta.offset)
 
     async def wait(self, timeout_s: float) -> None:
