@@ -9,7 +9,9 @@ thread, which lives as long as the process.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
+from typing import Callable
 
 PR_SET_PDEATHSIG = 1
 
@@ -20,3 +22,15 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
+
+
+def die_with_parent_at(nice: int) -> Callable[[], None]:
+    """``preexec_fn`` of a child that dies with its parent and runs at ``nice`` (0: its parent's priority), it and
+    every thread it starts (``rollout.cores.BACKGROUND_NICE``)."""
+
+    def setup() -> None:
+        die_with_parent()
+        if nice:
+            os.nice(nice)
+
+    return setup

@@ -7,7 +7,8 @@ ways out, ``--cores``:
   every core and never run at once: the run's
   off-policy bound is 0 (stricter than any plan's), so the arena generates a batch only once the revision it
   trains is published, and the trainer trains while the arena waits. On the 2-core machine this was the fastest
-  (benchmarks/RESULTS.md, "cores"): a trainer step of 9.3 s instead of 13.4 (shared) or 13.8 (split).
+  (benchmarks/RESULTS.md, "cores"): a trainer step of 9.3 s instead of 13.4 (shared) or 13.8 (split). What waits
+  meanwhile, the local broker and the arena, steps back to ``BACKGROUND_NICE`` so it does not preempt the trainer.
 * ``split`` (the default from ``SPLIT_FROM`` cores): each its own half: vLLM binds its threads to one part
   (``VLLM_CPU_OMP_THREADS_BIND``), and the process that trains (services, trainer, the arena it starts) is pinned
   to the rest with as many torch threads; generation of the next batch overlaps training, with the plan's bound.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from schemas.plan import GenerationPlan
@@ -80,6 +81,41 @@ def pin_this_process(split: CoreSplit) -> None:
     import torch
 
     torch.set_num_threads(len(cores))
+
+
+BACKGROUND_NICE = 10
+"""Where generation and training take turns, the processes off the trainer's path run at this nice value: the
+local Kafka broker (its scheduling group, for the run) and the arena (in the trainer's group: it waits while the
+trainer trains). Their 10-15% of a core (an idle broker alone takes ~10%) arrives as short wake-ups that preempt
+one of torch's two OpenMP threads, and the other then waits at the next barrier. Measured (benchmarks/RESULTS.md,
+"quiet neighbours"): the demo's trainer step 6.86/6.59 s -> 6.48/6.17 s, its wall time 303/280 s -> 284/277 s, in
+two alternated pairs. At 19 the broker answered a metadata request too late once (the demo's drain failed)."""
+
+
+def step_back(pid: int, nice: int = BACKGROUND_NICE) -> Callable[[], None]:
+    """Run process ``pid`` at ``nice`` until the returned function is called. With the kernel's autogroups (a
+    process started in a session of its own, as the local broker is, is weighed as one group against the others)
+    the group's nice value is what counts, and an unprivileged user may put it back; without them each thread's
+    nice value counts, and it stays until the process restarts (raising a priority again needs privileges).
+    Best effort: a process that is gone or not ours is left as it is."""
+    group = Path(f"/proc/{pid}/autogroup")
+    try:
+        if Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
+            before = int(group.read_text().split("nice")[1])
+            group.write_text(str(nice))
+            return lambda: _write(group, before)
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+    except (OSError, IndexError, ValueError):
+        pass
+    return lambda: None
+
+
+def _write(path: Path, value: int) -> None:
+    try:
+        path.write_text(str(value))
+    except OSError:
+        pass
 
 
 def _ranges(cores: tuple[int, ...]) -> str:

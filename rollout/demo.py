@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger("rollout.demo")
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_KEEP_CHECKPOINTS = 4  # a demo run writes one checkpoint per revision (270 MB each for SmolLM2): keep the newest
 RUNS_DIR = ROOT / ".state" / "demo"  # one folder per run: vllm.log and checkpoints/
@@ -347,7 +349,7 @@ def load_plan(args):
 async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) -> int:
     from consumers.trainer import initial_revision
     from policy.compute import computed
-    from rollout.cores import choose, pin_this_process, split_cores, vllm_bind
+    from rollout.cores import BACKGROUND_NICE, choose, pin_this_process, split_cores, vllm_bind
     from streams.local_broker import free_port
 
     t0 = time.monotonic()
@@ -369,6 +371,7 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
     vllm = metrics = serving = None
     arena_args: list[str] = []
     cores = "shared"  # with no vLLM started here, nothing to divide
+    arena_nice, restore_broker = 0, lambda: None
     try:
         if args.policy == "vllm":
             from producers.metrics import endpoint, vllm_samples
@@ -389,6 +392,8 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
                 if cores == "turns":
                     plan = plan.model_copy(update={"max_off_policy_steps": 0})
                     arena_args += ["--max-off-policy-steps", "0"]
+                    arena_nice = BACKGROUND_NICE
+                    restore_broker = _broker_steps_back(settings)
 
                 async def serve() -> None:
                     """vLLM up (its start overlaps the topics' and the services'; the arena waits for it)."""
@@ -414,8 +419,10 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
             arena_args = ["--policy", "local", "--policy-port", str(free_port()),
                           "--checkpoint", str(checkpoint_path(rev0.checkpoint))]
         rc, summary = await _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress,
-                                  vllm_exited=lambda: vllm is not None and vllm.stopped, server_up=serving)
+                                  vllm_exited=lambda: vllm is not None and vllm.stopped, server_up=serving,
+                                  arena_nice=arena_nice)
     finally:
+        restore_broker()
         if serving is not None and not serving.done():  # the services failed to start first
             serving.cancel()
             await asyncio.gather(serving, return_exceptions=True)
@@ -434,15 +441,40 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
     return rc
 
 
+async def _lags(kw) -> dict[str, int]:
+    """Each service's lag; a poll that Kafka failed (a connection not ready yet) counts as lag, asked again."""
+    from aiokafka.errors import KafkaError
+
+    from consumers.status import service_lag
+
+    try:
+        return {r["service"]: r["lag"] for r in await service_lag(kw, sample_s=0.2)}
+    except KafkaError as e:
+        log.warning("draining: the services' lag not read (%s: %s); asked again", type(e).__name__, e)
+        return {"?": 1}
+
+
+def _broker_steps_back(settings):
+    """The local broker (when this machine runs it) at the background priority for this run; what restores it."""
+    from rollout.cores import step_back
+    from streams.local_broker import LocalBroker
+
+    local = LocalBroker.from_env(port=settings.local_port)
+    pid = local.pid() if local.bootstrap == settings.bootstrap else None
+    return step_back(pid) if pid else (lambda: None)
+
+
 async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress,
-                vllm_exited=lambda: False, server_up: asyncio.Future | None = None) -> tuple[int, dict]:
+                vllm_exited=lambda: False, server_up: asyncio.Future | None = None,
+                arena_nice: int = 0) -> tuple[int, dict]:
     """Topics, revision 0, the services and the arena up (while ``server_up``, the inference server's start, runs;
-    the arena waits for it to answer), then the arena to its end, then the services drained; the summary."""
+    the arena waits for it to answer; at ``arena_nice``), then the arena to its end, then the services drained;
+    the summary."""
     from consumers import settings as service_settings
     from consumers.registry import SERVICES
     from consumers.runner import System
-    from producers.children import die_with_parent
     from producers.arena import STOP_GRACE_S
+    from producers.children import die_with_parent_at
     from producers.vllm_server import STARTUP_TIMEOUT_S
     from streams import topics
     from streams.revisions import publish
@@ -467,7 +499,8 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
             *(["--eval-interval", str(args.eval_interval)] if args.eval_interval else []),
             *(["--await-servers", str(STARTUP_TIMEOUT_S)] if server_up is not None else []),
             *(["--until-revision", str(args.until_revision)] if getattr(args, "until_revision", None) else []),
-            cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent_at(arena_nice))
         out = b""
         rc = 0
         try:
@@ -477,7 +510,6 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
             progress.phase = "generating and training"
             out, _ = await asyncio.wait_for(arena.communicate(), args.timeout)
             progress.phase = f"arena finished (rc {arena.returncode}); draining the services"
-            from consumers.status import service_lag
 
             # records short of a full batch are flushed as a partial one after flush_after_s: waited for, unless
             # every rollout was one record, none failed, and they filled whole batches (all trained: the arena
@@ -487,13 +519,11 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
                 done.get("rollouts", 1) % plan.batch_size == 0
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
-                lag = {r["service"]: r["lag"] for r in await service_lag(kw, sample_s=0.2)}
-                if not any(lag.values()):
+                if not any((await _lags(kw)).values()):
                     if whole:
                         break
                     await asyncio.sleep(cfg.flush_after_s + 1.0)
-                    lag = {r["service"]: r["lag"] for r in await service_lag(kw, sample_s=0.2)}
-                    if not any(lag.values()):
+                    if not any((await _lags(kw)).values()):
                         break
                 await asyncio.sleep(1.0)
         except asyncio.TimeoutError:

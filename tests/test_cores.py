@@ -51,3 +51,35 @@ def test_auto_shares_the_cores_below_four_for_rollouts_of_several_records():
     several = compile_plan("examples/plans/proposer_solver.toml")
     assert several.members or several.train_one or any(e.seats for e in several.environments)
     assert choose("auto", several, {0, 1}) == "shared" and choose("auto", several, set(range(4))) == "split"
+
+
+def test_what_waits_for_the_trainer_steps_back_and_the_broker_is_put_back():
+    """The arena is started at BACKGROUND_NICE (it and the threads it starts); the broker, a session of its own as
+    the local broker is, is stepped back for the run and restored after it (its autogroup's nice value, where the
+    kernel groups sessions; each thread's otherwise)."""
+    from pathlib import Path
+
+    from producers.children import die_with_parent_at
+    from rollout.cores import BACKGROUND_NICE, step_back
+
+    child = subprocess.run([sys.executable, "-c", "import os, threading; t = threading.Thread(target=lambda: "
+                            "print(os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, "
+                            "threading.get_native_id()))); t.start(); t.join()"],
+                           preexec_fn=die_with_parent_at(BACKGROUND_NICE), capture_output=True, text=True, check=True)
+    assert child.stdout.split() == [str(os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICE)] * 2
+
+    broker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        group = Path(f"/proc/{broker.pid}/autogroup")
+        autogroups = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+        restore = step_back(broker.pid)
+        if autogroups:
+            assert group.read_text().split()[-1] == str(BACKGROUND_NICE)
+        else:
+            assert os.getpriority(os.PRIO_PROCESS, broker.pid) == BACKGROUND_NICE
+        restore()
+        if autogroups:
+            assert group.read_text().split()[-1] == "0"
+    finally:
+        broker.kill()
+        broker.wait()
