@@ -15,6 +15,11 @@ A server taken out is probed (``GET /health`` at its root: vLLM's, and the local
 ``rejoin`` runs first, holding ``membership``, and only then does the server take requests again: there
 ``producers.weights.PoolWeights`` loads the current revision, so a restarted server never serves its old
 weights. A weight swap holds ``membership`` too, so no server joins or rejoins while one is in progress.
+
+A server that restarts while idle fails no request to say so: where the pool restores weights (``rejoin``), every
+up server's ``/health`` is asked every ``probe_s`` too (``watch``), and one that does not answer is taken out, so
+it rejoins with the current revision instead of serving its start-up weights. A restart shorter than ``probe_s``
+is not seen (vLLM's takes tens of seconds).
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ class InferencePool:
         self._turn = 0
         self._probes: set[asyncio.Task] = set()
         self._rejoined = asyncio.Event()
+        self._watching: asyncio.Task | None = None
 
     def __len__(self) -> int:
         return len(self.servers)
@@ -167,6 +173,20 @@ class InferencePool:
                 except Exception as e:  # noqa: BLE001 - it stays out; the next probe tries again
                     log.warning("%s answers but could not rejoin the pool: %s", server.url, e)
 
+    def watch(self) -> None:
+        """Start asking the up servers' ``/health`` (once; ``aclose`` stops it)."""
+        if self._watching is None:
+            self._watching = asyncio.get_running_loop().create_task(self._watch(), name="pool-watch")
+
+    async def _watch(self) -> None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0)) as http:
+            while True:
+                await asyncio.sleep(self.probe_s)
+                for server in [s for s in self.servers if s.up]:
+                    if not await answers(http, server.url):
+                        self.take_out(server, "its /health stopped answering (restarted, or gone): it rejoins "
+                                              "holding the current revision")
+
     async def wait(self, delay: float) -> None:
         """Sleep ``delay`` before a retry; while every server is out, only until one is back."""
         if any(s.up for s in self.servers):
@@ -182,6 +202,8 @@ class InferencePool:
         return [s.snapshot() for s in self.servers]
 
     async def aclose(self) -> None:
-        for task in list(self._probes):
+        tasks = [*self._probes, *([self._watching] if self._watching else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._probes, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._watching = None

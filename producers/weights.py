@@ -171,6 +171,7 @@ class PoolWeights:
         pool.rejoin = self._rejoin
 
     async def load(self, http: httpx.AsyncClient, rev: PolicyRevision) -> dict[str, float]:
+        self.pool.watch()  # from the first revision on, a server restarted while idle is seen and reloaded
         async with self.pool.membership:  # no server joins while the pool swaps
             servers = [s for s in self.pool.servers if s.up]
             results = await asyncio.gather(*(self.loaders[s.url].load(http, rev) for s in servers),

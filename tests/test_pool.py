@@ -112,10 +112,10 @@ async def test_a_server_back_from_the_dead_loads_the_current_revision_before_it_
                 await weights.load(http, _revision(tmp_path, 2, digest="0" * 64))
             assert all(s.up for s in pool.servers) and one.policy.revision == 1
 
-            await two.stop()  # dies: its calls move to the other server
-            assert {c.policy.revision for c in await _calls(client, 16)} == {1}
+            await two.stop()  # dies: its calls move to the other server (its failed calls, or the health watch, take
+            assert {c.policy.revision for c in await _calls(client, 16)} == {1}  # it out first)
             out = pool.servers[1]
-            assert not out.up and out.errors >= 1
+            assert not out.up and out.taken_out == 1
             await weights.load(http, _revision(tmp_path, 2))  # the swap goes on without it
             assert one.policy.revision == 2 and out.revision == 1
 
@@ -137,6 +137,38 @@ async def test_a_server_back_from_the_dead_loads_the_current_revision_before_it_
                 await _calls(client, 1)
             with pytest.raises(WeightLoadError, match="no server of the pool took"):
                 await weights.load(http, _revision(tmp_path, 3))
+    finally:
+        await pool.aclose()
+        for server in (one, two, restarted):
+            if server is not None:
+                await server.stop()
+
+
+async def test_a_server_restarted_while_idle_is_reloaded_before_it_serves_again(tmp_path):
+    """No call fails to say it restarted: the pool's health watch sees it gone, and it rejoins holding the current
+    revision, not its start-up weights."""
+    one, two = PolicyServer(), PolicyServer()
+    await one.start()
+    await two.start()
+    pool = InferencePool([one.base_url, two.base_url], probe_s=0.1)
+    weights = PoolWeights(pool, LocalPolicyWeights)
+    restarted = None
+    try:
+        async with httpx.AsyncClient(timeout=30) as http, \
+                InferenceClient(pool, "tiny-byte-lm", max_attempts=3, backoff_s=0.01) as client:
+            await weights.load(http, _revision(tmp_path, 1))
+            await two.stop()  # idle: no call is in flight or sent while it is away
+            await asyncio.sleep(0.5)
+            restarted = PolicyServer(port=two.http.port)  # the seeded init: revision 0
+            await restarted.start()
+            out = pool.servers[1]
+            deadline = time.monotonic() + 20
+            while not (out.taken_out and out.up):
+                assert time.monotonic() < deadline, "the restart was never seen"
+                await asyncio.sleep(0.05)
+            assert restarted.policy.revision == 1 and out.revision == 1 and one.requests_served == 0
+            assert {c.policy.revision for c in await _calls(client, 16)} == {1}
+            assert restarted.requests_served > 0
     finally:
         await pool.aclose()
         for server in (one, two, restarted):
