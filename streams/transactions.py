@@ -11,9 +11,10 @@ Why this shape (see docs/EXACTLY-ONCE.md):
 * A new owner reads the committed offsets with ``require_stable`` (``streams.group_offsets``): while the
   previous owner's transaction is open, it waits; then it restores the last committed snapshot from the
   changelog (``streams.changelog``), once no transaction is open there either.
-* The transactional id is ``{group}-{instance}`` (``--instance``, else a per-process random id): a
-  restarted instance with the same name aborts its crashed predecessor's open transaction at once; without a
-  name, the broker aborts it after ``ROLLOUT_TRANSACTION_TIMEOUT_MS``.
+* The transactional id is ``{group}-{instance}`` (``--instance``, else the lowest slot of the group free on this
+  host, ``streams.instances``): a restarted instance with the same name, or the next unnamed one on the same
+  host, aborts its crashed predecessor's open transaction at once; elsewhere the broker aborts it after
+  ``ROLLOUT_TRANSACTION_TIMEOUT_MS``.
 * Co-partitioned inputs (steps + rollouts) are owned together: a consumer group with the range
   assignor hands out the same partition number of every input topic to one member.
 * A failed transaction is aborted and every owned partition's task is rebuilt from the changelog and the
@@ -32,7 +33,6 @@ import errno
 import logging
 import signal
 import time
-import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -46,6 +46,7 @@ from streams.batched_send import PartitionBatches
 from streams.changelog import Restorer, changelog_topic, encode_snapshot
 from streams.commits import CommitWatch, StallWatch, commit_again
 from streams.group_fencing import GroupFenced, GroupMember, fence_by_group, fence_error_seen
+from streams.instances import slot_name
 from streams.partition_task import Out, PartitionTask, dead_letter
 from streams.settings import FETCH_OPTIONS, MAX_MESSAGE_BYTES, ProcessingSettings
 
@@ -61,8 +62,6 @@ def environment_fault(e: BaseException) -> bool:
     out and tried again, never a reason to dead-letter the record."""
     return isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS)
 
-
-_PROCESS_ID = uuid.uuid4().hex[:8]  # the transactional id of an instance without a name: unique to this process
 
 # What every processor's transactional producer is opened with (besides its id, linger and transaction timeout);
 # ``benchmarks send`` measures a producer opened the same way.
@@ -100,7 +99,8 @@ class TransactionalProcessor:
         self.make_task = make_task
         self.kw = dict(client_kwargs)
         self.group_id = group_id or topics.group_id(service)
-        self.txn_id = f"{topics.group_id(service)}-{instance or _PROCESS_ID}"
+        # an unnamed instance: the lowest slot of its group free on this host, the id a dead predecessor had
+        self.txn_id = f"{topics.group_id(service)}-{instance or slot_name(topics.group_id(service))}"
         self.changelog = changelog_topic(service, partitions).name
         self.tick_s = tick_s
         self.max_records = max_records
