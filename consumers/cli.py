@@ -59,6 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from consumers.runner import serve, setup_logging
     from streams.config import KafkaSettings, ensure_broker
     from streams.kafka_errors import KafkaError
+    from streams.poison import ProcessMustRestart
 
     svc = SERVICES[args.name]
     cfg = settings_from_args(args)
@@ -82,6 +83,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         asyncio.run(serve(svc, cfg, kafka.client_kwargs(), metrics_port=args.metrics_port))
     except KafkaError as e:  # wrong credentials, untrusted broker, missing permission: one line, exit 1
         print(f"rollout serve {args.name}: error: {e}", file=sys.stderr)
+        return 1
+    except ProcessMustRestart as e:  # a torchrun group's rank 0: torchrun starts the group again
+        print(f"rollout serve {args.name}: {e}", file=sys.stderr)
         return 1
     finally:
         if group is not None:

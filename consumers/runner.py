@@ -14,18 +14,21 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 from contextlib import AsyncExitStack
 from typing import Any, Iterable
 
 from consumers.registry import SERVICES
 from consumers.service import Service
 from consumers.settings import ServiceSettings
-from streams import topics
+from streams import instances, topics
 from streams.changelog import changelog_topic
 from streams.errors import diagnose
 from streams.kafka_errors import KafkaAccessError
 from streams.metrics import SERVICE_OFFSET, Endpoint, ServiceMetrics, port_for
 from streams.security import check_access
+from streams.poison import ProcessMustRestart
+from streams.processor_config import ProcessorConfig
 from streams.settings import ProcessingSettings
 from streams.transactions import TransactionalProcessor
 
@@ -54,9 +57,19 @@ def processor(service: Service, factory: Any, settings: ServiceSettings, client_
               processing: ProcessingSettings) -> TransactionalProcessor:
     """The service's transactional processor: ``factory`` its partition tasks, ``settings`` the service's own
     (the instance, a derived run's topics), ``processing`` the process's stream-processing settings."""
-    return TransactionalProcessor(service.name, [settings.reads(t) for t in service.inputs], service.partitions, factory,
-                                  client_kwargs, instance=settings.instance, max_process_s=service.max_process_s,
-                                  settings=processing)
+    config = ProcessorConfig(service.name, tuple(settings.reads(t) for t in service.inputs), service.partitions,
+                             instance=settings.instance, settings=processing, max_process_s=service.max_process_s)
+    return TransactionalProcessor(config, factory, client_kwargs, poison_dir=_poison_dir(service))
+
+
+def _poison_dir(service: Service) -> Path | None:
+    """Where a torchrun group's rank 0 keeps its poison counts (``streams.poison``): a batch that crashes a
+    follower rank restarts the whole group, rank 0's memory with it. None for a service in one process."""
+    if not service.data_parallel:
+        return None
+    from consumers.distributed import world_size
+
+    return instances.slots_dir() if world_size() > 1 else None
 
 
 def metrics_endpoint(service: Service, port: int | None = None) -> tuple[Endpoint, ServiceMetrics | None]:
@@ -164,6 +177,8 @@ async def _serve(service: Service, settings: ServiceSettings, client_kwargs: dic
                         await asyncio.wait_for(proc.stop(), 5)  # a broker that is away must not keep us spinning
                     except Exception as e:  # noqa: BLE001
                         log.warning("closing clients: %s", e)
+        except ProcessMustRestart:
+            raise
         except Exception as e:  # noqa: BLE001 - rebuild the clients and carry on
             log.warning("restarting the Kafka clients", extra={"fields": {
                 **fields, "error": f"{type(e).__name__}: {e}"}})
@@ -173,7 +188,7 @@ async def _serve(service: Service, settings: ServiceSettings, client_kwargs: dic
 async def _supervise(proc: TransactionalProcessor, fields: dict[str, Any], stop: asyncio.Event, stall_s: float,
                      stats_every_s: float) -> None:
     await proc.start()
-    log.info("service started", extra={"fields": {**fields, "group": proc.group_id}})
+    log.info("service started", extra={"fields": {**fields, "group": proc.config.group_id}})
     last = time.monotonic()
     lost_since: float | None = None
     while not stop.is_set():

@@ -27,12 +27,17 @@ MAX_SLOTS = 4096
 _HELD: dict[str, tuple[str, IO[str]]] = {}  # group -> (slot name, its open lock file): held for the process's life
 
 
+def slots_dir() -> Path:
+    """Where this host's slots are held, and what lives as long as a slot (``streams.poison``)."""
+    return cache_dir() / "instances"
+
+
 def slot_name(group: str, folder: Path | None = None) -> str:
     """This process's slot of ``group``: the lowest one no live process on this host holds, claimed on first use
     and kept for the process's life (every processor the process builds for the group has the same id)."""
     if group in _HELD:
         return _HELD[group][0]
-    folder = folder or cache_dir() / "instances"
+    folder = folder or slots_dir()
     folder.mkdir(parents=True, exist_ok=True)
     host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", group)

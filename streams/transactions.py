@@ -35,20 +35,24 @@ import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from pathlib import Path
+from typing import Any, Callable
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError, ProducerFenced
 
-from streams import aiokafka_internals, serde, topics
+from streams import aiokafka_internals, serde
 from streams.batched_send import PartitionBatches
-from streams.changelog import Restorer, changelog_topic, encode_snapshot
+from streams.changelog import Restorer, encode_snapshot
 from streams.commits import CommitWatch, StallWatch, commit_again
 from streams.group_fencing import GroupFenced, GroupMember, fence_by_group, fence_error_seen
 from streams.instances import slot_name
 from streams.partition_task import Out, PartitionTask, dead_letter
-from streams.settings import FETCH_OPTIONS, MAX_MESSAGE_BYTES, ProcessingSettings
+from streams.poison import PoisonCounts, ProcessMustRestart
+from streams.processor_config import LINGER_MS, MAX_RECORDS, TICK_S, ProcessorConfig
+from streams.rebalance import Rebalance
+from streams.settings import FETCH_OPTIONS, MAX_MESSAGE_BYTES
 
 log = logging.getLogger("rollout.eos")
 
@@ -81,40 +85,39 @@ class Stats:
     by_type: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
+@dataclass
+class Transaction:
+    """One transaction's work (``TransactionalProcessor._transact``): the input it processed per partition and
+    each partition's fetch position, what it writes (outputs, changed snapshots), the offsets it commits (every
+    owned partition's, changed or not: the group's generation check fences it) and the input it left over."""
+    started: float
+    read: dict[int, list]
+    positions: dict[int, dict[str, int]]
+    offsets: dict[int, dict[str, int]]
+    outputs: dict[int, list[Out]] = field(default_factory=dict)
+    snapshots: dict[int, bytes] = field(default_factory=dict)
+    left: dict[int, list] = field(default_factory=dict)
+
+    def writes_nothing(self, committed: dict[int, dict[str, int]]) -> bool:
+        moved = any(self.offsets[p] != committed[p] for p in self.read)
+        return not moved and not self.snapshots and not any(self.outputs.values())
+
+
 class TransactionalProcessor:
-    """Consume ``inputs`` (co-partitioned) in group ``group_id`` and run one ``PartitionTask`` per partition.
+    """Consume the config's inputs (co-partitioned) in its service's group and run one ``PartitionTask`` per
+    partition. ``make_task(partition)`` builds a fresh task; ``client_kwargs`` are aiokafka connection kwargs;
+    ``poison_dir``: where the failure counts outlive the process (``streams.poison``), else in memory."""
 
-    ``make_task(partition)`` builds a fresh task. ``client_kwargs`` are aiokafka connection kwargs.
-    """
-
-    def __init__(self, service: str, inputs: list[str], partitions: int, make_task: Callable[[int], PartitionTask],
-                 client_kwargs: dict[str, Any], *, group_id: str | None = None, tick_s: float = 0.5,
-                 max_records: int = 2000, instance: str = "", linger_ms: int = 5,
-                 on_start: Callable[[], Awaitable[None]] | None = None, session_timeout_ms: int | None = None,
-                 settings: ProcessingSettings | None = None, max_process_s: float = 120.0) -> None:
-        self.settings = settings or ProcessingSettings()
-        self.service = service
-        self.inputs = inputs
-        self.partitions = partitions
+    def __init__(self, config: ProcessorConfig, make_task: Callable[[int], PartitionTask],
+                 client_kwargs: dict[str, Any], *, poison_dir: Path | None = None) -> None:
+        self.config = config
         self.make_task = make_task
         self.kw = dict(client_kwargs)
-        self.group_id = group_id or topics.group_id(service)
         # an unnamed instance: the lowest slot of its group free on this host, the id a dead predecessor had
-        self.txn_id = f"{topics.group_id(service)}-{instance or slot_name(topics.group_id(service))}"
-        self.changelog = changelog_topic(service, partitions).name
-        self.tick_s = tick_s
-        self.max_records = max_records
-        self.instance = instance
-        self.linger_ms = linger_ms
-        self.on_start = on_start
-        self.session_timeout_ms = session_timeout_ms or self.settings.session_timeout_ms
-        # no fetch while a transaction's input is processed, and a revocation waits for it: the group must wait
-        # as long for both (consumers.service.Service.max_process_s)
-        self.max_process_ms = int(max_process_s * 1000)
-        # a transaction takes no more input after this long, so one more record as slow as the last still fits
-        self.process_budget_s = max_process_s / 2
-        # input records a task raised on: (topic, partition, offset) -> (times, the last error); ``_process``
-        self.poison: dict[tuple[str, int, int], tuple[int, str]] = {}
+        self.txn_id = f"{config.group_id}-{config.instance or slot_name(config.group_id)}"
+        self.tick_s = TICK_S  # a benchmark shortens it
+        # how often each input record failed (``_process``); in a file where a failure can kill the process first
+        self.poison = PoisonCounts(poison_dir / f"{self.txn_id}.json" if poison_dir else None)
         self.tasks: dict[int, PartitionTask] = {}
         self.producer: AIOKafkaProducer | None = None
         self.committed: dict[int, dict[str, int]] = {}
@@ -125,7 +128,7 @@ class TransactionalProcessor:
         self.lock = asyncio.Lock()
         self.stopping = asyncio.Event()
         self.consumer: AIOKafkaConsumer | None = None
-        self.restorer = Restorer(self.kw, self.changelog, inputs)
+        self.restorer = Restorer(self.kw, config.changelog, list(config.inputs))
         self._last_tick = 0.0
         self.pending: set[int] = set()
         self.epoch = 0  # bumped by every rebalance callback
@@ -134,12 +137,10 @@ class TransactionalProcessor:
         self.member: GroupMember | None = None
         self._tasks_member: GroupMember | None = None
         self._closing: set[asyncio.Task] = set()
-        self.txn_timeout_s = self.settings.txn_timeout_s
-        self.commits = CommitWatch(self.settings.confirm_s)
+        self.commits = CommitWatch(config.settings.confirm_s)
         # Fetched input not processed yet: with ROLLOUT_COMMIT_INTERVAL_MS, a partition's input waits here until
         # its last commit is that old, then is processed and committed. Never ahead of the task's state: it is
         # dropped, and re-read from the committed offsets, whenever the partitions are re-seeked.
-        self.commit_interval_s = self.settings.commit_interval_ms / 1000
         self.inbox: dict[int, list] = defaultdict(list)
         self.inbox_pos: dict[int, dict[str, int]] = defaultdict(dict)
         self.last_commit: dict[int, float] = {}
@@ -149,16 +150,16 @@ class TransactionalProcessor:
     async def start(self) -> None:
         aiokafka_internals.check()  # before anything is committed: a fence that silently went away is no fence
         await self.restorer.start()
+        cfg = self.config
         self.consumer = AIOKafkaConsumer(
-            **self.kw, group_id=self.group_id, enable_auto_commit=False, isolation_level="read_committed",
+            **self.kw, group_id=cfg.group_id, enable_auto_commit=False, isolation_level="read_committed",
             auto_offset_reset="earliest", partition_assignment_strategy=(RangePartitionAssignor,),
-            **FETCH_OPTIONS, session_timeout_ms=self.session_timeout_ms, heartbeat_interval_ms=min(1000, self.session_timeout_ms // 3),
-            rebalance_timeout_ms=max(30000, self.max_process_ms), max_poll_interval_ms=self.max_process_ms,
-            fetch_max_wait_ms=self.settings.fetch_max_wait_ms)
+            **FETCH_OPTIONS, session_timeout_ms=cfg.session_timeout_ms,
+            heartbeat_interval_ms=min(1000, cfg.session_timeout_ms // 3),
+            rebalance_timeout_ms=max(30000, cfg.max_process_ms), max_poll_interval_ms=cfg.max_process_ms,
+            fetch_max_wait_ms=cfg.settings.fetch_max_wait_ms)
         await self.consumer.start()
-        self.consumer.subscribe(self.inputs, listener=_Listener(self))
-        if self.on_start:
-            await self.on_start()
+        self.consumer.subscribe(self.config.inputs, listener=Rebalance(self))
 
     async def stop(self) -> None:
         """Graceful: finish the open transaction (lock), then leave the group and close the producer."""
@@ -188,8 +189,8 @@ class TransactionalProcessor:
     async def _open_producer(self) -> AIOKafkaProducer:
         """The instance's producer; ``init_transactions`` (InitProducerId) aborts whatever a predecessor with
         the same transactional id left open and fences it."""
-        prod = AIOKafkaProducer(**self.kw, **PRODUCER_OPTIONS, transactional_id=self.txn_id, linger_ms=self.linger_ms,
-                                transaction_timeout_ms=self.settings.transaction_timeout_ms)
+        prod = AIOKafkaProducer(**self.kw, **PRODUCER_OPTIONS, transactional_id=self.txn_id, linger_ms=LINGER_MS,
+                                transaction_timeout_ms=self.config.settings.transaction_timeout_ms)
         try:
             await prod.start()
             await asyncio.shield(prod._txn_manager.wait_for_pid())
@@ -221,45 +222,6 @@ class TransactionalProcessor:
         except BaseException as e:  # noqa: BLE001 - a fenced or stuck producer may complain on close
             log.debug("producer stop: %s", e)
 
-    # -- rebalance -------------------------------------------------------------------------------------
-    async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
-        async with self.lock:  # waits for the in-flight transaction to commit or abort
-            self.epoch += 1
-            self.member = None
-            self._clear_inbox()
-            log.info("%s%s revoked %s", self.service, self.instance, sorted({tp.partition for tp in revoked}))
-            # Keep the tasks: if the next generation gives a partition back to us, nobody else can have owned it
-            # in between, and its task is still exact (``_on_assigned``).
-
-    async def _on_assigned(self, assigned: list[TopicPartition]) -> None:
-        """Keep this fast: heartbeats stop while a rebalance callback runs. Partitions whose tasks are still
-        exact resume at once; the others are paused and taken over by the main loop (``_take``)."""
-        async with self.lock:
-            assert self.consumer is not None
-            self.epoch += 1
-            self._clear_inbox()  # kept partitions are sought back to their committed offsets below
-            coordinator = self.consumer._coordinator
-            now = GroupMember(coordinator.generation, coordinator.member_id)
-            before = self._tasks_member
-            # Tasks are exact only if no generation came between theirs and this one (then nobody else owned
-            # their partitions); a member that missed one (frozen past its session) rebuilds everything.
-            if before is None or before.member_id != now.member_id or now.generation_id != before.generation_id + 1:
-                self._drop_all()
-            ps = sorted({tp.partition for tp in assigned})
-            for p in list(self.tasks):
-                if p not in ps:
-                    self._drop(p)
-            self.member = self._tasks_member = now
-            self.pending = {p for p in ps if p not in self.tasks}
-            for p in ps:
-                if p in self.pending:
-                    self.consumer.pause(*[TopicPartition(t, p) for t in self.inputs])
-                else:
-                    for topic, off in self.committed[p].items():
-                        self.consumer.seek(TopicPartition(topic, p), off)
-            log.info("%s%s assigned %s in generation %d (to take over: %s)", self.service, self.instance, ps,
-                     now.generation_id, sorted(self.pending))
-
     async def _take(self) -> None:
         """Take over the pending partitions: the producer if there is none, then (``Restorer``) the committed
         offsets once no transaction holds them, the last committed snapshot, exactly the buffered input."""
@@ -276,8 +238,8 @@ class TransactionalProcessor:
             await self._commit_again(hidden)
         await self._rebuild(ps)
         self.pending.difference_update(ps)
-        self.consumer.resume(*[TopicPartition(t, p) for p in ps for t in self.inputs])
-        log.info("%s%s took over %s in %.2fs", self.service, self.instance, ps, time.monotonic() - t0)
+        self.consumer.resume(*[TopicPartition(t, p) for p in ps for t in self.config.inputs])
+        log.info("%s took over %s in %.2fs", self.config.name, ps, time.monotonic() - t0)
 
     def _clear_inbox(self) -> None:
         self.inbox.clear()
@@ -303,7 +265,7 @@ class TransactionalProcessor:
         await self._close_producer(broken=True)
         self.pending = owned
         if self.consumer is not None and owned:
-            self.consumer.pause(*[TopicPartition(t, p) for p in owned for t in self.inputs])
+            self.consumer.pause(*[TopicPartition(t, p) for p in owned for t in self.config.inputs])
 
     async def _rebuild(self, ps: list[int]) -> None:
         """Fresh tasks for ``ps`` from the last committed snapshots and the committed input offsets."""
@@ -339,7 +301,7 @@ class TransactionalProcessor:
         try:
             await self.step()
         except KafkaError as e:
-            log.warning("%s%s: %s: %s; retrying", self.service, self.instance, type(e).__name__, e)
+            log.warning("%s: %s: %s; retrying", self.config.name, type(e).__name__, e)
             await asyncio.sleep(1.0)
 
     # -- the loop --------------------------------------------------------------------------------------
@@ -349,10 +311,10 @@ class TransactionalProcessor:
             async with self.lock:
                 if self.pending and self.member is not None:
                     try:
-                        await asyncio.wait_for(self._take(), self.txn_timeout_s)
+                        await asyncio.wait_for(self._take(), self.config.txn_timeout_s)
                     except Exception as e:  # noqa: BLE001 - broker away, coordinator moving: retry next step
                         # (the partitions already owned are untouched: no transaction was open)
-                        log.warning("%s%s: taking over %s failed (%s: %s); retrying", self.service, self.instance,
+                        log.warning("%s: taking over %s failed (%s: %s); retrying", self.config.name,
                                     sorted(self.pending), type(e).__name__, e)
                         await asyncio.sleep(1.0)
                         return
@@ -361,7 +323,7 @@ class TransactionalProcessor:
         epoch = self.epoch
         # waiting for an assignment, or with partitions to take over: look again soon, not after a whole tick
         wait_s = 0.02 if self.pending or self.member is None else self.tick_s
-        batch = await self.consumer.getmany(timeout_ms=int(wait_s * 1000), max_records=self.max_records)
+        batch = await self.consumer.getmany(timeout_ms=int(wait_s * 1000), max_records=MAX_RECORDS)
         async with self.lock:
             if self.epoch != epoch:
                 # A rebalance ran while getmany waited and re-seeked our partitions to their committed offsets:
@@ -389,7 +351,7 @@ class TransactionalProcessor:
             if tick:
                 self._last_tick = now
                 await self._past_lone_markers()
-            due = {p for p in self.inbox if now - self.last_commit.get(p, 0.0) >= self.commit_interval_s}
+            due = {p for p in self.inbox if now - self.last_commit.get(p, 0.0) >= self.config.commit_interval_s}
             ps = due | (set(self.tasks) if tick else set())
             if ps and self.member is not None and self.producer is not None:
                 await self._transact(sorted(ps), tick)
@@ -412,43 +374,17 @@ class TransactionalProcessor:
         prod = self.producer
         assert prod is not None
         recs = {p: self.inbox.pop(p, []) for p in ps if p in self.tasks}
-        pos = {p: self.inbox_pos.pop(p, {}) for p in recs}
-        outs: dict[int, list[Out]] = {}
-        offsets = {p: dict(self.committed[p]) for p in self.tasks}
-        snaps: dict[int, bytes] = {}
-        now = time.monotonic()
-        # Input left for the next transaction once this one has processed for its budget: the group hears
-        # nothing from this member while it processes (no fetch; a revocation waits), so work is committed in
-        # pieces that each fit its patience, never lost and redone whole (``Service.max_process_s``).
-        rest: dict[int, list] = {}
-        budget_end, processed = now + self.process_budget_s, 0
+        txn = Transaction(time.monotonic(), recs, {p: self.inbox_pos.pop(p, {}) for p in recs},
+                          {p: dict(self.committed[p]) for p in self.tasks})
         try:
-            for p, rs in recs.items():
-                task, out, nxt = self.tasks[p], [], offsets[p]
-                for i, rec in enumerate(rs):
-                    if processed and time.monotonic() > budget_end:
-                        rest[p], recs[p] = rs[i:], rs[:i]
-                        break
-                    out.extend(await self._process(task, rec))
-                    nxt[rec.topic] = rec.offset + 1
-                    processed += 1
-                if p not in rest:
-                    for t, o in pos[p].items():  # past any transaction markers after the last record
-                        nxt[t] = max(nxt[t], o)
-                if tick:
-                    out.extend(task.tick(now))
-                snap = encode_snapshot(task.buffered(), task.state())
-                if snap != self.snap_written.get(p):
-                    snaps[p] = snap
-                outs[p] = out
-            moved = any(offsets[p] != self.committed[p] for p in recs)
-            if not moved and not snaps and not any(outs.values()):
+            await self._fill(txn, tick)
+            if txn.writes_nothing(self.committed):
                 return
-            await asyncio.wait_for(self._send_and_commit(prod, outs, snaps, offsets), self.txn_timeout_s)
+            await asyncio.wait_for(self._send_and_commit(prod, txn), self.config.txn_timeout_s)
         except GroupFenced as e:
             self.stats.fenced += 1
-            log.warning("%s%s: %s; dropping partitions %s and asking the group who owns what", self.service,
-                        self.instance, e.args[-1], sorted(self.tasks))
+            log.warning("%s: %s; dropping partitions %s and asking the group who owns what", self.config.name,
+                        e.args[-1], sorted(self.tasks))
             # Not abort_transaction: aiokafka forgets the transaction's partitions on this error, so its abort
             # sends no EndTxn and the open transaction would be committed by the next one (the fence test saw
             # the fenced scores doubled). A fresh producer's InitProducerId aborts it on the broker.
@@ -460,13 +396,15 @@ class TransactionalProcessor:
             if self.consumer is not None:
                 self.consumer._coordinator.request_rejoin()
             return
+        except ProcessMustRestart:
+            raise
         except ProducerFenced:
             # Only a process with the same transactional id does this: another instance with our name, or our
             # own successor after a restart of the clients.
             self.stats.fenced += 1
-            log.warning("%s%s: transactional id %s fenced by another producer (is a second instance running "
-                        "with the same --instance?); taking the partitions over again", self.service,
-                        self.instance, self.txn_id)
+            log.warning("%s: transactional id %s fenced by another producer (is a second instance running "
+                        "with the same --instance?); taking the partitions over again", self.config.name,
+                        self.txn_id)
             await self._retake_all()
             return
         except Exception as e:  # noqa: BLE001 - abort, rebuild the partitions from the log, keep serving
@@ -475,70 +413,110 @@ class TransactionalProcessor:
             # this one left open, and every owned partition's task is rebuilt from the changelog and the
             # committed offsets.
             self.stats.aborted += 1
-            log.warning("%s%s: transaction over partitions %s failed (%s: %s); discarding it and taking them "
-                        "over again", self.service, self.instance, sorted(recs), type(e).__name__, e)
+            log.warning("%s: transaction over partitions %s failed (%s: %s); discarding it and taking them "
+                        "over again", self.config.name, sorted(txn.read), type(e).__name__, e)
             await self._retake_all()
             return
+        self._committed(txn)
+
+    async def _fill(self, txn: Transaction, tick: bool) -> None:
+        """Process ``txn``'s input, partition by partition, into its outputs, snapshots and offsets. Input is
+        left for the next transaction once this one has processed for its budget: the group hears nothing from
+        this member while it processes (no fetch; a revocation waits), so work is committed in pieces that each
+        fit its patience, never lost and redone whole (``Service.max_process_s``)."""
+        budget_end, processed = txn.started + self.config.process_budget_s, 0
+        for p, rs in txn.read.items():
+            task, out, nxt = self.tasks[p], [], txn.offsets[p]
+            for i, rec in enumerate(rs):
+                if processed and time.monotonic() > budget_end:
+                    txn.left[p], txn.read[p] = rs[i:], rs[:i]
+                    break
+                out.extend(await self._process(task, rec))
+                nxt[rec.topic] = rec.offset + 1
+                processed += 1
+            if p not in txn.left:
+                for t, o in txn.positions[p].items():  # past any transaction markers after the last record
+                    nxt[t] = max(nxt[t], o)
+            if tick:
+                out.extend(task.tick(txn.started))
+            snap = encode_snapshot(task.buffered(), task.state())
+            if snap != self.snap_written.get(p):
+                txn.snapshots[p] = snap
+            txn.outputs[p] = out
+
+    def _committed(self, txn: Transaction) -> None:
+        """``txn`` is committed: what it wrote and read is now the partitions' committed state."""
         self.stats.transactions += 1
-        for p, left in rest.items():  # first in line for the next transaction
+        for p, left in txn.left.items():  # first in line for the next transaction
             self.inbox[p][:0] = left
-            self.inbox_pos[p] = {**pos[p], **self.inbox_pos.get(p, {})}
-        for p, out in outs.items():
-            if p in snaps:
-                self.snap_written[p] = snaps[p]
-            self.committed[p] = offsets[p]
-            self.last_commit[p] = now
-            self.stats.records_in += len(recs[p])
+            self.inbox_pos[p] = {**txn.positions[p], **self.inbox_pos.get(p, {})}
+        for p, out in txn.outputs.items():
+            if p in txn.snapshots:
+                self.snap_written[p] = txn.snapshots[p]
+            self.committed[p] = txn.offsets[p]
+            self.last_commit[p] = txn.started
+            self.stats.records_in += len(txn.read[p])
             self.stats.records_out += len(out)
             for o in out:
                 self.stats.by_type[o.event.EVENT_TYPE] += 1
             self.tasks[p].committed()
-            if self.on_commit is not None and (recs[p] or out):
-                self.on_commit(p, recs[p], out)
+            if self.on_commit is not None and (txn.read[p] or out):
+                self.on_commit(p, txn.read[p], out)
         if self.poison:  # committed past: forgotten
-            self.poison = {k: v for k, v in self.poison.items() if k[2] >= self.committed.get(k[1], {}).get(k[0], 0)}
+            self.poison.forget(self.committed)
 
     async def _process(self, task: PartitionTask, rec: Any) -> list[Out]:
-        """``task.process(rec)``; a record it raised on ``POISON_ATTEMPTS`` times (each time the transaction was
-        aborted and the partition rebuilt) is dead-lettered with the last error instead, so one poison record
-        cannot hold its instance's partitions for ever. The environment's faults (``environment_fault``) are
-        waited out and tried again, however often: they say nothing about the record."""
+        """``task.process(rec)``; a record it failed on ``POISON_ATTEMPTS`` times (each time the transaction was
+        aborted and the partition rebuilt; ``streams.poison`` counts a try its process died in as failed too) is
+        dead-lettered with the last error instead, so one poison record cannot hold its instance's partitions for
+        ever. The environment's faults (``environment_fault``) are waited out and tried again, however often: they
+        say nothing about the record."""
         key = (rec.topic, rec.partition, rec.offset)
-        failed, why = self.poison.get(key, (0, ""))
+        failed, why = self.poison.get(key)
         if failed >= POISON_ATTEMPTS:
-            log.error("%s%s: %s[%d]@%d raised %d times (%s): dead-lettered, going on", self.service, self.instance,
+            log.error("%s: %s[%d]@%d failed %d times (%s): dead-lettered, going on", self.config.name,
                       rec.topic, rec.partition, rec.offset, failed, why)
-            return [dead_letter(rec, self.service, "PoisonRecordError",
-                                f"processing raised {failed} times; the last: {why}")]
+            return [dead_letter(rec, self.config.service, "PoisonRecordError",
+                                f"processing failed {failed} times; the last: {why}")]
+        self.poison.start(key)
         try:
-            return await task.process(rec)
+            out = await task.process(rec)
         except Exception as e:
             if environment_fault(e):  # not counted towards poison: the same record succeeds once space is freed
-                log.error("%s%s: %s[%d]@%d: %s: %s. The environment's fault, not the record's: nothing is "
-                          "dead-lettered; trying again in %.0fs (free the space or memory meanwhile)", self.service,
-                          self.instance, rec.topic, rec.partition, rec.offset, type(e).__name__, e,
+                self.poison.ended(key, None)
+                log.error("%s: %s[%d]@%d: %s: %s. The environment's fault, not the record's: nothing is "
+                          "dead-lettered; trying again in %.0fs (free the space or memory meanwhile)",
+                          self.config.name, rec.topic, rec.partition, rec.offset, type(e).__name__, e,
                           ENVIRONMENT_RETRY_S)
                 await asyncio.sleep(ENVIRONMENT_RETRY_S)
                 raise
-            self.poison[key] = (failed + 1, f"{type(e).__name__}: {e}")
+            self.poison.ended(key, e)
+            if self.poison.once_per_life:
+                raise ProcessMustRestart(f"{self.config.name}: {rec.topic}[{rec.partition}]@{rec.offset} failed "
+                                         f"({type(e).__name__}: {e}); exiting, to be tried again by the next "
+                                         "start (a torchrun group restarts every rank)") from e
             raise
+        except BaseException:  # cancelled by a stop: no try of the record's
+            self.poison.ended(key, None)
+            raise
+        self.poison.ended(key, None)
+        return out
 
     def _offsets(self, offsets: dict[int, dict[str, int]]) -> dict[TopicPartition, int]:
         return {TopicPartition(t, p): o for p, offs in offsets.items() for t, o in offs.items()}
 
-    async def _send_and_commit(self, prod: AIOKafkaProducer, outs: dict[int, list[Out]], snaps: dict[int, bytes],
-                               offsets: dict[int, dict[str, int]]) -> None:
+    async def _send_and_commit(self, prod: AIOKafkaProducer, txn: Transaction) -> None:
         await prod.begin_transaction()
         batches = PartitionBatches(prod, PRODUCER_OPTIONS["max_request_size"])
-        for out in outs.values():
+        for out in txn.outputs.values():
             for o in out:
                 key, value, headers = serde.to_message(o.event)
                 await batches.add(o.topic, value, key=key, headers=headers)
-        for p, snap in snaps.items():
-            await batches.add(self.changelog, snap, key=str(p).encode(), partition=p)
+        for p, snap in txn.snapshots.items():
+            await batches.add(self.config.changelog, snap, key=str(p).encode(), partition=p)
         await batches.send()
         # every owned partition's offsets, changed or not: the group's generation check fences this transaction
-        await prod.send_offsets_to_transaction(self._offsets(offsets), self.group_id)
+        await prod.send_offsets_to_transaction(self._offsets(txn.offsets), self.config.group_id)
         written = await batches.written()
         await prod.commit_transaction()
         self.commits.wrote(written)
@@ -558,8 +536,8 @@ class TransactionalProcessor:
         async with self.lock:
             if self.producer is None or self.member is None or self.pending:  # a take-over re-commits first
                 return
-            log.warning("%s%s: committed transactions not visible after %.0fs (outputs %s); committing again over "
-                        "the same partitions and offsets", self.service, self.instance, self.commits.confirm_s,
+            log.warning("%s: committed transactions not visible after %.0fs (outputs %s); committing again over "
+                        "the same partitions and offsets", self.config.name, self.commits.confirm_s,
                         [f"{tp.topic}-{tp.partition}" for tp in tps])
             try:
                 await self._commit_again(tps)
@@ -572,23 +550,12 @@ class TransactionalProcessor:
         prod = self.producer
         assert prod is not None
         try:
-            await asyncio.wait_for(commit_again(prod, self.group_id, tps, self._offsets(self.committed)),
-                                   self.txn_timeout_s)
+            await asyncio.wait_for(commit_again(prod, self.config.group_id, tps, self._offsets(self.committed)),
+                                   self.config.txn_timeout_s)
         except Exception as e:
-            log.warning("%s%s: re-commit failed (%s: %s)", self.service, self.instance, type(e).__name__, e)
+            log.warning("%s: re-commit failed (%s: %s)", self.config.name, type(e).__name__, e)
             fence_error_seen(prod)
             await self._close_producer(broken=True)
             raise
         self.stats.recommitted += 1
         self.commits.recommitted(tps)
-
-
-class _Listener(ConsumerRebalanceListener):
-    def __init__(self, proc: TransactionalProcessor) -> None:
-        self.proc = proc
-
-    async def on_partitions_revoked(self, revoked):
-        await self.proc._on_revoked(list(revoked))
-
-    async def on_partitions_assigned(self, assigned):
-        await self.proc._on_assigned(list(assigned))

@@ -30,7 +30,7 @@ async def test_commit_interval_is_exactly_once_through_a_rebalance(kafka_setting
     kw = kafka_settings.client_kwargs()
     cfg = ServiceSettings(family=testing.FAMILY, batch_records=32, flush_after_s=1.0)
     async with System(THREE, cfg, kw) as first:
-        assert all(p.commit_interval_s == 3.0 for p in first.processors.values())
+        assert all(p.config.commit_interval_s == 3.0 for p in first.processors.values())
         await publish_revision(kw, 0)
         expected = await seed_groups(kw, 50)
         await asyncio.sleep(2.0)  # processed and committed: the next input waits for the interval

@@ -169,9 +169,9 @@ async def test_a_hanging_commit_is_closed_after_the_processor_drops_its_partitio
 
     async with _verifier_on_a_broker_without_verification(unverified_broker, monkeypatch, confirm_s=300) as (kw,
                                                                                                       proc):
-        await _hang_next_commits(kw, proc, {topics.SCORES.name, proc.changelog}, group=True)
+        await _hang_next_commits(kw, proc, {topics.SCORES.name, proc.config.changelog}, group=True)
         assert await _visible(kw, "read_committed") < 80
-        inputs = [TopicPartition(t, p) for p in proc.tasks for t in proc.inputs]
+        inputs = [TopicPartition(t, p) for p in proc.tasks for t in proc.config.inputs]
         with pytest.raises(group_offsets.Unstable):  # the offsets are pending: a new owner would wait on them
             await group_offsets.committed(proc.consumer, inputs, timeout_s=0)
 

@@ -50,7 +50,7 @@ async def test_a_record_the_task_raises_on_is_dead_lettered_and_the_rest_goes_on
     assert POISON not in ids and len(ids) == 47 and max(ids.values()) == 1
     letters = [codec.decode(r.value, DeadLetter) for r in await read_all(kw, topics.DEAD_LETTERS.name, idle_s=2)]
     assert [(d.error_type, d.origin_topic) for d in letters] == [("PoisonRecordError", topics.ROLLOUTS.name)]
-    assert f"raised {POISON_ATTEMPTS} times" in letters[0].error_message
+    assert f"failed {POISON_ATTEMPTS} times" in letters[0].error_message
     assert "RuntimeError: a bug this one rollout triggers" in letters[0].error_message
     assert codec.decode(letters[0].raw, Rollout).rollout_id == POISON  # the record kept whole
     assert list(attempts.values()) == [POISON_ATTEMPTS]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from streams import settings, topics
 from streams.changelog import changelog_topic
+from streams.processor_config import ProcessorConfig
 from streams.transactions import TransactionalProcessor
 
 
@@ -45,14 +46,17 @@ def test_one_message_limit():
 def test_processor_reads_settings_at_construction(monkeypatch):
     monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", "p.")
     monkeypatch.setenv("ROLLOUT_CONFIRM_S", "7")
-    proc = TransactionalProcessor("credit", ["p.scores"], 12, lambda p: None, {}, instance="b")
-    assert proc.commits.confirm_s == 7 and proc.group_id == "p.credit" and proc.txn_id == "p.credit-b"
+
+    def built(**kw) -> TransactionalProcessor:
+        return TransactionalProcessor(ProcessorConfig("credit", ("p.scores",), 12, **kw), lambda p: None, {})
+
+    proc = built(instance="b")
+    assert proc.commits.confirm_s == 7 and proc.config.group_id == "p.credit" and proc.txn_id == "p.credit-b"
     # without a name: unique to the process, the same for every processor of the service it rebuilds
-    unnamed = [TransactionalProcessor("credit", ["p.scores"], 12, lambda p: None, {}).txn_id for _ in range(2)]
+    unnamed = [built().txn_id for _ in range(2)]
     assert unnamed[0] == unnamed[1] and unnamed[0].startswith("p.credit-") and unnamed[0] != "p.credit-"
-    given = TransactionalProcessor("credit", ["p.scores"], 12, lambda p: None, {},
-                                   settings=settings.ProcessingSettings(txn_timeout_s=5, session_timeout_ms=6000))
-    assert given.txn_timeout_s == 5 and given.session_timeout_ms == 6000
+    given = built(settings=settings.ProcessingSettings(txn_timeout_s=5, session_timeout_ms=6000))
+    assert given.config.txn_timeout_s == 5 and given.config.session_timeout_ms == 6000
 
 
 def test_the_cheap_topic_prefix_agrees_with_the_settings(monkeypatch):

@@ -260,12 +260,12 @@ from pathlib import Path
 from schemas.policy import PolicyRevision
 from streams.transactions import TransactionalProcessor
 send_and_commit = TransactionalProcessor._send_and_commit
-async def send_then_die(self, prod, outs, snaps, offsets):
-    n = sum(isinstance(o.event, PolicyRevision) for out in outs.values() for o in out)
+async def send_then_die(self, prod, txn):
+    n = sum(isinstance(o.event, PolicyRevision) for out in txn.outputs.values() for o in out)
     if n >= int(os.environ["KILL_AT_REVISIONS"]):
         Path(os.environ["KILL_REPORT"]).write_text(str(n))
         os.kill(os.getpid(), signal.SIGKILL)
-    return await send_and_commit(self, prod, outs, snaps, offsets)
+    return await send_and_commit(self, prod, txn)
 TransactionalProcessor._send_and_commit = send_then_die
 sys.argv[0] = "consumers"
 runpy.run_module("consumers", run_name="__main__")
@@ -327,3 +327,68 @@ async def test_a_trainer_killed_committing_a_backlog_of_three_leaves_what_its_su
         straight.step(to_tensors(batches[r.batch_id]), batches[r.batch_id])
     for k, v in load_checkpoint(revs[-1].checkpoint).state_dict().items():
         torch.testing.assert_close(v, straight.model.state_dict()[k], rtol=1e-4, atol=1e-6)
+
+
+# A torchrun trainer with one batch only a follower cannot train: rank 1 raises on any batch holding a group whose
+# id starts with POISON_GROUPS (as a batch that breaks one rank's kernels would); rank 0 and other batches are fine.
+_FOLLOWER_FAILS = """
+import os, runpy, sys
+if os.environ.get("RANK") == "1":
+    from consumers.trainer import ReferenceTrainer
+    step = ReferenceTrainer.step
+    def failing_step(self, t, batch):
+        if any(r.group_id.startswith(os.environ["POISON_GROUPS"]) for r in batch.records):
+            raise RuntimeError("this batch breaks rank 1")
+        return step(self, t, batch)
+    ReferenceTrainer.step = failing_step
+sys.argv[0] = "consumers"
+runpy.run_module("consumers", run_name="__main__")
+"""
+
+
+async def test_a_batch_that_crashes_only_a_follower_rank_is_dead_lettered(kafka_settings, kafka_bootstrap,
+                                                                         monkeypatch, tmp_path):
+    """Rank 1 of a torchrun group of 2 raises on one batch: torchrun restarts the whole group, rank 0 (the one
+    counting failures) included, each time. Counted in a file that outlives rank 0 (``streams.poison``), the batch
+    is dead-lettered on the group's ``POISON_ATTEMPTS + 1``-th start, and the trainer goes on with the next one,
+    instead of failing until ``--max-restarts`` runs out."""
+    from streams.transactions import POISON_ATTEMPTS
+
+    kw = kafka_settings.client_kwargs()
+    prefix = await _fresh_run(kw, monkeypatch, tmp_path, "tf")
+    settings = ServiceSettings(family=testing.FAMILY, batch_records=16, flush_after_s=2.0)
+    script = tmp_path / "follower_fails.py"
+    script.write_text(_FOLLOWER_FAILS)
+    monkeypatch.setenv("POISON_GROUPS", "g0001")
+    main = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", f"--max-restarts={POISON_ATTEMPTS}",
+            "--monitor-interval=0.5", str(script))
+    trainer = _trainer(kafka_bootstrap, prefix, tmp_path, tmp_path / "trainer.log", main=main)
+    try:
+        async with System(("verifier", "credit", "batcher"), settings, kw):
+            expected = await seed_groups(kw, 4)  # one batch of 16: r1
+            await _wait_revision(kw, 1)
+            poisoned = await seed_groups(kw, 4, start=100, revision=1)  # the batch rank 1 raises on
+            for _ in range(300):
+                letters = await read_all(kw, topics.DEAD_LETTERS.name, idle_s=0.5, timeout_s=10)
+                if letters or trainer.poll() is not None:
+                    break
+                await asyncio.sleep(1.0)
+            expected |= await seed_groups(kw, 4, start=200, revision=1)
+            await _wait_revision(kw, 2, timeout_s=120)
+            assert trainer.poll() is None  # the group still runs
+    finally:
+        stop(trainer)
+    log = (tmp_path / "trainer.log").read_text()
+    letters = [codec.decode(r.value, DeadLetter) for r in
+               await read_all(kw, topics.DEAD_LETTERS.name, idle_s=0.5, timeout_s=10)]
+    assert [(d.service, d.error_type, d.origin_topic) for d in letters] == [
+        ("trainer", "PoisonRecordError", topics.TRAINER_BATCHES.name)], log[-3000:]
+    assert f"failed {POISON_ATTEMPTS} times" in letters[0].error_message
+    dead = codec.decode(letters[0].raw, TrainerBatch)
+    assert {x.record_id for x in dead.records} == poisoned
+    assert log.count("service started") == POISON_ATTEMPTS + 1, log[-3000:]
+    revs = await _revisions(kw)
+    batches = {b.batch_id: b for b in (codec.decode(r.value, TrainerBatch) for r in
+                                       await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=0.5, timeout_s=10))}
+    assert [r.revision for r in revs] == [0, 1, 2]
+    assert Counter(x.record_id for r in revs[1:] for x in batches[r.batch_id].records) == Counter(expected)
