@@ -30,6 +30,12 @@ CASES = [
     (["runs"], "cannot reach Kafka"),
     (["kafka", "bogus"], "invalid choice"),
     (["serve", "verifier", "--no-such-flag"], "unrecognized arguments"),
+    (["serve", "nosuchservice"], "invalid choice"),
+    (["rl", "@", "/etc/hostname"], "not valid TOML"),
+    (["derive", "nosuchrun", "--since", "yesterday"], "invalid fromisoformat value"),
+    (["demo", "--cores", "bogus"], "invalid choice"),
+    (["demo", "--eval-interval", "0"], "must be >= 1"),
+    (["model", "bogus"], "invalid choice"),
 ]
 
 
