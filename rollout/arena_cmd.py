@@ -34,12 +34,15 @@ import asyncio
 import signal
 import sys
 
+from rollout.argtypes import at_least
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("arena", help="generate rollouts for a plan and write them to Kafka")
     p.add_argument("plan", help="GenerationPlan TOML (e.g. examples/plans/arithmetic.toml)")
-    p.add_argument("--groups", type=int, default=4, help="groups to admit (each plan.group_size rollouts); 0 = forever")
-    p.add_argument("--concurrency", type=int, default=32, help="rollouts in flight at most")
+    p.add_argument("--groups", type=at_least(0), default=4,
+                   help="groups to admit (each plan.group_size rollouts); 0 = forever")
+    p.add_argument("--concurrency", type=at_least(1), default=32, help="rollouts in flight at most")
     p.add_argument("--policy", choices=("local", "vllm"), default="local",
                    help="what serves the learner: the tiny model's local server, or vLLM (default: local)")
     p.add_argument("--policy-url", action="append", metavar="URL",
@@ -60,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--await-final-revision", type=float, default=0.0, metavar="SECONDS",
                    help="after the last group, wait up to this long for the revision trained on the last batch "
                         "(and its evaluation) before exiting")
-    p.add_argument("--until-revision", type=int, metavar="N",
+    p.add_argument("--until-revision", type=at_least(1), metavar="N",
                    help="with --follow-revisions: admit groups until revision N is current (and evaluated: it is "
                         "the run's last), then finish what is in flight and exit; the run's length in trained "
                         "revisions (prime-rl's max_steps) whatever the records a rollout yields (--groups 0)")
@@ -68,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="before admitting anything, wait up to this long for every learner server to answer GET "
                         "/health (started beside servers still loading); exit 1 naming the ones that did not "
                         "(default 0: no wait, a server down is taken out of the pool)")
-    p.add_argument("--max-failed-groups", type=int, default=8, metavar="N",
+    p.add_argument("--max-failed-groups", type=at_least(0), default=8, metavar="N",
                    help="stop, exit 1 and name the most frequent reasons when every rollout of N training groups in "
                         "a row failed (a server that refuses every call, an environment that always raises): "
                         "nothing could be trained, and a loop would wait for a revision for ever (default 8; 0: "
@@ -89,7 +92,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_model_flag(p)
     add_eval_interval_flag(p)
-    p.add_argument("--max-off-policy-steps", type=int, metavar="N",
+    p.add_argument("--max-off-policy-steps", type=at_least(0), metavar="N",
                    help="a stricter off-policy bound than the plan's for this arena (0: admit a batch only once the "
                         "revision it trains is published; rollout demo's --cores turns)")
     p.add_argument("--start-local", action="store_true",

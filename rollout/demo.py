@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout.argtypes import at_least
+
 log = logging.getLogger("rollout.demo")
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_KEEP_CHECKPOINTS = 4  # a demo run writes one checkpoint per revision (270 MB each for SmolLM2): keep the newest
@@ -63,10 +65,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="vllm: SmolLM2-135M-Instruct on vLLM (default); tiny: the byte-level GRU (fast)")
     p.add_argument("--plan", help="GenerationPlan (default: arithmetic-smollm2.toml, or arithmetic.toml for tiny)")
     defaults = lambda f: " / ".join(f"{getattr(v, f)} ({k})" for k, v in PROFILES.items())  # noqa: E731
-    p.add_argument("--groups", type=int, help="groups the arena admits (plan.group_size rollouts each); "
+    p.add_argument("--groups", type=at_least(1), help="groups the arena admits (plan.group_size rollouts each); "
                                               f"default {defaults('groups')}")
     p.add_argument("--lr", type=float, help=f"reference trainer learning rate (default {defaults('lr')})")
-    p.add_argument("--epochs", type=int, help=f"optimizer passes over each batch (default {defaults('epochs')})")
+    p.add_argument("--epochs", type=at_least(1),
+                   help=f"optimizer passes over each batch (default {defaults('epochs')})")
     p.add_argument("--vllm-port", type=int, default=0, help="vLLM's port (default: a free one)")
     p.add_argument("--vllm-url", help="use this running vLLM server (http://host:port/v1, started with "
                                       "VLLM_SERVER_DEV_MODE=1 on the packaged model) instead of starting one")
@@ -83,7 +86,7 @@ def add_loop_flags(p: argparse.ArgumentParser) -> None:
     add_model_flag(p)
     add_eval_interval_flag(p)
     add_cores_flag(p)
-    p.add_argument("--keep-runs", type=_positive, default=KEEP_RUNS, metavar="N",
+    p.add_argument("--keep-runs", type=at_least(1), default=KEEP_RUNS, metavar="N",
                    help=f"keep the folders (checkpoints, vLLM log) of the newest N runs under {RUNS_DIR}, this one "
                         f"included, and remove older ones when a run starts (default {KEEP_RUNS}; their logs stay "
                         "in Kafka: replay and audit need no checkpoint, `rollout derive` from a removed revision "
@@ -101,17 +104,10 @@ def add_cores_flag(p: argparse.ArgumentParser) -> None:
 
 
 def add_eval_interval_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--eval-interval", type=_positive, metavar="N",
+    p.add_argument("--eval-interval", type=at_least(1), metavar="N",
                    help="answer the held-out questions at revision 0 and every N revisions after, and with the "
                         "run's last revision (default: the plan's [orchestrator.eval] interval, every revision "
                         "without one); an evaluation source's own interval still holds")
-
-
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
 
 
 def add_model_flag(p: argparse.ArgumentParser) -> None:

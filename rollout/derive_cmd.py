@@ -32,6 +32,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from rollout.argtypes import at_least
+
 DEFAULT_MAX_LAG = 8  # the plan's default off-policy bound (schemas.plan.DEFAULT_MAX_OFF_POLICY_STEPS)
 SERVICES = ("verifier", "credit", "batcher", "trainer")
 # history arrives as fast as it is read: a group still incomplete this long after its first record was cut by the
@@ -49,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source", help="the source run's id (`rollout runs` lists them)")
     p.add_argument("--run-id", help="the derived run's id (default: a new derive-XXXXXXXX; give an existing one "
                                     "to resume it)")
-    p.add_argument("--fork", type=int, default=0, help="the source revision to train from (default 0)")
+    p.add_argument("--fork", type=at_least(0), default=0, help="the source revision to train from (default 0)")
     p.add_argument("--fork-checkpoint", metavar="PATH",
                    help="the fork revision's weights when the source run has none on record (an imported run: a .pt "
                         "file, or an HF folder or its model.safetensors)")
@@ -60,8 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="re-score with these reward functions instead of the rollouts' own (repeatable)")
     p.add_argument("--scoring-kind", help="re-score with this verifier kind (consumers.scoring.VERIFIERS)")
     p.add_argument("--credit", help="credit strategy (default: grpo)")
-    p.add_argument("--batch-records", type=int, help="records per batch (default: the plan default)")
-    p.add_argument("--max-off-policy-steps", type=int, default=DEFAULT_MAX_LAG,
+    p.add_argument("--batch-records", type=at_least(1), help="records per batch (default: the plan default)")
+    p.add_argument("--max-off-policy-steps", type=at_least(0), default=DEFAULT_MAX_LAG,
                    help=f"refuse records whose generating revision is further than this from the target revision "
                         f"(default {DEFAULT_MAX_LAG})")
     p.add_argument("--lr", type=float, help="learning rate (default: the trainer's)")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 
+from rollout.argtypes import at_least
+
 DEFAULT_LR = 2e-5        # the reference trainer's rate for SmolLM2 when the recipe sets no trainer.optim.lr
 DEFAULT_MAX_STEPS = 20   # trained revisions when the recipe sets no max_steps
 
@@ -26,10 +28,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", nargs="+", metavar="[@] RECIPE", help="the recipe TOML (prime-rl's `@` is accepted)")
     add_loop_flags(p)
-    p.add_argument("--max-steps", type=int, help="trained revisions before the run stops (default: the recipe's "
-                                                 f"max_steps, else {DEFAULT_MAX_STEPS})")
+    p.add_argument("--max-steps", type=at_least(1),
+                   help=f"trained revisions before the run stops (default: the recipe's max_steps, else "
+                        f"{DEFAULT_MAX_STEPS})")
     p.add_argument("--lr", type=float, help=f"learning rate (default: the recipe's trainer.optim.lr, else {DEFAULT_LR})")
-    p.add_argument("--epochs", type=int, default=1, help="optimizer passes over each batch (default 1)")
+    p.add_argument("--epochs", type=at_least(1), default=1, help="optimizer passes over each batch (default 1)")
     p.add_argument("--vllm-port", type=int, default=0, help="vLLM's port (default: a free one)")
     p.add_argument("--vllm-url", help="use this running vLLM server (started with VLLM_SERVER_DEV_MODE=1) instead")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up on the arena after this many seconds")

@@ -36,6 +36,10 @@ CASES = [
     (["demo", "--cores", "bogus"], "invalid choice"),
     (["demo", "--eval-interval", "0"], "must be >= 1"),
     (["model", "bogus"], "invalid choice"),
+    (["arena", "/nonexistent.toml", "--groups", "-1"], "--groups: must be >= 0"),
+    (["rl", "@", "/nonexistent.toml", "--max-steps", "0"], "--max-steps: must be >= 1"),
+    (["derive", "nosuchrun", "--batch-records", "0"], "--batch-records: must be >= 1"),
+    (["demo", "--epochs", "0"], "--epochs: must be >= 1"),
 ]
 
 
