@@ -33,7 +33,6 @@ class ProcessMustRestart(RuntimeError):
 class PoisonCounts:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
-        self.once_per_life = path is not None
         self.counts: dict[Key, tuple[int, str]] = {}
         self._open: dict[Key, tuple[int, str]] = {}  # tries under way: the count before each
         if path is not None and path.exists():
@@ -41,6 +40,11 @@ class PoisonCounts:
                 self.counts = {(t, p, o): (n, why) for t, p, o, n, why in json.loads(path.read_text())}
             except (ValueError, TypeError):  # a torn write: start again; the worst case is more tries
                 self.counts = {}
+
+    @property
+    def once_per_life(self) -> bool:
+        """Kept in a file: a failed try ends the process (the module's docstring says why)."""
+        return self.path is not None
 
     def __bool__(self) -> bool:
         return bool(self.counts)

@@ -6,12 +6,14 @@ arena` with several --policy-url."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import time
 import uuid
 from collections import Counter
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -93,87 +95,84 @@ async def test_an_arena_awaits_servers_still_starting_and_names_the_silent_ones(
         await late.stop()
 
 
-async def test_a_server_back_from_the_dead_loads_the_current_revision_before_it_serves(tmp_path):
-    one, two = PolicyServer(), PolicyServer()
-    await one.start()
-    await two.start()
-    pool = InferencePool([one.base_url, two.base_url], probe_s=0.1)
-    weights = PoolWeights(pool, LocalPolicyWeights)
-    restarted = None
+@contextlib.asynccontextmanager
+async def _pool_of_two():
+    """Two local policy servers behind one pool (its health watch every 0.1 s), the pool's weight loader, an HTTP
+    client and an inference client; a server a test starts later goes in ``servers`` to be stopped with them."""
+    servers = [PolicyServer(), PolicyServer()]
+    for server in servers:
+        await server.start()
+    pool = InferencePool([server.base_url for server in servers], probe_s=0.1)
     try:
         async with httpx.AsyncClient(timeout=30) as http, \
                 InferenceClient(pool, "tiny-byte-lm", max_attempts=3, backoff_s=0.01) as client:
-            await weights.load(http, _revision(tmp_path, 1))
-            assert (one.policy.revision, two.policy.revision) == (1, 1)
-            assert {c.policy.revision for c in await _calls(client, 16)} == {1}
-            assert one.requests_served and two.requests_served  # both took calls
-            # a revision whose checkpoint is not its digest: every server refuses it, none is taken out
-            with pytest.raises(RevisionRefused):
-                await weights.load(http, _revision(tmp_path, 2, digest="0" * 64))
-            assert all(s.up for s in pool.servers) and one.policy.revision == 1
-
-            await two.stop()  # dies: its calls move to the other server (its failed calls, or the health watch, take
-            assert {c.policy.revision for c in await _calls(client, 16)} == {1}  # it out first)
-            out = pool.servers[1]
-            assert not out.up and out.taken_out == 1
-            await weights.load(http, _revision(tmp_path, 2))  # the swap goes on without it
-            assert one.policy.revision == 2 and out.revision == 1
-
-            # started again fresh (the seeded init, revision 0): it rejoins only once it holds revision 2
-            restarted = PolicyServer(port=two.http.port)
-            await restarted.start()
-            deadline = time.monotonic() + 20
-            while not out.up:
-                assert time.monotonic() < deadline, "the restarted server never rejoined"
-                await asyncio.sleep(0.05)
-            assert restarted.policy.revision == 2 and out.revision == 2 and restarted.requests_served == 0
-            assert {c.policy.revision for c in await _calls(client, 16)} == {2}
-            assert restarted.requests_served > 0  # it serves again, revision 2 only
-
-            # every server out: calls back off and fail with the typed error, a swap has nowhere to go
-            await one.stop()
-            await restarted.stop()
-            with pytest.raises(InferenceUnavailable, match="after 3 attempts"):
-                await _calls(client, 1)
-            with pytest.raises(WeightLoadError, match="no server of the pool took"):
-                await weights.load(http, _revision(tmp_path, 3))
+            yield SimpleNamespace(servers=servers, pool=pool, weights=PoolWeights(pool, LocalPolicyWeights),
+                                  http=http, client=client)
     finally:
         await pool.aclose()
-        for server in (one, two, restarted):
-            if server is not None:
-                await server.stop()
+        for server in servers:
+            await server.stop()
+
+
+async def test_a_server_back_from_the_dead_loads_the_current_revision_before_it_serves(tmp_path):
+    async with _pool_of_two() as p:
+        (one, two), pool, weights, http, client = p.servers, p.pool, p.weights, p.http, p.client
+        await weights.load(http, _revision(tmp_path, 1))
+        assert (one.policy.revision, two.policy.revision) == (1, 1)
+        assert {c.policy.revision for c in await _calls(client, 16)} == {1}
+        assert one.requests_served and two.requests_served  # both took calls
+        # a revision whose checkpoint is not its digest: every server refuses it, none is taken out
+        with pytest.raises(RevisionRefused):
+            await weights.load(http, _revision(tmp_path, 2, digest="0" * 64))
+        assert all(s.up for s in pool.servers) and one.policy.revision == 1
+
+        await two.stop()  # dies: its calls move to the other server (its failed calls, or the health watch, take
+        assert {c.policy.revision for c in await _calls(client, 16)} == {1}  # it out first)
+        out = pool.servers[1]
+        assert not out.up and out.taken_out == 1
+        await weights.load(http, _revision(tmp_path, 2))  # the swap goes on without it
+        assert one.policy.revision == 2 and out.revision == 1
+
+        # started again fresh (the seeded init, revision 0): it rejoins only once it holds revision 2
+        restarted = PolicyServer(port=two.http.port)
+        p.servers.append(restarted)
+        await restarted.start()
+        deadline = time.monotonic() + 20
+        while not out.up:
+            assert time.monotonic() < deadline, "the restarted server never rejoined"
+            await asyncio.sleep(0.05)
+        assert restarted.policy.revision == 2 and out.revision == 2 and restarted.requests_served == 0
+        assert {c.policy.revision for c in await _calls(client, 16)} == {2}
+        assert restarted.requests_served > 0  # it serves again, revision 2 only
+
+        # every server out: calls back off and fail with the typed error, a swap has nowhere to go
+        await one.stop()
+        await restarted.stop()
+        with pytest.raises(InferenceUnavailable, match="after 3 attempts"):
+            await _calls(client, 1)
+        with pytest.raises(WeightLoadError, match="no server of the pool took"):
+            await weights.load(http, _revision(tmp_path, 3))
 
 
 async def test_a_server_restarted_while_idle_is_reloaded_before_it_serves_again(tmp_path):
     """No call fails to say it restarted: the pool's health watch sees it gone, and it rejoins holding the current
     revision, not its start-up weights."""
-    one, two = PolicyServer(), PolicyServer()
-    await one.start()
-    await two.start()
-    pool = InferencePool([one.base_url, two.base_url], probe_s=0.1)
-    weights = PoolWeights(pool, LocalPolicyWeights)
-    restarted = None
-    try:
-        async with httpx.AsyncClient(timeout=30) as http, \
-                InferenceClient(pool, "tiny-byte-lm", max_attempts=3, backoff_s=0.01) as client:
-            await weights.load(http, _revision(tmp_path, 1))
-            await two.stop()  # idle: no call is in flight or sent while it is away
-            await asyncio.sleep(0.5)
-            restarted = PolicyServer(port=two.http.port)  # the seeded init: revision 0
-            await restarted.start()
-            out = pool.servers[1]
-            deadline = time.monotonic() + 20
-            while not (out.taken_out and out.up):
-                assert time.monotonic() < deadline, "the restart was never seen"
-                await asyncio.sleep(0.05)
-            assert restarted.policy.revision == 1 and out.revision == 1 and one.requests_served == 0
-            assert {c.policy.revision for c in await _calls(client, 16)} == {1}
-            assert restarted.requests_served > 0
-    finally:
-        await pool.aclose()
-        for server in (one, two, restarted):
-            if server is not None:
-                await server.stop()
+    async with _pool_of_two() as p:
+        one, two = p.servers
+        await p.weights.load(p.http, _revision(tmp_path, 1))
+        await two.stop()  # idle: no call is in flight or sent while it is away
+        await asyncio.sleep(0.5)
+        restarted = PolicyServer(port=two.http.port)  # the seeded init: revision 0
+        p.servers.append(restarted)
+        await restarted.start()
+        out = p.pool.servers[1]
+        deadline = time.monotonic() + 20
+        while not (out.taken_out and out.up):
+            assert time.monotonic() < deadline, "the restart was never seen"
+            await asyncio.sleep(0.05)
+        assert restarted.policy.revision == 1 and out.revision == 1 and one.requests_served == 0
+        assert {c.policy.revision for c in await _calls(p.client, 16)} == {1}
+        assert restarted.requests_served > 0
 
 
 @pytest.mark.integration
