@@ -4,7 +4,7 @@
 
 The task, held-out set, reward, GRPOConfig and evaluation cadence come from ``benchmarks.peers`` (this project,
 on sys.path), so they cannot drift from the rollout-log side. The held-out set is answered greedily (``max_tokens``
-of the plan, transformers' ``generate`` under bf16 autocast) at the job's ``eval_steps`` (step 0 before the first
+of the plan, transformers' ``generate``, under bf16 autocast where the job says so) at the job's ``eval_steps`` (step 0 before the first
 optimizer step, step k after revision k's last epoch), the steps the demo's arena evaluates. Ends with one JSON
 line: eval accuracy by step, training reward by step, completion tokens, evaluation seconds apart from each
 optimizer step's (generation included), timings.
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, x in enumerate(eval_ids):
             ids[i, width - len(x):] = torch.tensor(x)
             mask[i, width - len(x):] = 1
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=j.bf16):
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=j.max_tokens,
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, top_p=None,
                                  top_k=None, temperature=None, use_cache=True)

@@ -21,8 +21,8 @@ about a quarter of TRL's loop on a 2-core CPU (114 s of 459 s): a side by side n
 * TRL: ``GRPOTrainer`` (trl 1.16.0) with its own generation (transformers' ``generate``), in its own virtual
   environment ``.venv-peers/`` made here on first use (``ensure_trl_venv``: a ``.pth`` file reuses this
   project's torch and transformers; pip installs only trl and what it adds); ``benchmarks/_trl_grpo.py`` runs
-  there and answers the held-out set through transformers' ``generate`` under bf16 autocast (the demo evaluates
-  through vLLM in bf16).
+  there and answers the held-out set through transformers' ``generate`` (under bf16 autocast where the CPU has
+  native bf16, as the demo's vLLM then serves bf16; float32 on both sides elsewhere).
 
 Figures for each side and run: eval accuracy at each evaluated step; wall time (whole subprocess, and its loop);
 evaluation time (TRL: its ``generate`` calls; rollout-log: the arena's ``eval_s``, while training rollouts in
@@ -77,6 +77,7 @@ class Job:
     max_off_policy_steps: int  # the demo's pipelining bound (TRL is on-policy: 0)
     eval_interval: int         # the held-out set is answered every this many steps (the plan's cadence)...
     eval_skip_first_step: bool  # ... from step 0 unless this, and at the last step
+    bf16: bool                 # bf16 autocast (and vLLM in bf16): only where this CPU has native bf16 (cpu_bf16)
     seed: int = 0
 
     @property
@@ -97,6 +98,7 @@ def job(steps: int | None = None, eval_interval: int | None = None) -> Job:
     """The demo's job (its vLLM profile and plan, the reference trainer's defaults); ``steps`` revisions
     (default: as many as the demo's default groups give), evaluated every ``eval_interval`` (default: the plan's)."""
     from consumers.trainer import ReferenceTrainer
+    from policy.hf import cpu_bf16
     from rollout.demo import PROFILES
     from schemas.plan_compiler import compile_plan
 
@@ -113,7 +115,7 @@ def job(steps: int | None = None, eval_interval: int | None = None) -> Job:
                weight_decay=float(plan.trainer.get("weight_decay", defaults["weight_decay"].default)),
                temperature=float(sampling.get("temperature", 1.0)), max_tokens=int(sampling["max_tokens"]),
                max_off_policy_steps=plan.max_off_policy_steps, eval_interval=eval_interval or plan.eval_interval,
-               eval_skip_first_step=plan.eval_skip_first_step)
+               eval_skip_first_step=plan.eval_skip_first_step, bf16=cpu_bf16())
 
 
 def grpo_config_kwargs(j: Job, output_dir: str) -> dict[str, Any]:
@@ -127,13 +129,14 @@ def grpo_config_kwargs(j: Job, output_dir: str) -> dict[str, Any]:
     * advantages ``(r - group mean) / (group std + eps)`` (``scale_rewards="group"``; TRL's std is Bessel-corrected
       and its eps 1e-4, ours the population std and 1e-6: not settable);
     * AdamW (torch), constant learning rate, no warmup, the same weight decay and grad-norm clip;
-    * sampling at the plan's temperature, no top-p/top-k; float32 weights, bf16 autocast, on the CPU;
+    * sampling at the plan's temperature, no top-p/top-k; float32 weights on the CPU, bf16 autocast where the
+      CPU has native bf16 (the rule the demo's trainer and vLLM follow: ``policy.hf.cpu_bf16``), float32 elsewhere;
     * no gradient checkpointing (TRL's default is on; the reference trainer keeps its activations).
     """
     if j.batch_records % j.group_size:
         raise ValueError(f"batch_records {j.batch_records} is not a multiple of group_size {j.group_size}")
     return dict(
-        output_dir=output_dir, use_cpu=True, bf16=True, seed=j.seed,
+        output_dir=output_dir, use_cpu=True, bf16=j.bf16, seed=j.seed,
         model_init_kwargs={"dtype": "float32"},
         num_generations=j.group_size, per_device_train_batch_size=j.batch_records,
         gradient_accumulation_steps=1, steps_per_generation=1,

@@ -7,8 +7,8 @@
   sequence with ``cu_seqlens`` (for varlen kernels) instead of padding.
 * ``ReferenceTrainer``: a GRPO/PPO-style clipped policy-gradient step on the policy the checkpoint holds:
   the tiny byte-level GRU (``policy/``, ``.pt``) or a Hugging Face causal LM (``policy.hf``, a
-  ``model.safetensors`` folder, trained with bf16 autocast where the CPU has fast bf16 kernels, float32
-  elsewhere: ``policy.hf.cpu_bf16``); after each step it writes a checkpoint
+  ``model.safetensors`` folder, trained with bf16 autocast on a GPU or a CPU with native bf16 and served in bf16,
+  float32 elsewhere: ``policy.hf.served_dtype``); after each step it writes a checkpoint
   of the same kind (with its SHA-256) and returns the next ``PolicyRevision``, whose ``metrics`` carry the
   step's figures and the trainer-inference logprob mismatch: |logprob the trainer computes - logprob the
   inference server reported| over the batch tokens, each under the revision that generated it (the current
@@ -106,8 +106,6 @@ TrainStep = Callable[[TrainerTensors, TrainerBatch], dict[str, float]]
 class TinyPolicy:
     """The byte-level GRU of ``policy/``: ``.pt`` checkpoints, served in float32."""
 
-    served_dtype = torch.float32
-
     @staticmethod
     def load(ref: CheckpointRef | str | Path) -> Any:
         from policy.checkpoint import load_checkpoint
@@ -143,10 +141,9 @@ class TinyPolicy:
 
 
 class HFPolicy:
-    """A transformers causal LM (``policy.hf``): ``model.safetensors`` folders served in bf16, trained in float32
-    with bf16 autocast on CPUs with fast bf16 kernels (``policy.hf.cpu_bf16``), float32 on others."""
-
-    served_dtype = torch.bfloat16
+    """A transformers causal LM (``policy.hf``): float32 weights trained with bf16 autocast on a GPU or a CPU with
+    native bf16 (``policy.hf.cpu_bf16``), float32 elsewhere; ``model.safetensors`` folders served in that dtype
+    (``policy.hf.served_dtype``)."""
 
     @staticmethod
     def load(ref: CheckpointRef | str | Path) -> Any:

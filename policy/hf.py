@@ -104,7 +104,7 @@ def checkpoint_folder(ref: CheckpointRef | str | os.PathLike) -> Path:
 
 
 def load_weights(ref: CheckpointRef | str | os.PathLike) -> dict[str, Any]:
-    """A checkpoint's tensors as stored (bf16), its digest verified first for a CheckpointRef."""
+    """A checkpoint's tensors as stored (``served_dtype``), its digest verified first for a CheckpointRef."""
     from safetensors.torch import load_file
 
     from policy.checkpoint import CheckpointDigestError, checkpoint_path, file_sha256
@@ -140,7 +140,7 @@ def load_model(ref: CheckpointRef | str | os.PathLike, *, config_dir: str | os.P
 
 
 def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revision: int) -> CheckpointRef:
-    """Write ``<family_slug>-r<revision>-<digest[:12]>/`` (bf16 safetensors + config) atomically in ``directory``
+    """Write ``<family_slug>-r<revision>-<digest[:12]>/`` (safetensors in ``served_dtype`` + config) atomically in ``directory``
     (created if missing); the ref's digest is the file's. The family itself is kept in the metadata and ``revision.json``."""
     import torch
 
@@ -150,7 +150,8 @@ def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revis
     shutil.rmtree(tmp, ignore_errors=True)
     from policy.lora import served_state
 
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in served_state(model).items()}
+    dtype = served_dtype(next(model.parameters()).device.type)
+    state = {k: v.detach().to(dtype).contiguous() for k, v in served_state(model).items()}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     from safetensors.torch import save_file
@@ -165,14 +166,47 @@ def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revis
     return CheckpointRef(uri=(folder / WEIGHTS).resolve().as_uri(), digest=digest)
 
 
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+"""CPU flags (``/proc/cpuinfo``) of bf16 matrix instructions: x86's AVX-512 BF16 and AMX, Arm's BF16 extension."""
+
+
 @functools.cache
 def cpu_bf16() -> bool:
-    """Whether this CPU has fast bf16 matrix kernels (AVX-512 BF16 / AMX, oneDNN's test). Without them torch's
-    bf16 GEMM falls back to a reference loop: on an AVX2-only CPU one backward GEMM of the lm head took 73 s in
-    bf16 and 0.5 s in float32, so autocast is used only where it is fast."""
+    """Whether this CPU multiplies bf16 matrices natively, so bf16 is faster than float32 here. oneDNN's own test
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) also says yes for plain AVX-512, where bf16 is emulated: on
+    an Intel Xeon with AVX-512 and no AVX-512 BF16, a bf16 GEMM of SmolLM2's lm head took 2.4x the float32 time,
+    the demo's trainer step 34 s instead of 8-9 s and its generation 11.5 s instead of 2.5 s
+    (benchmarks/RESULTS.md); on an AVX2-only CPU one backward GEMM of the lm head took 73 s in bf16 and 0.5 s in
+    float32. So the instruction flags decide, where the kernel lists them (Linux); oneDNN's test elsewhere."""
     import torch
 
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    flags = cpu_flags()
+    return bool(flags & NATIVE_BF16_FLAGS) if flags is not None else True
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The first processor's feature flags (x86 ``flags``, Arm ``Features``); None where the file is not there."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        return None
+    return frozenset()
+
+
+def served_dtype(device_type: str) -> Any:
+    """What a trainer on this device computes its matmuls in (bf16 autocast, else float32) and so what its
+    checkpoints are written and served in: vLLM must generate with exactly the weights the trainer computes with.
+    bf16 checkpoints beside a float32 trainer put the trainer's unrounded weights 0.19-0.29 nats a token (mean)
+    from what vLLM served by revision 3, and the demo stopped learning (benchmarks/RESULTS.md)."""
+    import torch
+
+    return torch.bfloat16 if device_type != "cpu" or cpu_bf16() else torch.float32
 
 
 LOGIT_CHUNK = 1024
@@ -197,7 +231,7 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, *, wanted: A
     on = input_ids.device.type
     targets = input_ids[:, 1:]
     wanted = torch.ones_like(targets, dtype=torch.bool) if wanted is None else wanted.bool()
-    with torch.autocast(on, dtype=torch.bfloat16, enabled=autocast and (on != "cpu" or cpu_bf16())):
+    with torch.autocast(on, dtype=torch.bfloat16, enabled=autocast and served_dtype(on) == torch.bfloat16):
         if not plain_head(model) or _sharded(model):  # its own forward, whole logits: see plain_head, _sharded
             logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1]).logits.float()
             lp = logits.log_softmax(-1).gather(2, targets.unsqueeze(2)).squeeze(2)

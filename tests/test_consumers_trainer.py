@@ -358,7 +358,7 @@ def test_an_org_slash_name_family_of_a_transformers_model_writes_one_folder_per_
     assert file_sha256(checkpoint_path(refs[-1])) == refs[-1].digest
     reloaded = HFPolicy.load(refs[-1])  # digest checked
     assert torch.equal(reloaded.state_dict()["model.norm.weight"],
-                       trainer.model.state_dict()["model.norm.weight"].to(torch.bfloat16).float())
+                       trainer.model.state_dict()["model.norm.weight"].to(hf.served_dtype("cpu")).float())
     with pytest.raises(CheckpointDigestError):
         HFPolicy.load(CheckpointRef(uri=refs[-1].uri, digest="0" * 64))
 
@@ -661,7 +661,7 @@ def test_a_lora_recipe_trains_the_adapters_only_and_serves_the_merged_weights(tm
     q = "model.layers.0.self_attn.q_proj"
     a, b_ = after[f"{q}.lora_A.default.weight"], after[f"{q}.lora_B.default.weight"]
     merged = after[f"{q}.base_layer.weight"] + (spec.alpha / spec.rank) * b_ @ a
-    assert torch.equal(served[f"{q}.weight"], merged.to(torch.bfloat16))
+    assert torch.equal(served[f"{q}.weight"], merged.to(hf.served_dtype("cpu")))
     assert not torch.equal(served[f"{q}.weight"], hf.load_weights(ref0)[f"{q}.weight"])
     assert torch.equal(served["model.layers.0.mlp.up_proj.weight"], hf.load_weights(ref0)["model.layers.0.mlp.up_proj.weight"])
 

@@ -17,7 +17,7 @@ from benchmarks.peers import (Job, chart, exact_reward, grpo_config_kwargs, job,
 def _job(**kw) -> Job:
     base = dict(plan="p.toml", steps=5, group_size=4, batch_records=12, lr=3e-5, epochs=2, clip=0.25,
                 max_grad_norm=0.5, weight_decay=0.01, temperature=0.7, max_tokens=24, max_off_policy_steps=1,
-                eval_interval=1, eval_skip_first_step=False, seed=3)
+                eval_interval=1, eval_skip_first_step=False, bf16=True, seed=3)
     return Job(**{**base, **kw})
 
 
@@ -35,6 +35,7 @@ def test_grpo_config_kwargs_maps_every_setting():
     assert k["loss_type"] == "dapo" and k["scale_rewards"] == "group"  # token sum / batch tokens; group-normalised
     assert k["gradient_checkpointing"] is False and k["seed"] == 3 and k["output_dir"] == "/tmp/out"
     assert k["use_cpu"] is True and k["bf16"] is True
+    assert grpo_config_kwargs(_job(bf16=False), "/tmp/out")["bf16"] is False  # float32 where the CPU emulates bf16
 
 
 def test_grpo_config_kwargs_refuses_a_batch_that_splits_a_group():
