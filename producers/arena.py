@@ -278,6 +278,7 @@ class Arena:
         self._tasks: set[asyncio.Task] = set()
         self._generating: set[asyncio.Task] = set()  # rollouts still in their episode (not yet being emitted)
         self._cut: set[asyncio.Task] = set()  # ... cut short by a stop (``STOP_GRACE_S``)
+        self._on_log = asyncio.Event()  # an admitted rollout finished (on the log or not): its records are counted
         self._stop_by: float | None = None  # loop time the stop's grace ends
         self._fatal: BaseException | None = None
         self._revision_seen = asyncio.Event()
@@ -524,6 +525,9 @@ class Arena:
                             self.pacer.lease_s)
                 return None
             await self.emitter.emit(result)
+            if claim_id is not None:
+                self.stats.admitted_on_log += 1
+                self.stats.records += result.training_records
             if results is not None:
                 results.append(result)
             return result.rollout.status
@@ -533,6 +537,8 @@ class Arena:
             return None
         finally:
             sem.release()
+            if claim_id is not None:
+                self._on_log.set()
 
     def _grace_until(self) -> float:
         """When a stop's grace ends (loop time): ``STOP_GRACE_S`` after the first time anyone asks."""
@@ -587,6 +593,19 @@ class Arena:
         await asyncio.gather(admit, return_exceptions=True)
         return None
 
+    async def _more_needed(self, until_revision: int, stop: asyncio.Event) -> bool:
+        """Whether the batches up to the run's last revision need another group: the rollouts admitted (by every
+        arena) count at the records per rollout this arena has seen on the log, at least one each (a rollout that
+        yields none leaves a partial batch, which the batcher flushes). Where a rollout may yield several (seats,
+        routed members, sub-episodes), no second group is admitted before a rollout of the first is counted:
+        counted at one each, a two-seat game with ``max_steps = 2`` generated twice the rollouts it trained, and a
+        proposer with four solvers five times (benchmarks/RESULTS.md)."""
+        if not self.plan.one_record_per_rollout and self.stats.groups and not self.stats.admitted_on_log:
+            await until_first(self._on_log.wait(), stop.wait())
+            if stop.is_set():
+                return False
+        return self.pacer.final_revision(max(1.0, self.stats.records_per_rollout or 1.0)) < until_revision
+
     async def run(self, num_groups: int | None = None, *, stop: asyncio.Event | None = None,
                   collect: bool = False, until_revision: int | None = None
                   ) -> ArenaStats | tuple[ArenaStats, list[GenerateResult]]:
@@ -594,8 +613,7 @@ class Arena:
         ``num_groups`` are admitted, ``last_revision`` is the revision trained on the last full batch (by every
         arena of the run, as far as this one has seen). ``until_revision``: the run's last revision (it is
         ``last_revision``); nothing more is admitted once it is current, or once the rollouts admitted fill the
-        batches up to it at one record each (an episode yielding none leaves a partial batch, which the batcher
-        flushes)."""
+        batches up to it (``_more_needed``)."""
         watcher, given_stop = None, stop
         if until_revision is not None:
             self.last_revision = until_revision
@@ -616,7 +634,7 @@ class Arena:
             while (num_groups is None or admitted < num_groups) and not (stop and stop.is_set()):
                 if self._fatal is not None:
                     break
-                if until_revision is not None and self.pacer.final_revision() >= until_revision:
+                if until_revision is not None and not await self._more_needed(until_revision, stop):
                     break
                 group = self.sample_request_group()
                 try:

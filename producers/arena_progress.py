@@ -28,7 +28,14 @@ class ArenaStats:
     eval_s: float = 0.0  # wall seconds with an evaluation running (training rollouts in flight continue beside it)
     failure_reasons: Counter = field(default_factory=Counter)  # failed rollouts by reason (its first line, cut)
     failed_groups_in_a_row: int = 0  # training groups whose every rollout failed, since the last that did not
+    admitted_on_log: int = 0  # admitted (top-level, training) rollouts on the log ...
+    records: int = 0  # ... and the training records they yield, their sub-episodes' included
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def records_per_rollout(self) -> float | None:
+        """Training records per admitted rollout so far; None before one is on the log."""
+        return self.records / self.admitted_on_log if self.admitted_on_log else None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "started"} | {

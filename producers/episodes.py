@@ -85,6 +85,13 @@ class GenerateResult:
     def completion_tokens(self) -> int:
         return sum(len(s.completion_token_ids) for r in self.walk() for s in r.steps)
 
+    @property
+    def training_records(self) -> int:
+        """The training records credit assignment makes of this rollout and its sub-episodes: one per trainable
+        step with tokens, none of a failed rollout (``consumers.scoring.trainable_steps``, ``consumers.credit``)."""
+        return sum(1 for r in self.walk() if r.rollout.status != "failed" for s in r.steps
+                   if s.trainable and len(s.completion_token_ids))
+
 
 @dataclass
 class EpisodeState:

@@ -82,9 +82,10 @@ class AdmissionPacer:
         """How many revisions the batch of the next admitted rollout is ahead of the trainer."""
         return self._base() + self.book.admitted(self.family) // self.batch_size - self.trainer_revision
 
-    def final_revision(self) -> int:
-        """The revision trained on the last full batch admitted so far (by every arena)."""
-        return self._base() + self.book.admitted(self.family) // self.batch_size
+    def final_revision(self, records_per_rollout: float = 1.0) -> int:
+        """The revision trained on the last full batch admitted so far (by every arena), its rollouts yielding
+        ``records_per_rollout`` training records each."""
+        return self._base() + int(self.book.admitted(self.family) * records_per_rollout) // self.batch_size
 
     def may_admit(self, n: int = 1) -> bool:
         return self.book.grantable(self.family, n, self.trainer_revision, self.batch_size, self.bound)

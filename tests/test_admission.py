@@ -148,3 +148,18 @@ async def test_a_slow_live_arena_keeps_its_claim_and_a_paused_one_loses_it():
     finally:
         await slow.stop()
         await other.stop()
+
+
+async def test_the_last_revision_admitted_counts_the_records_each_rollout_yields():
+    """``rollout rl``'s arena stops admitting at the run's last revision counted in records: two seats yield two
+    records a rollout, so half the rollouts fill the same batches."""
+    pacer = AdmissionPacer(B, 5, ledger=MemoryLedger(), family="f", arena_id="a")
+    await pacer.start()
+    try:
+        for _ in range(2):
+            await pacer.admit(4)
+        assert pacer.final_revision() == 2  # 8 rollouts at one record each: two batches of 4
+        assert pacer.final_revision(2.0) == 4 and pacer.final_revision(2.4) == 4  # 16 and 19 records
+        assert pacer.final_revision(0.5) == 1  # a partial batch does not count
+    finally:
+        await pacer.stop()

@@ -365,6 +365,11 @@ def test_multi_agent_whole_loop(kafka_bootstrap, tmp_path, recipe, members, cred
     s = _rl(_tiny(recipe, tmp_path), env, "--max-steps", "2", logs=tmp_path / "rl")
     assert s["arena"]["final_revision_reached"] is True
     assert s["failed_rollouts"] == 0 and s["revisions"] == 2 and s["batches"] >= 2  # max_steps: exactly 2
+    # the arena counts the records its rollouts yield (both seats' turns, the solvers'): it stops admitting once
+    # they fill the 2 batches, so at most one batch's worth is generated past the run's end (refused by the
+    # trainer); counted at one record a rollout, the duel generated 16 rollouts, 32 records, 16 refused
+    assert s["records_in_batches"] >= 16 and s["records_in_batches"] > s["rollouts"] / 2
+    assert s["dead_letter_reasons"].get("trainer: RunComplete", 0) <= 8, s["dead_letter_reasons"]  # batch_size 8
     report, con = _replay_and_audit(s, env, tmp_path / "run.duckdb")
     assert report["checked"]["chain_links"] == s["revisions"]
     rows = dict(con.execute("SELECT member_id, count(*) FROM training_records GROUP BY 1").fetchall())
