@@ -112,6 +112,8 @@ def _token_id(entry: dict[str, Any]) -> int | None:
 
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "stop",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "n"}
+TOOL_KEYS = {"tool_choice", "parallel_tool_calls"}
+"""How a caller asks for tool calls (OpenAI's chat API): sent with its tools, never without (vLLM refuses them)."""
 
 
 class InferenceClient:
@@ -229,6 +231,7 @@ class InferenceClient:
             raise ValueError("one completion per call: a group is n separate calls, each its own Step")
         if tools:
             body["tools"] = tools
+            body.update((k, v) for k, v in (sampling or {}).items() if k in TOOL_KEYS and v is not None)
         if seed is not None and self.seeded:
             body["seed"] = int(seed)
         if extra_body:

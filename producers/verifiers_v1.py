@@ -52,8 +52,8 @@ from typing import Any, ClassVar
 from producers.dataset import Example, TaskStream
 from producers.environment_types import Environment
 from producers.episodes import Episode, EpisodeState
-from producers.asgi_server import JSON, AppServer, Request, body_json, error, json_app
-from producers.inference import SAMPLING_KEYS, InferenceError, from_openai_message, to_openai_message
+from producers.asgi_server import JSON, AppServer, Request, Response, body_json, error, json_app
+from producers.inference import SAMPLING_KEYS, TOOL_KEYS, InferenceError, from_openai_message, to_openai_message
 from schemas.events import ChatMessage
 from schemas.scoring import ScoringSpec, WeightedFunc
 
@@ -106,7 +106,8 @@ class CaptureProxy:
         body = await body_json(req)
         try:
             messages = [from_openai_message(m) for m in body.get("messages") or []]
-            sampling = {k: v for k, v in body.items() if k in SAMPLING_KEYS and k != "n" and v is not None}
+            sampling = {k: v for k, v in body.items()
+                        if k in SAMPLING_KEYS | TOOL_KEYS and k != "n" and v is not None}
             comp = await ctx.call_model(member, messages, tools=body.get("tools") or None, sampling=sampling)
         except InferenceError as e:
             errors.append(e)  # the episode re-raises it: a failed Rollout with the reason
@@ -123,10 +124,16 @@ class CaptureProxy:
                                            for t, lp in zip(comp.completion_token_ids, comp.logprobs)]},
                   "token_ids": list(comp.completion_token_ids)}
         n_prompt, n_out = len(comp.prompt_token_ids), len(comp.completion_token_ids)
-        return JSON({"id": f"chatcmpl-{sid}-{n_prompt}", "object": "chat.completion", "created": 0,
-                     "model": body.get("model", "policy"), "choices": [choice],
-                     "prompt_token_ids": list(comp.prompt_token_ids),
-                     "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}})
+        completion = {"id": f"chatcmpl-{sid}-{n_prompt}", "object": "chat.completion", "created": 0,
+                      "model": body.get("model", "policy"), "choices": [choice],
+                      "prompt_token_ids": list(comp.prompt_token_ids),
+                      "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                                "total_tokens": n_prompt + n_out}}
+        if body.get("stream"):  # verifiers' programs stream, and its interception server relays them as asked
+            from verifiers.v1.dialects import ChatDialect
+
+            return Response(b"".join(ChatDialect().stream_events(completion)), media_type="text/event-stream")
+        return JSON(completion)
 
 
 # -- the in-process chat harness -----------------------------------------------------------------------

@@ -349,6 +349,51 @@ def test_a_lora_recipe_trains_its_adapters_on_vllm_and_leaves_the_base(kafka_boo
     assert sum(not torch.equal(r0[k], r2[k]) for k in adapted) >= len(adapted) // 2, "the adapters did not move"
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(1200)
+def test_a_tool_recipe_trains_the_models_tokens_and_none_of_the_tools(kafka_bootstrap, tmp_path):
+    """rlt-word-lookup's recipe through `rollout rl`, which starts vLLM with the recipe's tool-call parser and chat
+    template: its seat runs verifiers' own chat program with the package's MCP toolset (streamed calls through the
+    capture endpoint). Exactly 2 revisions; every Step's prompt holds the tool call and the tool's answer as the
+    server rendered them (token ids); each training record is its Step's tokens, the mask covers the completion
+    only, so no token the tool returned is ever trained."""
+    from transformers import AutoTokenizer
+
+    from policy.hf import prepare_model
+    from rlt_word_lookup import secret
+
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
+    env.pop("ROLLOUT_TOPIC_PREFIX", None)
+    s = _rl(RECIPES / "rlt-word-lookup.toml", env, "--max-steps", "2", logs=tmp_path / "rl")
+    assert s["revisions"] == 2 and s["failed_rollouts"] == 0, s
+    _, con = _replay_and_audit(s, env, tmp_path / "run.duckdb")
+    tok = AutoTokenizer.from_pretrained(prepare_model().path)
+    steps = con.execute("SELECT step_id, prompt, tool_calls, prompt_token_ids, completion_token_ids FROM steps"
+                        ).fetchall()
+    assert steps
+    by_id = {}
+    for step_id, prompt, tool_calls, prompt_ids, completion_ids in steps:
+        messages = json.loads(prompt)
+        calls = {c["id"] for m in messages for c in m["tool_calls"]}
+        tools = [m for m in messages if m["role"] == "tool"]
+        assert tools and all(t["tool_call_id"] in calls for t in tools)  # every answer follows its call
+        word = json.loads(messages[1]["tool_calls"][0]["arguments"])["word"]  # the task's own exchange
+        assert messages[2]["content"] == str(secret(word))
+        rendered, said = tok.decode(prompt_ids), tok.decode(completion_ids)
+        for t in tools:  # the template's rendering of each tool answer, in the prompt's tokens
+            assert f"<tool_response>\n{t['content']}\n</tool_response>" in rendered
+        assert '"name": "words_lookup"' in rendered  # the tool offered, in the system turn
+        for call in json.loads(tool_calls):  # a call the model made itself is parsed from its own tokens
+            assert call["name"] in said
+        by_id[step_id] = (prompt_ids, completion_ids)
+    records = con.execute("SELECT step_ids, prompt_token_ids, completion_token_ids, loss_mask, n_trained_tokens "
+                          "FROM training_records").fetchall()
+    assert len(records) >= 16  # 2 batches of 8
+    for step_ids, prompt_ids, completion_ids, mask, trained in records:
+        assert len(step_ids) == 1 and (prompt_ids, completion_ids) == by_id[step_ids[0]]
+        assert len(mask) == len(completion_ids) and sum(mask) == trained <= len(completion_ids)
+
+
 def _tiny(recipe: str, tmp_path: Path, extra: str = "") -> Path:
     """A package's recipe with the tiny byte-level model as the policy (the fast loop), everything else as written."""
     text = (RECIPES / f"{recipe}.toml").read_text()
