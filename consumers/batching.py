@@ -2,7 +2,9 @@
 
 * size: ``batch_records`` records, or ``batch_tokens`` completion tokens (whichever is configured), and never
   more than one message holds (``max_batch_bytes``: a batch the broker refuses would be retried for ever);
-  a partial batch is flushed once its oldest record waited ``flush_after_s``.
+  a partial batch is flushed once no record arrived for ``flush_after_s`` (generation stalled or the run ended):
+  slow but steady generation (a float32 CPU, a tool program started per rollout) fills its batch, as prime-rl's
+  orchestrator does, instead of training a smaller step for a timing reason.
 * off-policy bound: a record more than ``max_off_policy_steps`` revisions behind the target is
   refused with its reason and counted (never silently dropped); a record *ahead* of the known target
   waits until its revision is announced, for ``ahead_timeout_s`` at most (then it is refused: a revision
@@ -154,7 +156,7 @@ class Batcher(Generic[T]):
         while eligible and len(batches) < room:
             n = self._full(eligible)
             if n == 0:
-                due = flush or (now - min(it.arrived for it in eligible) >= self.policy.flush_after_s)
+                due = flush or (now - max(it.arrived for it in eligible) >= self.policy.flush_after_s)
                 if not due:
                     break
                 n = len(eligible)

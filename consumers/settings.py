@@ -52,8 +52,8 @@ class ServiceSettings(BaseSettings):
     batch_records: int | None = Field(DEFAULT_BATCH_SIZE, ge=1,
                                       description="records per TrainerBatch: one optimizer step (the plan's batch_size)")
     batch_tokens: int | None = Field(None, ge=1, description="completion tokens per TrainerBatch (instead of records)")
-    flush_after_s: float = Field(10.0, description="emit a partial batch (a smaller step) when no batch filled for "
-                                                   "this long: the end of a run, or generation stalled")
+    flush_after_s: float = Field(10.0, description="emit a partial batch (a smaller step) when no record arrived "
+                                                   "for this long: the end of a run, or generation stalled")
     ahead_timeout_s: float = Field(1800.0, gt=0, description="batcher: refuse a record whose revision is still not "
                                    "announced after this long (its trainer never published it, or another run's)")
     children_timeout_s: float = Field(1800.0, gt=0, description="verifier: forget children's outcomes whose parent "

@@ -268,6 +268,20 @@ def test_batcher_sizes_and_exactly_one_batch_per_record():
     assert all(verify_batch(x) == [] for x, _ in batches + batches2)
 
 
+def test_a_partial_batch_waits_while_records_keep_arriving():
+    """Records 4 s apart with flush_after_s 10: the batch fills (one step of 4) though its first record waited
+    12 s; with no record for 10 s the short one is flushed. Before, the oldest record's wait flushed 3 at t=10."""
+    b = Batcher(BatchPolicy(family="tiny", batch_records=4, flush_after_s=10))
+    emitted = []
+    for i, t in enumerate((0.0, 4.0, 8.0, 12.0, 16.0)):
+        emitted += [len(x.records) for x, _ in b.poll(testing.revision(0), now=t)[0]]
+        b.add(testing.training_record(i), now=t)
+        emitted += [len(x.records) for x, _ in b.poll(testing.revision(0), now=t + 2.0)[0]]
+    assert emitted == [4]
+    assert b.poll(testing.revision(0), now=25.9)[0] == []  # the last record came at 16
+    assert [len(x.records) for x, _ in b.poll(testing.revision(0), now=26.0)[0]] == [1]
+
+
 def test_batcher_token_budget():
     b = Batcher(BatchPolicy(family="tiny", batch_records=None, batch_tokens=20, flush_after_s=100))
     for i in range(5):

@@ -304,8 +304,8 @@ def test_recipe_whole_loop_on_vllm(kafka_bootstrap, vllm_server, tmp_path):
     # one record a rollout: the arena admits no more than the 3 batches the run trains (it generated 12 before)
     assert s["rollouts"] == 3 * 32
     # every batched record was trained by one of the 3 revisions or refused as past the run's end. Refused ones
-    # come from a batch flushed partial: a failed rollout's, or records more than flush_after_s (10 s) apart while
-    # vLLM answers the evaluation beside them (seen once on a float32 CPU: r2 trained 16 records, 16 refused)
+    # come from a batch flushed partial: a failed rollout's, or no record for flush_after_s (10 s) while vLLM
+    # answers the evaluation beside them (seen once on a float32 CPU, when the oldest record's wait decided it)
     trained = sum(m["records"] for m in s["trainer_metrics_by_revision"].values())
     assert len(s["trainer_metrics_by_revision"]) == 3 and trained + late == s["records_in_batches"]
     # the eval source (split "test", num_examples 48, interval 1): every revision answers the 48 questions
