@@ -581,7 +581,8 @@ class Arena:
 
     async def _admit(self, group: list[EpisodeRequest], stop: asyncio.Event | None) -> str | None:
         """Admit a group (paced): its claim id; None when ``stop`` is set first (a paused arena must still stop)."""
-        admit = asyncio.ensure_future(self.pacer.admit(len(group), group[0].group_id))
+        admit = asyncio.ensure_future(self.pacer.admit(len(group), group[0].group_id, self.pacer.slots(
+            len(group), None if self.plan.one_record_per_rollout else self.stats.records_per_rollout)))
         if stop is None:
             return await admit
         stopped = asyncio.ensure_future(stop.wait())
@@ -594,9 +595,10 @@ class Arena:
         return None
 
     async def _more_needed(self, until_revision: int, stop: asyncio.Event) -> bool:
-        """Whether the batches up to the run's last revision need another group: the rollouts admitted (by every
-        arena) count at the records per rollout this arena has seen on the log, at least one each (a rollout that
-        yields none leaves a partial batch, which the batcher flushes). Where a rollout may yield several (seats,
+        """Whether the batches up to the run's last revision need another group: the slots admitted (by every
+        arena; a claim made before a rollout's yield was known counts the records per rollout this arena has seen
+        on the log, at least one each: a rollout that yields none leaves a partial batch, which the batcher
+        flushes). Where a rollout may yield several (seats,
         routed members, sub-episodes), no second group is admitted before a rollout of the first is counted:
         counted at one each, a two-seat game with ``max_steps = 2`` generated twice the rollouts it trained, and a
         proposer with four solvers five times (benchmarks/RESULTS.md)."""

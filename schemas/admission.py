@@ -2,8 +2,10 @@
 
 Events (one partition, so one total order every reader folds the same way):
 
-* ``AdmissionClaim``: an arena asks to admit a group of ``rollouts`` top-level rollouts, having seen trainer
-  revision ``seen_revision``; it carries the plan's ``batch_size`` and bound, so the fold needs nothing else.
+* ``AdmissionClaim``: an arena asks to admit a group of ``rollouts`` top-level rollouts, expected to fill
+  ``slots`` batch slots (training records: a two-seat rollout fills two or more; absent, one a rollout), having
+  seen trainer revision ``seen_revision``; it carries the plan's ``batch_size`` and bound, so the fold needs
+  nothing else.
 * ``AdmissionDone``: the claimer emitted every rollout of the group.
 * ``AdmissionRenew``: the claimer is alive and still running the group: its lease starts again (a slow group
   keeps its claim as long as its arena renews; a dead or frozen arena stops renewing).
@@ -14,10 +16,10 @@ Events (one partition, so one total order every reader folds the same way):
 computes the same grants. Per family, with ``A`` the rollouts of the granted, not released claims before it
 in log order and ``R0`` the ``seen_revision`` of the family's first claim, a claim is granted iff::
 
-    A + rollouts  <=  (seen_revision - R0 + max_off_policy_steps + 1) * batch_size
+    A + slots  <=  (seen_revision - R0 + max_off_policy_steps + 1) * batch_size
 
-i.e. its last rollout lands in a batch at most ``max_off_policy_steps`` revisions ahead of the revision its
-claimer had seen (the rollouts numbered ``[kB, (k+1)B)`` fill the batch that trains revision ``R0 + k``).
+i.e. its last record lands in a batch at most ``max_off_policy_steps`` revisions ahead of the revision its
+claimer had seen (the slots numbered ``[kB, (k+1)B)`` fill the batch that trains revision ``R0 + k``).
 ``seen_revision`` never exceeds the trainer's revision, so the bound holds whoever appends. A denied claim
 costs nothing. A release by anyone but the claimer counts only when its timestamp is at least ``lease_s``
 after the claim's or its last renewal's: a dead arena's claims block the others for one lease at most, and a
@@ -45,10 +47,18 @@ class AdmissionClaim(Event):
     family: str = Field(min_length=1)
     group_id: str = Field(min_length=1)
     rollouts: int = Field(ge=1, description="top-level rollouts of the group (sub-episodes ride on them)")
+    slots: int | None = Field(None, ge=1, description="batch slots (training records) the group is expected to "
+                              "fill: its rollouts times the records a rollout of the run yielded so far; none: one "
+                              "a rollout")
     seen_revision: int = Field(ge=0, description="the newest trainer revision the claimer had seen")
     batch_size: int = Field(ge=1)
     max_off_policy_steps: int = Field(ge=0)
     lease_s: float = Field(gt=0, description="after this long without Done, any arena may release the claim")
+
+    @property
+    def weight(self) -> int:
+        """The batch slots the claim takes in the book."""
+        return self.slots or self.rollouts
 
 
 class AdmissionDone(Event):
@@ -102,7 +112,8 @@ class ClaimState:
 @dataclass
 class _Family:
     base_revision: int
-    admitted: int = 0  # rollouts of granted, not released claims
+    admitted: int = 0  # slots of granted, not released claims
+    counted_as_rollouts: int = 0  # ...of which claims without ``slots`` (one a rollout, the yield not yet known)
 
 
 @dataclass
@@ -118,9 +129,11 @@ class AdmissionBook:
             if event.claim_id in self.claims:
                 return  # a retried append: the first one decided
             fam = self.families.setdefault(event.family, _Family(event.seen_revision))
-            granted = self.grantable(event.family, event.rollouts, event.seen_revision, event.batch_size,
+            granted = self.grantable(event.family, event.weight, event.seen_revision, event.batch_size,
                                      event.max_off_policy_steps)
-            fam.admitted += event.rollouts if granted else 0
+            if granted:
+                fam.admitted += event.weight
+                fam.counted_as_rollouts += event.rollouts if event.slots is None else 0
             self.claims[event.claim_id] = ClaimState(event, at, granted)
             return
         state = self.claims.get(getattr(event, "claim_id", ""))
@@ -133,17 +146,21 @@ class AdmissionBook:
         elif isinstance(event, AdmissionRelease) and (
                 event.arena_id == state.claim.arena_id or state.expired(at)):
             state.released = event.reason
-            self.families[state.claim.family].admitted -= state.claim.rollouts
+            fam = self.families[state.claim.family]
+            fam.admitted -= state.claim.weight
+            fam.counted_as_rollouts -= state.claim.rollouts if state.claim.slots is None else 0
 
-    def grantable(self, family: str, rollouts: int, seen_revision: int, batch_size: int, bound: int) -> bool:
-        """Whether a claim appended now would be granted."""
+    def grantable(self, family: str, slots: int, seen_revision: int, batch_size: int, bound: int) -> bool:
+        """Whether a claim of ``slots`` appended now would be granted."""
         fam = self.families.get(family)
         base, admitted = (fam.base_revision, fam.admitted) if fam else (seen_revision, 0)
-        return admitted + rollouts <= (seen_revision - base + bound + 1) * batch_size
+        return admitted + slots <= (seen_revision - base + bound + 1) * batch_size
 
-    def admitted(self, family: str) -> int:
+    def admitted(self, family: str, records_per_rollout: float = 1.0) -> int:
+        """Slots of the granted, not released claims; those of claims without ``slots`` at
+        ``records_per_rollout`` a rollout."""
         fam = self.families.get(family)
-        return fam.admitted if fam else 0
+        return int(fam.admitted + fam.counted_as_rollouts * (records_per_rollout - 1.0)) if fam else 0
 
     def base_revision(self, family: str, default: int) -> int:
         fam = self.families.get(family)

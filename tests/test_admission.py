@@ -13,9 +13,11 @@ from streams.admissions import MemoryLedger
 B, BOUND, LEASE = 4, 1, 10.0
 
 
-def claim(cid: str, *, arena: str = "a", n: int = 4, seen: int = 0, family: str = "f") -> AdmissionClaim:
+def claim(cid: str, *, arena: str = "a", n: int = 4, seen: int = 0, family: str = "f",
+          slots: int | None = None) -> AdmissionClaim:
     return AdmissionClaim(run_id="r", producer=arena, claim_id=cid, arena_id=arena, family=family, group_id=cid,
-                          rollouts=n, seen_revision=seen, batch_size=B, max_off_policy_steps=BOUND, lease_s=LEASE)
+                          rollouts=n, slots=slots, seen_revision=seen, batch_size=B, max_off_policy_steps=BOUND,
+                          lease_s=LEASE)
 
 
 def release(cid: str, arena: str) -> AdmissionRelease:
@@ -61,6 +63,40 @@ def test_release_gives_capacity_back_and_done_closes_a_claim():
     assert book.admitted("f") == 4 and book.grantable("f", 4, 0, B, BOUND)
     book.apply(release("c2", "a"), 5)
     assert book.admitted("f") == 4 and book.claims["c2"].released == "test"
+
+
+def test_a_group_of_several_records_a_rollout_takes_its_slots():
+    """A two-seat game yields 2+ records a rollout: its claims count slots, so the bound holds in records. Counted
+    at one a rollout, a two-seat run at bound 0 admitted 2.6 batches of records for each batch (18 refused stale)."""
+    book = fold((0, claim("c1", n=2)), (1, claim("c2", n=2, slots=5)), (2, claim("c3", n=1, slots=2)))
+    assert [book.granted(c) for c in ("c1", "c2", "c3")] == [True, True, False]  # 2 + 5 + 2 > (0 + 1 + 1) * 4
+    assert book.admitted("f") == 7
+    assert book.admitted("f", records_per_rollout=2.5) == 10  # c1 counted before the yield was known: 2 x 2.5
+    book.apply(release("c2", "a"), 3)
+    assert book.admitted("f") == 2 and book.grantable("f", 6, 0, B, BOUND) and not book.grantable("f", 7, 0, B, BOUND)
+
+
+def test_the_pacer_sizes_a_claim_by_the_records_a_rollout_yielded():
+    pacer = AdmissionPacer(B, BOUND)
+    assert pacer.slots(4, None) is None and pacer.slots(4, 1.0) is None  # one a rollout: the claim says rollouts
+    assert pacer.slots(3, 1.4) == 5  # rounded up: a slot short would push a record into the next batch
+    assert pacer.slots(4, 3.0) == (BOUND + 1) * B  # never more than one claim can be granted
+
+
+async def test_claims_with_slots_pace_the_arena_in_records():
+    ledger = MemoryLedger()
+    pacer = AdmissionPacer(B, BOUND, ledger=ledger, arena_id="a")
+    await pacer.start()
+    try:
+        await pacer.admit(2, slots=5)
+        waiter = asyncio.create_task(pacer.admit(2, slots=4))  # 5 + 4 > 8: waits for revision 1
+        await asyncio.sleep(0.05)
+        assert pacer.paused and not waiter.done()
+        await pacer.on_revision(1)
+        await asyncio.wait_for(waiter, 2)
+        assert ledger.book.admitted("default") == 9 and pacer.admitted == 4 and pacer.final_revision() == 2
+    finally:
+        await pacer.stop()
 
 
 def test_lease_expiry_lets_any_arena_release_a_dead_arenas_claim():
