@@ -581,8 +581,9 @@ class Arena:
 
     async def _admit(self, group: list[EpisodeRequest], stop: asyncio.Event | None) -> str | None:
         """Admit a group (paced): its claim id; None when ``stop`` is set first (a paused arena must still stop)."""
-        admit = asyncio.ensure_future(self.pacer.admit(len(group), group[0].group_id, self.pacer.slots(
-            len(group), None if self.plan.one_record_per_rollout else self.stats.records_per_rollout)))
+        # sized by what rollouts yielded on the log, not by the plan: an env's own seats and turns are not in it
+        admit = asyncio.ensure_future(self.pacer.admit(len(group), group[0].group_id,
+                                                       self.pacer.slots(len(group), self.stats.records_per_rollout)))
         if stop is None:
             return await admit
         stopped = asyncio.ensure_future(stop.wait())
