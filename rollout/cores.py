@@ -35,9 +35,9 @@ SPLIT_FROM = 4
 def choose(mode: str, plan: GenerationPlan, cores: set[int] | None = None) -> str:
     """The mode ``auto`` stands for on this machine and plan; any other mode as it is. Below ``SPLIT_FROM`` cores
     ``auto`` takes turns only when each rollout yields one training record (one trainable member, no seats, no
-    routed members): the admission ledger counts rollouts against a batch of records, so with a bound of 0 the
-    second batch of a two-seat game's rollouts would be refused as one revision behind. Such a plan shares the
-    cores instead."""
+    routed members, no verifiers env, whose seats and turns are its own): until a rollout is counted the admission
+    ledger counts one record a rollout, so with a bound of 0 a two-seat game's first groups filled batches 2 and 3
+    with records one revision behind, refused (benchmarks/RESULTS.md). Such a plan shares the cores instead."""
     if mode != "auto":
         return mode
     if len(cores if cores is not None else os.sched_getaffinity(0)) >= SPLIT_FROM:

@@ -291,8 +291,10 @@ class GenerationPlan(Record):
     @property
     def one_record_per_rollout(self) -> bool:
         """Whether each rollout yields exactly one training record (one trainable member: no seats, no routed
-        members), so that rollouts and batch records count alike."""
-        return self.train_one is None and not self.members and not any(env.seats for env in self.environments)
+        members), so that rollouts and batch records count alike. Never for a training source that is a verifiers
+        env: its own seats and turns are not in the plan (``kuhn-poker`` with no seat tables yields 3.3 a rollout)."""
+        return self.train_one is None and not self.members and not any(
+            env.seats or (env.env_table is not None and not env.evaluation) for env in self.environments)
 
     @property
     def learner(self) -> Target:

@@ -53,6 +53,20 @@ def test_auto_shares_the_cores_below_four_for_rollouts_of_several_records():
     assert choose("auto", several, {0, 1}) == "shared" and choose("auto", several, set(range(4))) == "split"
 
 
+def test_a_verifiers_env_source_counts_as_several_records_a_rollout(tmp_path):
+    """A recipe naming a verifiers env without seat tables (kuhn-poker's two seats are its own): the plan cannot
+    tell how many records a rollout yields, so auto shares the cores and the arena counts before it sizes claims."""
+    from schemas.plan_compiler import compile_plan
+
+    recipe = tmp_path / "duel.toml"
+    recipe.write_text('[model]\nname = "HuggingFaceTB/SmolLM2-135M-Instruct"\n\n[orchestrator]\nbatch_size = 8\n'
+                      'group_size = 4\n\n[[orchestrator.train.source]]\nname = "duel"\n\n'
+                      '[orchestrator.train.source.env.taskset]\nid = "rlt-tally-duel"\n')
+    plan = compile_plan(str(recipe))
+    assert not any(e.seats for e in plan.environments) and not plan.members
+    assert not plan.one_record_per_rollout and choose("auto", plan, {0, 1}) == "shared"
+
+
 def test_what_waits_for_the_trainer_steps_back_and_the_broker_is_put_back():
     """The arena is started at BACKGROUND_NICE (it and the threads it starts); the broker, a session of its own as
     the local broker is, is stepped back for the run and restored after it (its autogroup's nice value, where the
