@@ -22,9 +22,9 @@ starved) and resumes when a newer revision arrives or capacity is released. A gr
 lease (``admission_lease_s``) is released by whichever arena notices, so a dead arena blocks the others for
 one lease at most, and an arena restarted under the same id releases its earlier life's claims at once.
 Only top-level rollouts are claimed: sub-episodes spawned by an admitted rollout ride on its admission (their
-records counted in its slots), and evaluation rollouts are not admitted. If the revision feed dies (e.g. the policy server refuses a revision's
-checkpoint), admission stops and the arena's ``run`` raises that error rather than generating against a revision it
-cannot track.
+records counted in its slots), and evaluation rollouts are not admitted. If the revision feed dies (e.g. the policy
+server refuses a revision's checkpoint), admission stops and the arena's ``run`` raises that error rather than
+generating against a revision it cannot track.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ ways out, ``--cores``:
   (``VLLM_CPU_OMP_THREADS_BIND``), and the process that trains (services, trainer, the arena it starts) is pinned
   to the rest with as many torch threads; generation of the next batch overlaps training, with the plan's bound.
 * ``shared``: both on every core at once, with the plan's bound (what the loop did before; ``auto`` below
-  ``SPLIT_FROM`` cores for a plan with seats or routed members, see ``choose``).
+  ``SPLIT_FROM`` cores for a plan with seats, routed members or a verifiers env, see ``choose``).
 """
 
 from __future__ import annotations

@@ -100,7 +100,8 @@ def add_cores_flag(p: argparse.ArgumentParser) -> None:
                    help="how the vLLM it starts and the trainer share this machine's cores: turns (every core each, "
                         "never at once: off-policy bound 0 for the run), split (half each, overlapping, the plan's "
                         f"bound), shared (every core each, at once); auto (default): split from {SPLIT_FROM} cores, "
-                        "turns below, or shared for a plan with seats or routed members (rollout/cores.py)")
+                        "turns below, or shared for a plan with seats, routed members or a verifiers env "
+                        "(rollout/cores.py)")
 
 
 def add_eval_interval_flag(p: argparse.ArgumentParser) -> None:
