@@ -599,8 +599,8 @@ class Arena:
         """Whether the batches up to the run's last revision need another group: the slots admitted (by every
         arena; a claim made before a rollout's yield was known counts the records per rollout this arena has seen
         on the log, at least one each: a rollout that yields none leaves a partial batch, which the batcher
-        flushes). Where a rollout may yield several (seats,
-        routed members, sub-episodes), no second group is admitted before a rollout of the first is counted:
+        flushes). Where a rollout may yield several (seats, routed members, sub-episodes, a verifiers env's own
+        turns), no second group is admitted before a rollout of the first is counted:
         counted at one each, a two-seat game with ``max_steps = 2`` generated twice the rollouts it trained, and a
         proposer with four solvers five times (benchmarks/RESULTS.md)."""
         if not self.plan.one_record_per_rollout and self.stats.groups and not self.stats.admitted_on_log:

@@ -13,7 +13,7 @@ Events (one partition, so one total order every reader folds the same way):
   group, or by any arena once the claim's lease ran out (its arena died, or stopped renewing).
 
 ``AdmissionBook`` is the fold: pure, deterministic from the records and their log timestamps, so every arena
-computes the same grants. Per family, with ``A`` the rollouts of the granted, not released claims before it
+computes the same grants. Per family, with ``A`` the slots of the granted, not released claims before it
 in log order and ``R0`` the ``seen_revision`` of the family's first claim, a claim is granted iff::
 
     A + slots  <=  (seen_revision - R0 + max_off_policy_steps + 1) * batch_size
