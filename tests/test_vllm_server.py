@@ -50,6 +50,19 @@ def test_the_command_reserves_the_sized_cache_or_the_one_asked_for(llama, monkey
     assert "VLLM_CPU_KVCACHE_SPACE" not in VllmServer(llama).environment()
 
 
+def test_the_model_runs_in_the_engine_cores_process_unless_the_user_says_otherwise(llama, monkeypatch):
+    """vllm-cpu runs the "uni" executor only with V1 multiprocessing off (else it forces "mp", a third process);
+    a user's own setting and arguments come after ours and win."""
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    server = VllmServer(llama, extra_args=("--distributed-executor-backend", "mp"))
+    cmd = server.command()
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
+    assert cmd[-2:] == ["--distributed-executor-backend", "mp"]  # argparse: the last one wins
+    assert server.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert server.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
 def test_a_recipes_server_settings_become_vllms_arguments_as_prime_rl_passes_them():
     """``[inference.vllm]``: an explicit parser verbatim, with auto tool choice; "auto" (prime-rl's default) from
     the served model's name by prime-rl's table (none for SmolLM2); auto tool choice switched off when asked."""
@@ -113,5 +126,12 @@ async def test_a_recipe_naming_a_tool_call_parser_starts_a_vllm_that_accepts_too
                 "tools": [tool], "tool_choice": "auto", "max_tokens": 16})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["role"] == "assistant"
+        # the model runs in the engine core's process: the API server has one child (vLLM's resource tracker
+        # aside), where vllm-cpu's default "mp" executor adds a worker under it
+        import psutil
+
+        engine = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                  if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(engine) == 1, [p.cmdline() for p in engine]
     finally:
         await server.stop()
