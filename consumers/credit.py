@@ -8,6 +8,10 @@ before the service starts: the service only asks ``CreditAssigner.buffers``, nev
 
 Only trainable steps (``RolloutScored.trainable_steps``) produce records: a fixed opponent or the judge
 never does. ``record_id`` derives from (rollout_id, step_id), so a retry cannot double a record.
+
+Admission gates (prime-rl's ``advantage_range``, ``schemas.plan.AdmissionGate``) look at a credited group's
+records: a group a gate rejects yields none, and is listed in ``CreditAssigner.withheld`` so the service gives its
+batch slots back to the arenas (``schemas.admission.AdmissionRefund``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import numpy as np
 
 from schemas.events import RolloutScored, TrainingRecord
+from schemas.plan import AdmissionGate
 
 def record_id(rollout_id: str, step_id: str, derived_run: str | None = None) -> str:
     """A derived run's records differ from the source run's own for the same step (both replay into one
@@ -44,6 +49,19 @@ def records_for(scored: RolloutScored, advantages: Mapping[str, float], credit: 
             reward=float(scored.rewards.get(st.member_id, 0.0)),
             advantage=float(advantages.get(st.member_id, 0.0)), credit=credit, source=scored.source))
     return out
+
+
+def gate_rejects(advantages: Sequence[float], gates: Sequence[AdmissionGate]) -> str | None:
+    """Why the first gate rejecting a group with these trainable advantages does (prime-rl's ``AdvRangeGate``:
+    every advantage within ``[reject_min, reject_max]``); None when every gate admits it. A group with no
+    trainable advantage is admitted, as prime-rl admits one without an advantage stream."""
+    if not advantages:
+        return None
+    for g in gates:
+        if all(g.reject_min <= a <= g.reject_max for a in advantages):
+            return (f"gate {g.name!r}: all {len(advantages)} advantages within [{g.reject_min:g}, "
+                    f"{g.reject_max:g}]")
+    return None
 
 
 def group_advantages(group: Sequence[RolloutScored], *, eps: float = 1e-6, scale_std: bool = True,
@@ -240,7 +258,8 @@ class PerStep(CreditStrategy):
 class CreditAssigner:
     """Strategy state for one partition. ``add`` returns the records ready now (and notes what it buffers)."""
 
-    def __init__(self, strategy: str = "grpo", params: Mapping[str, Any] | None = None, *, producer: str = "credit"):
+    def __init__(self, strategy: str = "grpo", params: Mapping[str, Any] | None = None, *, producer: str = "credit",
+                 gates: Sequence[AdmissionGate] = ()):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown credit strategy {strategy!r}; choose from {tuple(STRATEGIES)}")
         self.params = dict(params or {})
@@ -248,6 +267,11 @@ class CreditAssigner:
         self.producer = producer
         self.groups = GroupBuffer()
         self.timeout_s = float(self.params.get("group_timeout_s", 300.0))
+        if gates and not self.strategy.buffers:
+            raise ValueError(f"admission gates judge a whole group, and credit strategy {strategy!r} credits each "
+                             "rollout alone: use a group strategy (grpo) or drop the recipe's curriculum.gates")
+        self.gates = list(gates)
+        self.withheld: list[tuple[str, str, str]] = []  # (group id, run id, why) of gated groups: the caller drains
 
     @property
     def buffers(self) -> bool:
@@ -264,7 +288,12 @@ class CreditAssigner:
 
     def _credit(self, rollouts: list[RolloutScored], credit: str) -> list[TrainingRecord]:
         adv = self.strategy.advantages(rollouts)
-        return [r for s in rollouts for r in records_for(s, adv[s.rollout_id], credit, producer=self.producer)]
+        records = [r for s in rollouts for r in records_for(s, adv[s.rollout_id], credit, producer=self.producer)]
+        why = gate_rejects([r.advantage for r in records], self.gates) if self.gates else None
+        if why is None:
+            return records
+        self.withheld.append((rollouts[0].group_id, rollouts[0].run_id, why))
+        return []
 
     def flush_expired(self, now: float) -> tuple[list[TrainingRecord], list[tuple[list[RolloutScored], str]]]:
         """Groups past the timeout: credited within what arrived when >= 2 rollouts, else refused with a reason."""

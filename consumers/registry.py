@@ -15,7 +15,7 @@ SERVICES: dict[str, Service] = {s.name: s for s in (
             inputs=(topics.STEPS, topics.ROLLOUTS), outputs=(topics.SCORES, topics.DEAD_LETTERS),
             wiring="consumers.tasks.verifier:wiring", options=("step_timeout_s",)),
     Service("credit", "credit assignment: RolloutScored -> TrainingRecords with the plan's credit strategy",
-            inputs=(topics.SCORES,), outputs=(topics.TRAINING_RECORDS, topics.DEAD_LETTERS),
+            inputs=(topics.SCORES,), outputs=(topics.TRAINING_RECORDS, topics.ADMISSIONS, topics.DEAD_LETTERS),
             wiring="consumers.tasks.credit:wiring", options=("credit", "alpha", "group_timeout_s"),
             runs_algorithm=True),
     Service("batcher", "TrainingRecords -> lineage-stamped TrainerBatches with an off-policy bound",

@@ -16,7 +16,8 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.history import Derivation
-from schemas.plan import DEFAULT_BATCH_SIZE, DEFAULT_MAX_OFF_POLICY_STEPS, GenerationPlan, LoraSpec, OptimizerSpec
+from schemas.plan import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_OFF_POLICY_STEPS, AdmissionGate, GenerationPlan, LoraSpec,
+                          OptimizerSpec)
 from schemas.policy import TINY_FAMILY
 from streams import topics
 
@@ -71,6 +72,8 @@ class ServiceSettings(BaseSettings):
                                                     "the adapters train, each revision is served merged")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="trainer: the optimizer (the "
                                      "plan's [trainer.optim] type, betas, mu, max_norm)")
+    admission_gates: list[AdmissionGate] = Field(default_factory=list, description="credit: the plan's admission "
+                                                 "gates (prime-rl's curriculum.gates): gated groups are not trained")
     max_steps: int | None = Field(None, ge=1, description="trainer: the run's last revision (the plan's max_steps, "
                                   "prime-rl's optimizer steps): a batch that would train past it is refused, its "
                                   "records dead-lettered with RunComplete (None: no end)")
@@ -102,7 +105,7 @@ def plan_values(plan: GenerationPlan, *, credit: bool) -> dict[str, Any]:
     algorithm nothing here runs (or names a strategy nobody registered) is refused (``PlanRefused``)
     instead of falling back to another."""
     from consumers.credit import STRATEGIES
-    from schemas.plan import PlanError, credit_strategy
+    from schemas.plan import PlanError, admission_gates, credit_strategy
 
     values: dict[str, Any] = {"family": plan.family, "max_off_policy_steps": plan.max_off_policy_steps,
                               "judge_targets": dict(plan.targets), "served_model": plan.served_model,
@@ -118,6 +121,10 @@ def plan_values(plan: GenerationPlan, *, credit: bool) -> dict[str, Any]:
             raise PlanError(f"{plan.source}: advantage type {name!r} is not a registered credit strategy "
                             f"({', '.join(STRATEGIES)}; see consumers.credit.register_strategy)")
         values["credit"], values["credit_params"] = name, params
+        values["admission_gates"] = admission_gates(plan)
+        if values["admission_gates"] and not STRATEGIES[name].buffers:
+            raise PlanError(f"{plan.source}: admission gates judge a whole group, and the algorithm's credit "
+                            f"strategy {name!r} credits each rollout alone")
     except PlanError as e:
         if credit:
             raise PlanRefused(str(e)) from None
@@ -135,7 +142,7 @@ def build(flags: dict[str, Any] | None = None, plan: GenerationPlan | None = Non
 
 
 # -- flags -------------------------------------------------------------------------------------------------
-_NOT_FLAGS = {"credit_params", "judge_targets", "derivation", "lora", "optimizer"}  # structured: from the plan only
+_NOT_FLAGS = {"credit_params", "judge_targets", "derivation", "lora", "optimizer", "admission_gates"}  # structured: from the plan only
 
 
 def add_flags(p: argparse.ArgumentParser, fields: tuple[str, ...]) -> None:

@@ -609,6 +609,26 @@ class Arena:
                 return False
         return self.pacer.final_revision(max(1.0, self.stats.records_per_rollout or 1.0)) < until_revision
 
+    async def _room_again(self, until_revision: int, stop: asyncio.Event, idle_s: float = 300.0) -> bool:
+        """Once the admitted slots fill the batches up to the run's last revision: whether slots come back before
+        it is current (``stop``) and are needed again: a group the credit service's admission gate kept out of
+        training gives its slots back (``AdmissionRefund``; prime-rl samples again to fill the batch), as does an
+        abandoned claim. False once ``stop`` is set, or after ``idle_s`` with neither a new revision nor a slot
+        given back."""
+        book, family = self.pacer.book, self.pacer.family
+        last, seen = time.monotonic(), (self.current_policy.revision, book.admitted(family))
+        while not stop.is_set() and self._fatal is None:
+            await until_first(stop.wait(), self.pacer.ledger.wait(self.pacer.POLL_S))
+            await self.pacer.ledger.sync()
+            now = (self.current_policy.revision, book.admitted(family))
+            if now[1] < seen[1] and await self._more_needed(until_revision, stop):
+                return True
+            if now != seen:
+                last, seen = time.monotonic(), now
+            elif time.monotonic() - last > idle_s:
+                return False
+        return False
+
     async def run(self, num_groups: int | None = None, *, stop: asyncio.Event | None = None,
                   collect: bool = False, until_revision: int | None = None
                   ) -> ArenaStats | tuple[ArenaStats, list[GenerateResult]]:
@@ -637,7 +657,8 @@ class Arena:
             while (num_groups is None or admitted < num_groups) and not (stop and stop.is_set()):
                 if self._fatal is not None:
                     break
-                if until_revision is not None and not await self._more_needed(until_revision, stop):
+                if until_revision is not None and not await self._more_needed(until_revision, stop) \
+                        and not await self._room_again(until_revision, stop):
                     break
                 group = self.sample_request_group()
                 try:

@@ -290,5 +290,5 @@ BUILDERS = {
     "policy_revision": policy_revisions, "step": steps, "rollout": rollouts, "rollout_scored": scores,
     "training_record": training_records, "trainer_batch": trainer_batches, "dead_letter": dead_letters,
     "admission_claim": admissions, "admission_done": admissions, "admission_renew": admissions,
-    "admission_release": admissions,
+    "admission_release": admissions, "admission_refund": admissions,
 }

@@ -161,7 +161,7 @@ ADMISSIONS = _table("admissions", [
     pa.field("batch_size", I32), pa.field("max_off_policy_steps", I32), pa.field("lease_s", F64),
     pa.field("reason", STR),
 ], "the arenas' admissions ledger in log order (schemas.admission): claims, done groups, renewed leases, released "
-   "claims")
+   "claims, and groups an admission gate refunded (by group_id)")
 
 REPLAY_ERRORS = _table("replay_errors", [
     pa.field("key", pa.binary()), pa.field("value", pa.binary()), pa.field("headers", STR), pa.field("error", STR),
@@ -176,7 +176,7 @@ TABLE_FOR_EVENT = {
     "policy_revision": "policy_revisions", "step": "steps", "rollout": "rollouts", "rollout_scored": "scores",
     "training_record": "training_records", "trainer_batch": "trainer_batches", "dead_letter": "dead_letters",
     "admission_claim": "admissions", "admission_done": "admissions", "admission_renew": "admissions",
-    "admission_release": "admissions",
+    "admission_release": "admissions", "admission_refund": "admissions",
 }
 
 _DUCK_TYPES = {

@@ -70,6 +70,10 @@ def _env_line(e, top) -> str:
     if e.seats:
         parts.append("seats " + ", ".join(f"{n}->{s.target}{'' if s.trainable else ' (fixed)'}"
                                           for n, s in e.seats.items()))
+    if e.gates:
+        parts.append("admission gates " + ", ".join(f"{g.name} (advantage_range [{g.reject_min:g}, {g.reject_max:g}]: "
+                                                    "such a group is not trained, another fills its slots)"
+                                                    for g in e.gates))
     line = f"  {e.display_name}: " + "; ".join(parts)
     if e.algorithm is not None and e.algorithm != top:
         line += f"\n    algorithm {_algorithm(e.algorithm)}"

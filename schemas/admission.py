@@ -11,6 +11,9 @@ Events (one partition, so one total order every reader folds the same way):
   keeps its claim as long as its arena renews; a dead or frozen arena stops renewing).
 * ``AdmissionRelease``: a granted claim gives its capacity back: written by the claimer when it abandons the
   group, or by any arena once the claim's lease ran out (its arena died, or stopped renewing).
+* ``AdmissionRefund``: the credit service's admission gate kept the finished group out of training (prime-rl's
+  ``advantage_range``): the group's claim gives its capacity back, so another group fills its slots, as prime-rl
+  samples again to fill the batch. Named by group, as credit knows it; a group no claim names is ignored.
 
 ``AdmissionBook`` is the fold: pure, deterministic from the records and their log timestamps, so every arena
 computes the same grants. Per family, with ``A`` the slots of the granted, not released claims before it
@@ -89,7 +92,16 @@ class AdmissionRelease(Event):
     reason: str
 
 
-ADMISSION_EVENTS = (AdmissionClaim, AdmissionDone, AdmissionRenew, AdmissionRelease)
+class AdmissionRefund(Event):
+    """A finished group the admission gate kept out of training: its claim's slots return to the pool."""
+
+    EVENT_TYPE: ClassVar[str] = "admission_refund"
+
+    group_id: str = Field(min_length=1)
+    reason: str
+
+
+ADMISSION_EVENTS = (AdmissionClaim, AdmissionDone, AdmissionRenew, AdmissionRelease, AdmissionRefund)
 
 
 @dataclass
@@ -122,6 +134,7 @@ class AdmissionBook:
 
     claims: dict[str, ClaimState] = field(default_factory=dict)
     families: dict[str, _Family] = field(default_factory=dict)
+    by_group: dict[str, str] = field(default_factory=dict)  # group id -> the id of the claim granted for it
 
     def apply(self, event: Event, at: float) -> None:
         """Fold one record, ``at`` its log timestamp in seconds."""
@@ -135,6 +148,13 @@ class AdmissionBook:
                 fam.admitted += event.weight
                 fam.counted_as_rollouts += event.rollouts if event.slots is None else 0
             self.claims[event.claim_id] = ClaimState(event, at, granted)
+            if granted:
+                self.by_group[event.group_id] = event.claim_id
+            return
+        if isinstance(event, AdmissionRefund):
+            state = self.claims.get(self.by_group.get(event.group_id, ""))
+            if state is not None and state.granted and state.released is None:  # done or not: the group is over
+                self._give_back(state, f"refunded: {event.reason}")
             return
         state = self.claims.get(getattr(event, "claim_id", ""))
         if state is None or not state.open:
@@ -145,10 +165,13 @@ class AdmissionBook:
             state.lease_from = max(state.lease_from, at)
         elif isinstance(event, AdmissionRelease) and (
                 event.arena_id == state.claim.arena_id or state.expired(at)):
-            state.released = event.reason
-            fam = self.families[state.claim.family]
-            fam.admitted -= state.claim.weight
-            fam.counted_as_rollouts -= state.claim.rollouts if state.claim.slots is None else 0
+            self._give_back(state, event.reason)
+
+    def _give_back(self, state: ClaimState, reason: str) -> None:
+        state.released = reason
+        fam = self.families[state.claim.family]
+        fam.admitted -= state.claim.weight
+        fam.counted_as_rollouts -= state.claim.rollouts if state.claim.slots is None else 0
 
     def grantable(self, family: str, slots: int, seen_revision: int, batch_size: int, bound: int) -> bool:
         """Whether a claim of ``slots`` appended now would be granted."""

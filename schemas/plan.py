@@ -110,6 +110,25 @@ class AdvantageSpec(Record):
                       "scale_std = false")
 
 
+class AdmissionGate(Record):
+    """prime-rl's ``advantage_range`` admission gate (``curriculum.gates.<name>``): a finished group whose every
+    trainable advantage lies in ``[reject_min, reject_max]`` is not trained on, and its batch slots go to another
+    group (``consumers.credit.gate_rejects``; ``schemas.admission.AdmissionRefund``). The default ``[0, 0]`` drops
+    groups with no learning signal (every rollout rewarded alike)."""
+
+    name: str = Field(min_length=1)
+    type: Literal["advantage_range"] = "advantage_range"
+    reject_min: float = 0.0
+    reject_max: float = 0.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AdmissionGate:
+        if self.reject_min > self.reject_max:
+            raise ValueError(f"gate {self.name!r}: reject_min ({self.reject_min}) is above reject_max "
+                             f"({self.reject_max})")
+        return self
+
+
 class EnvSpec(Record):
     id: str = Field(min_length=1)
     name: str | None = None
@@ -121,6 +140,7 @@ class EnvSpec(Record):
     evaluation: bool = Field(default=False, description="an evaluation source: scored, never trained on")
     algorithm: AdvantageSpec | None = Field(default=None, description="this training source's algorithm")
     seats: dict[str, Seat] = Field(default_factory=dict, description="the environment's agent seats, by name")
+    gates: list[AdmissionGate] = Field(default_factory=list, description="this training source's admission gates")
     env_table: dict[str, JsonValue] | None = Field(
         default=None, description="the source's verifiers env table (prime-rl's ``env``) as written; resolved by "
                                   "verifiers' own loader where the environment runs (producers.verifiers_loader)")
@@ -345,6 +365,18 @@ def require_runnable(plan: GenerationPlan) -> None:
     """Refuse to start a run whose recipe has keys that change the run and that nothing here applies."""
     if plan.refused:
         raise PlanError(f"{plan.source}: cannot run as written; not applied here: " + "; ".join(plan.refused))
+
+
+def admission_gates(plan: GenerationPlan) -> list[AdmissionGate]:
+    """The gates the credit service applies: every training source's, which must be the same (one credit service
+    runs one set per run, as it runs one strategy). Raises ``PlanError`` naming the sources where they differ."""
+    sets = {json.dumps([g.model_dump() for g in env.gates], sort_keys=True) for env in plan.environments}
+    if len(sets) > 1:
+        shown = "; ".join(f"{env.display_name}: {', '.join(g.name for g in env.gates) or 'none'}"
+                          for env in plan.environments)
+        raise PlanError(f"{plan.source}: training sources have different admission gates ({shown}); the credit "
+                        "service applies one set per run")
+    return list(plan.environments[0].gates) if plan.environments else []
 
 
 def credit_strategy(plan: GenerationPlan) -> tuple[str, dict[str, Any]]:

@@ -54,7 +54,8 @@ from pydantic import ValidationError
 from schemas.recipe_keys import neutral_reason, refusals
 from schemas.plan import (DEFAULT_BATCH_SIZE, DEFAULT_EVAL_INTERVAL, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ASYNC_LEVEL,
                           DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, AdvantageSpec, EnvSpec, GenerationPlan,
-                          LoraSpec, MemberRoute, OPTIMIZERS, OptimizerSpec, PlanError, SERVER_KEYS, Seat, Target, TrainOne)
+                          AdmissionGate, LoraSpec, MemberRoute, OPTIMIZERS, OptimizerSpec, PlanError, SERVER_KEYS, Seat,
+                          Target, TrainOne)
 
 # Sampling keys we know: prime-rl's train/eval sampling configs (and the fork's), verifiers'
 # SamplingConfig and the request fields producers.inference sends. Any other key is a sampling
@@ -475,15 +476,17 @@ class _Compiler:
         if not read:
             raise self.fail(path, "no training source")
         shared: dict[str, Any] = {}
+        shared_gates: list[AdmissionGate] = []
         if train is not None:
-            self._sampling_policy(train, tpath)
+            shared_gates = self._sampling_policy(train, tpath)  # the older [orchestrator.train] curriculum
             if "select" in train:
                 shared["select"] = self.table(train, "select", tpath)
         envs = []
         for p, t, env in read:
             algo = self.table(t, "algo", p) if path.endswith("source") else None
             envs.append(env.model_copy(update={"algorithm": self._algo(algo, _join(p, "algo")) if algo else top,
-                                               "options": {**shared, **env.options}}))
+                                               "options": {**shared, **env.options},
+                                               "gates": env.gates or shared_gates}))
         return envs
 
     def _eval_sources(self, orch: dict, op: str, family: str) -> list[EnvSpec]:
@@ -576,7 +579,7 @@ class _Compiler:
             options["select"] = self.table(src, "select", path)
         if "skip_first_step" in src:
             options["skip_first_step"] = self._bool(src["skip_first_step"], _join(path, "skip_first_step"))
-        self._sampling_policy(src, path)
+        gates = self._sampling_policy(src, path)
         knobs: dict[str, Any] = {}
         seats: dict[str, Seat] = {}
         for key, value in env.items():
@@ -594,11 +597,12 @@ class _Compiler:
             options["env"] = knobs
         return EnvSpec(id=full_id, name=name, args={k: v for k, v in taskset.items() if k != "id"},
                        sampling=self.sampling_of(src, path), env_table=env,
-                       options=options, evaluation=evaluation, seats=seats)
+                       options=options, evaluation=evaluation, seats=seats, gates=gates)
 
-    def _sampling_policy(self, table: dict, path: str) -> None:
-        """prime-rl's task sampler (``sampler``, or ``curriculum.sampler`` / ``curriculum.gates``): the standard
-        one (cycle through the taskset, admit every group) runs here; any other is refused when a run starts."""
+    def _sampling_policy(self, table: dict, path: str) -> list[AdmissionGate]:
+        """prime-rl's task sampler (``sampler``, or ``curriculum.sampler``) and admission gates
+        (``curriculum.gates``): the standard sampler (cycle through the taskset) and ``advantage_range`` gates run
+        here; any other is refused when a run starts. The gates, as written."""
         cur = self.table(table, "curriculum", path) or {}
         for key, value in (("sampler", table.get("sampler")), ("curriculum.sampler", cur.get("sampler"))):
             if value is None:
@@ -607,12 +611,29 @@ class _Compiler:
             if kind != STANDARD_SAMPLER:
                 self.refused.append(f"{_join(path, key)}: task sampler {kind!r}: only prime-rl's standard sampler "
                                     "runs here")
-        if cur.get("gates"):
-            self.refused.append(f"{_join(path, 'curriculum.gates')}: admission gates "
-                                f"({', '.join(sorted(cur['gates']))}): every finished group is admitted here")
         extra = sorted(set(cur) - {"sampler", "gates"})
         if extra:
             self.refused.append(f"{_join(path, 'curriculum')}: keys {extra}: not applied by rollout-log")
+        gpath = _join(path, "curriculum.gates")
+        gates = self.table(cur, "gates", _join(path, "curriculum")) or {}
+        out = []
+        for name, gate in gates.items():
+            gp = _join(gpath, name)
+            if not isinstance(gate, dict):
+                raise self.fail(gp, f"expected a table, got {_kind(gate)} {gate!r}")
+            kind = gate.get("type", "advantage_range")
+            if kind != "advantage_range":
+                self.refused.append(f"{gp}: admission gate type {kind!r}: only prime-rl's advantage_range runs here")
+                continue
+            unknown = sorted(set(gate) - {"type", "reject_min", "reject_max"})
+            if unknown:
+                raise self.fail(gp, f"unknown keys {unknown} (an advantage_range gate has reject_min, reject_max)")
+            bounds = {k: self.number(gate[k], _join(gp, k)) for k in ("reject_min", "reject_max") if k in gate}
+            if bounds.get("reject_min", 0.0) > bounds.get("reject_max", 0.0):
+                raise self.fail(gp, f"reject_min ({bounds.get('reject_min', 0.0):g}) is above reject_max "
+                                f"({bounds.get('reject_max', 0.0):g}); prime-rl refuses it too")
+            out.append(AdmissionGate(name=name, **bounds))
+        return out
 
     def _bool(self, value: Any, field: str) -> bool:
         if not isinstance(value, bool):

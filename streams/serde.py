@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas import codec
-from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRelease, AdmissionRenew
+from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRefund, AdmissionRelease, AdmissionRenew
 from schemas.envelope import Event
 from schemas.errors import EventDecodeError
 from schemas.events import DeadLetter, Rollout, RolloutScored, Step, TrainerBatch, TrainingRecord
@@ -41,6 +41,8 @@ def key_for(event: Event) -> bytes:
             key = event.origin_topic
         case AdmissionClaim() | AdmissionDone() | AdmissionRenew() | AdmissionRelease():
             key = event.claim_id
+        case AdmissionRefund():
+            key = event.group_id
         case _:
             raise TypeError(f"no partitioning key defined for {type(event).__name__}")
     return key.encode()

@@ -75,7 +75,7 @@ FIXTURE_LOGPROBS = np.array([-0.5, -0.0, np.nan, -np.inf, -1e-30, -12.25], dtype
 def fixture_events() -> dict[str, "Event"]:
     """One event of each type with fixed ids, timestamps and contents: the frames were written
     once by ``tests/fixtures/events/make_fixtures.py`` and must keep decoding to these values."""
-    from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRelease, AdmissionRenew
+    from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRefund, AdmissionRelease, AdmissionRenew
     from schemas.batch import assemble_batch
     from schemas.events import DeadLetter, RolloutScored, StepTokens
 
@@ -104,5 +104,7 @@ def fixture_events() -> dict[str, "Event"]:
     done = AdmissionDone(event_id="ev-done-1", **common)
     renew = AdmissionRenew(event_id="ev-renew-1", **common)
     release = AdmissionRelease(event_id="ev-release-1", **common, reason="lease of 600s expired (arena arena-0)")
-    events = [revision(3), s, rollout(), scored, rec, batch, dead, claim, done, renew, release]
+    refund = AdmissionRefund(event_id="ev-refund-1", run_id="run-1", producer="credit", created_at=T0,
+                             group_id="group-1", reason="gate 'zero_advantage': all 4 advantages within [0, 0]")
+    events = [revision(3), s, rollout(), scored, rec, batch, dead, claim, done, renew, release, refund]
     return {e.EVENT_TYPE: e for e in events}

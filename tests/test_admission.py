@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from producers.pacer import AdmissionPacer
-from schemas.admission import AdmissionBook, AdmissionClaim, AdmissionDone, AdmissionRelease
+from schemas.admission import AdmissionBook, AdmissionClaim, AdmissionDone, AdmissionRefund, AdmissionRelease
 from streams.admissions import MemoryLedger
 
 B, BOUND, LEASE = 4, 1, 10.0
@@ -63,6 +63,22 @@ def test_release_gives_capacity_back_and_done_closes_a_claim():
     assert book.admitted("f") == 4 and book.grantable("f", 4, 0, B, BOUND)
     book.apply(release("c2", "a"), 5)
     assert book.admitted("f") == 4 and book.claims["c2"].released == "test"
+
+
+def test_a_gated_group_gives_its_slots_back_once_and_an_unclaimed_group_is_ignored():
+    """credit's admission gate kept group c1 out of training: its slots go to the next claim, whether the claim was
+    done or not; a second refund, or one for a group no claim names (a sub-episode's), changes nothing."""
+    def refund(group: str) -> AdmissionRefund:
+        return AdmissionRefund(run_id="r", producer="credit", group_id=group, reason="gate 'zero_advantage'")
+
+    done = AdmissionDone(run_id="r", producer="a", claim_id="c1", arena_id="a")
+    full = [(0, claim("c1")), (1, claim("c2")), (2, done)]
+    assert not fold(*full).grantable("f", 4, 0, B, BOUND)
+    book = fold(*full, (3, refund("c1")), (4, refund("c1")), (5, refund("sub-episode")), (6, claim("c3")))
+    assert book.granted("c3") and book.admitted("f") == 8 and not book.held("c1") and book.held("c2")
+    assert not fold(*full, (3, refund("c2"))).held("c2")  # still running (no Done): refunded all the same
+    # slots claimed at one a rollout come back the same way
+    assert fold((0, claim("c1", slots=6)), (1, refund("c1"))).admitted("f", 2.0) == 0
 
 
 def test_a_group_of_several_records_a_rollout_takes_its_slots():

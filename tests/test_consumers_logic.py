@@ -250,6 +250,33 @@ def test_reinforce_baseline_per_environment():
     assert ca.add(scored("x2", "g2", 0.0, size=1, env="other@1"), 0)[0].advantage == 0.0
 
 
+def test_admission_gates_keep_groups_without_signal_out_and_name_them():
+    """prime-rl's advantage_range gate (its own cases: [0, 0] rejects all-zero advantages, admits [0, 0.2]; a
+    tolerance rejects [-0.05, 0.05]; no advantages: admitted), then through the assigner: a group rewarded alike
+    yields no record and is listed for its refund; a mixed one trains whole."""
+    from schemas.plan import AdmissionGate
+
+    zero, tolerance = AdmissionGate(name="zero_advantage"), AdmissionGate(name="low", reject_min=-0.1, reject_max=0.1)
+    assert credit.gate_rejects([0.0, 0.0], [zero]) == "gate 'zero_advantage': all 2 advantages within [0, 0]"
+    assert credit.gate_rejects([0.0, 0.2], [zero]) is None and credit.gate_rejects([], [zero]) is None
+    assert credit.gate_rejects([-0.05, 0.0, 0.05], [zero, tolerance]).startswith("gate 'low'")
+    with pytest.raises(ValueError, match="reject_min"):
+        AdmissionGate(name="bad", reject_min=0.5, reject_max=0.1)
+
+    ca = credit.CreditAssigner("grpo", gates=[zero])
+    alike = [r for i in range(4) for r in ca.add(scored(f"a{i}", "ga", 1.0), now=0.0)]
+    mixed = [r for i, rw in enumerate([1.0, 0.0, 1.0, 1.0]) for r in ca.add(scored(f"b{i}", "gb", rw), now=0.0)]
+    assert alike == [] and len(mixed) == 4 and {r.group_id for r in mixed} == {"gb"}
+    assert ca.withheld == [("ga", "run", "gate 'zero_advantage': all 4 advantages within [0, 0]")]
+    # a group flushed on timeout is judged the same way
+    ca.withheld.clear()
+    ca.add(scored("c0", "gc", 0.0), now=0.0)
+    ca.add(scored("c1", "gc", 0.0), now=0.0)
+    assert ca.flush_expired(now=1e6) == ([], []) and [w[0] for w in ca.withheld] == ["gc"]
+    with pytest.raises(ValueError, match="credits each rollout alone"):
+        credit.CreditAssigner("reinforce_baseline", gates=[zero])
+
+
 def test_unknown_strategy_refused():
     with pytest.raises(ValueError, match="unknown credit strategy"):
         credit.CreditAssigner("ppo-magic")

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from schemas.errors import ContractError
-from schemas.plan import DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, GenerationPlan, PlanError, credit_strategy
+from schemas.plan import (DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, AdmissionGate, GenerationPlan, PlanError,
+                          admission_gates, credit_strategy)
 from schemas.plan_compiler import compile_plan, compile_plan_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -416,14 +417,44 @@ def test_sources_ratio_is_the_weight_and_eval_sources_are_evaluation() -> None:
         ("swe", "r2e-gym", 0.3), ("deepdive", "deepdive", 0.2), ("math", "i3_math", 0.3),
         ("logic", "i3_logic", 0.2), ("code", "i3_code", 0.2)]
     assert plan.environments[3].args == {"filter": {"max": 0.874}}  # taskset knobs are the env's args
-    # its zero-advantage admission gates are not run here: refused when a run starts, named per source
-    assert "orchestrator.train.source[0].curriculum.gates: admission gates (zero_advantage): every finished " \
-           "group is admitted here" in plan.refused
+    # its zero-advantage admission gates run (prime-rl's advantage_range defaults), one set for every source
+    assert not plan.refused
+    assert admission_gates(plan) == [AdmissionGate(name="zero_advantage", reject_min=0.0, reject_max=0.0)]
     assert [(e.name, e.id) for e in plan.eval_environments] == [("swe-bench-verified", "swebench-verified"),
                                                                 ("aime2025", "aime25")]
     assert plan.eval_interval == 25 and plan.eval_due(50, plan.eval_environments[0])
     assert plan.batch_size == 2048 and plan.group_size == 1
     assert credit_strategy(plan) == ("grpo", {"scale_std": False})  # prime-rl's default algorithm
+
+
+def test_admission_gates_as_prime_rl_writes_them_and_what_is_refused(tmp_path) -> None:
+    """``curriculum.gates.<name>``: advantage_range with its bounds; another gate type is refused when a run starts;
+    bounds out of order, or unknown keys, fail at compile; sources with different gates cannot share one credit
+    service (refused by the services' settings, as different algorithms are)."""
+    from consumers.settings import PlanRefused, build
+
+    def recipe(gates: str, second: str | None = None) -> Path:
+        p = tmp_path / "r.toml"
+        src = '[[orchestrator.train.source]]\nname = "{n}"\nenv = {{ taskset = {{ id = "arithmetic" }} }}\n'
+        text = 'max_steps = 2\n[model]\nname = "tiny-byte-lm"\n' + src.format(n="a") + gates + "\n"
+        if second is not None:
+            text += src.format(n="b") + second + "\n"
+        p.write_text(text)
+        return p
+
+    low = 'curriculum = { gates = { low = { type = "advantage_range", reject_min = -0.05, reject_max = 0.05 } } }'
+    plan = compile_plan(str(recipe(low)))
+    assert plan.environments[0].gates == [AdmissionGate(name="low", reject_min=-0.05, reject_max=0.05)]
+    assert build(plan=plan, credit=True).admission_gates == plan.environments[0].gates
+    plan = compile_plan(str(recipe('curriculum = { gates = { pass_rate = { type = "pass_rate" } } }')))
+    assert plan.refused == ["orchestrator.train.source[0].curriculum.gates.pass_rate: admission gate type "
+                            "'pass_rate': only prime-rl's advantage_range runs here"]
+    with pytest.raises(PlanError, match="reject_min"):
+        compile_plan(str(recipe('curriculum = { gates = { z = { reject_min = 1.0 } } }')))
+    with pytest.raises(PlanError, match="unknown keys"):
+        compile_plan(str(recipe('curriculum = { gates = { z = { reject_max = 1.0, threshold = 2 } } }')))
+    with pytest.raises(PlanRefused, match="different admission gates"):
+        build(plan=compile_plan(str(recipe(low, ""))), credit=True)
 
 
 def test_orchestrator_only_form() -> None:

@@ -1,7 +1,9 @@
 """credit: RolloutScored -> TrainingRecords with the plan's credit strategy (``consumers.credit``).
 
 A strategy that waits for whole groups keeps each open group's input records, so a group that times
-out dead-letters exactly the rollouts it held and a new owner re-reads exactly those.
+out dead-letters exactly the rollouts it held and a new owner re-reads exactly those. A group the plan's admission
+gates keep out of training yields no records and one ``AdmissionRefund`` on the arenas' ledger, in the same
+transaction, so its batch slots go to another group.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, AsyncIterator
 from consumers import credit
 from consumers.service import TaskDefaults, TaskFactory, dead_letter, decode
 from consumers.settings import ServiceSettings
+from schemas.admission import AdmissionRefund
 from schemas.errors import EventDecodeError
 from schemas.events import RolloutScored
 from streams import topics
@@ -24,7 +27,9 @@ NAME = "credit"
 class CreditTask(TaskDefaults):
     def __init__(self, partition: int, cfg: ServiceSettings) -> None:
         self.p = partition
-        self.assigner = credit.CreditAssigner(cfg.credit, cfg.strategy_params, producer=f"{NAME}{cfg.instance}")
+        self.instance = cfg.instance
+        self.assigner = credit.CreditAssigner(cfg.credit, cfg.strategy_params, producer=f"{NAME}{cfg.instance}",
+                                              gates=cfg.admission_gates)
         self.recs: dict[str, Any] = {}  # rollout id -> input record (while its group is open)
 
     async def process(self, rec: Any) -> list[Out]:
@@ -36,7 +41,14 @@ class CreditTask(TaskDefaults):
             self.recs.setdefault(scored.rollout_id, rec)
         records = self.assigner.add(scored, time.monotonic())
         self._forget_closed()
-        return [Out(topics.TRAINING_RECORDS.name, r) for r in records]
+        return [Out(topics.TRAINING_RECORDS.name, r) for r in records] + self._refunds()
+
+    def _refunds(self) -> list[Out]:
+        outs = [Out(topics.ADMISSIONS.name, AdmissionRefund(run_id=run_id, producer=f"{NAME}{self.instance}",
+                                                            group_id=gid, reason=why))
+                for gid, run_id, why in self.assigner.withheld]
+        self.assigner.withheld.clear()
+        return outs
 
     def restore(self, rec: Any) -> None:
         scored = decode(rec, RolloutScored)
@@ -51,6 +63,7 @@ class CreditTask(TaskDefaults):
     def tick(self, now: float) -> list[Out]:
         records, refused = self.assigner.flush_expired(now)
         outs = [Out(topics.TRAINING_RECORDS.name, r) for r in records]
+        outs += self._refunds()
         for group, reason in refused:
             for s in group:
                 rec = self.recs.get(s.rollout_id)
