@@ -159,7 +159,7 @@ ADMISSIONS = _table("admissions", [
     pa.field("event_type", STR), pa.field("claim_id", STR), pa.field("arena_id", STR), pa.field("family", STR),
     pa.field("group_id", STR), pa.field("rollouts", I32), pa.field("seen_revision", I64),
     pa.field("batch_size", I32), pa.field("max_off_policy_steps", I32), pa.field("lease_s", F64),
-    pa.field("reason", STR),
+    pa.field("reason", STR), column("slots", I32, "NULL"),
 ], "the arenas' admissions ledger in log order (schemas.admission): claims, done groups, renewed leases, released "
    "claims, and groups an admission gate refunded (by group_id)")
 

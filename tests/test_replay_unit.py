@@ -502,22 +502,27 @@ def test_an_older_database_gets_the_new_columns_with_their_defaults(run, tmp_pat
 
 
 def test_the_admissions_ledger_is_replayed_in_log_order(run):
-    """An arena's claims, done groups and releases (the admissions topic) land in one table."""
-    from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRelease
+    """An arena's claims (with the batch slots a claim of several records a rollout takes), done groups, releases
+    and credit's refunds of gated groups (the admissions topic) land in one table."""
+    from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRefund, AdmissionRelease
 
-    def claim(i: int) -> AdmissionClaim:
+    def claim(i: int, slots: int | None = None) -> AdmissionClaim:
         return AdmissionClaim(run_id=run.run_id, producer="arena-a", claim_id=f"c{i}", arena_id="a", family="toy",
-                              group_id=f"g{i}", rollouts=4, seen_revision=0, batch_size=8, max_off_policy_steps=1,
-                              lease_s=600.0)
+                              group_id=f"g{i}", rollouts=4, slots=slots, seen_revision=0, batch_size=8,
+                              max_off_policy_steps=1, lease_s=600.0)
 
-    ledger = [("admissions", claim(0)), ("admissions", claim(1)),
+    ledger = [("admissions", claim(0)), ("admissions", claim(1, slots=8)),
               ("admissions", AdmissionDone(run_id=run.run_id, producer="arena-a", claim_id="c0", arena_id="a")),
               ("admissions", AdmissionRelease(run_id=run.run_id, producer="arena-b", claim_id="c1", arena_id="b",
-                                              reason="lease of 600s expired"))]
+                                              reason="lease of 600s expired")),
+              ("admissions", AdmissionRefund(run_id=run.run_id, producer="credit", group_id="g0",
+                                             reason="gate 'zero_advantage'"))]
     con = load(flat(run) + ledger)
-    rows = con.execute("SELECT event_type, claim_id, arena_id, group_id, rollouts, reason FROM admissions "
+    rows = con.execute("SELECT event_type, claim_id, arena_id, group_id, rollouts, slots, reason FROM admissions "
                        "ORDER BY _offset").fetchall()
-    assert rows == [("admission_claim", "c0", "a", "g0", 4, None), ("admission_claim", "c1", "a", "g1", 4, None),
-                    ("admission_done", "c0", "a", None, None, None),
-                    ("admission_release", "c1", "b", None, None, "lease of 600s expired")]
+    assert rows == [("admission_claim", "c0", "a", "g0", 4, None, None),
+                    ("admission_claim", "c1", "a", "g1", 4, 8, None),
+                    ("admission_done", "c0", "a", None, None, None, None),
+                    ("admission_release", "c1", "b", None, None, None, "lease of 600s expired"),
+                    ("admission_refund", None, None, "g0", None, None, "gate 'zero_advantage'")]
     assert audit(con).ok
