@@ -62,8 +62,10 @@ APPLIED = frozenset({"max_steps", "orchestrator.max_steps", "seq_len", "trainer.
 REASONS: dict[str, str] = {
     "trainer.model.lora.modules_to_save": "fully trained modules beside LoRA: the reference trainer freezes every "
                                           "weight but the adapters",
-    "trainer.model.quantization": "quantized training: the reference trainer trains in bf16 autocast",
-    "trainer.model.reduce_dtype": "a reduction dtype: the reference trainer uses bf16 autocast with fp32 weights",
+    "trainer.model.quantization": "quantized training: the reference trainer keeps fp32 weights (bf16 autocast "
+                                  "where the device has native bf16)",
+    "trainer.model.reduce_dtype": "a reduction dtype: the reference trainer keeps fp32 weights and gradients (bf16 "
+                                  "autocast where the device has native bf16)",
     "trainer.model.optimization_dtype": "an optimizer dtype: the reference trainer keeps fp32 optimizer state",
     "trainer.loss": "prime-rl's loss settings: the reference trainer runs its own clipped objective",
     "trainer.optim": "optimizer settings other than its type, lr, weight_decay, betas, mu and max_norm",
