@@ -9,7 +9,7 @@ transactions), so the handlers registered here are never started. Frames are the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 from faststream import FastStream
 from faststream.kafka import KafkaBroker
@@ -17,7 +17,7 @@ from faststream.specification import AsyncAPI
 
 from consumers.registry import SERVICES
 from consumers.service import Service
-from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRefund, AdmissionRelease, AdmissionRenew
+from schemas.admission import ADMISSION_EVENTS
 from streams import topics
 
 broker = KafkaBroker("localhost:9092", description="rollout-log pipeline (binary schemas.codec frames)")
@@ -56,7 +56,7 @@ broker.subscriber(topics.DEAD_LETTERS.name, group_id=topics.group_id("ops"), tit
     _handler(topics.DEAD_LETTERS.event, "What a service could not process, with the reason (inspect, fix, re-inject)."))
 broker.subscriber(topics.ADMISSIONS.name, title="arena:admissions (every arena appends and reads it all, no group)",
                   description=_doc(topics.ADMISSIONS))(
-    _handler(AdmissionClaim | AdmissionDone | AdmissionRenew | AdmissionRelease | AdmissionRefund, "The arenas' shared admission bound (schemas.admission)."))
+    _handler(Union[ADMISSION_EVENTS], "The arenas' shared admission bound (schemas.admission)."))
 
 app = FastStream(broker, specification=AsyncAPI(
     title="rollout-log", version="0.1.0", description="Event-sourced rollout pipeline: topics and messages"))

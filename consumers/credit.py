@@ -255,6 +255,13 @@ class PerStep(CreditStrategy):
         return {s.rollout_id: s.rewards for s in rollouts}
 
 
+def check_gates(strategy: str, gates: Sequence[AdmissionGate]) -> None:
+    """Refuse admission gates with a strategy that credits each rollout alone: a gate judges a whole group."""
+    if gates and not STRATEGIES[strategy].buffers:
+        raise ValueError(f"admission gates judge a whole group, and credit strategy {strategy!r} credits each "
+                         "rollout alone: use a group strategy (grpo) or drop the recipe's curriculum.gates")
+
+
 class CreditAssigner:
     """Strategy state for one partition. ``add`` returns the records ready now (and notes what it buffers)."""
 
@@ -267,9 +274,7 @@ class CreditAssigner:
         self.producer = producer
         self.groups = GroupBuffer()
         self.timeout_s = float(self.params.get("group_timeout_s", 300.0))
-        if gates and not self.strategy.buffers:
-            raise ValueError(f"admission gates judge a whole group, and credit strategy {strategy!r} credits each "
-                             "rollout alone: use a group strategy (grpo) or drop the recipe's curriculum.gates")
+        check_gates(strategy, gates)
         self.gates = list(gates)
         self.withheld: list[tuple[str, str, str]] = []  # (group id, run id, why) of gated groups: the caller drains
 

@@ -104,7 +104,7 @@ def plan_values(plan: GenerationPlan, *, credit: bool) -> dict[str, Any]:
     """The settings a plan defines. ``credit``: the service runs the plan's algorithm, so a plan whose
     algorithm nothing here runs (or names a strategy nobody registered) is refused (``PlanRefused``)
     instead of falling back to another."""
-    from consumers.credit import STRATEGIES
+    from consumers.credit import STRATEGIES, check_gates
     from schemas.plan import PlanError, admission_gates, credit_strategy
 
     values: dict[str, Any] = {"family": plan.family, "max_off_policy_steps": plan.max_off_policy_steps,
@@ -122,9 +122,10 @@ def plan_values(plan: GenerationPlan, *, credit: bool) -> dict[str, Any]:
                             f"({', '.join(STRATEGIES)}; see consumers.credit.register_strategy)")
         values["credit"], values["credit_params"] = name, params
         values["admission_gates"] = admission_gates(plan)
-        if values["admission_gates"] and not STRATEGIES[name].buffers:
-            raise PlanError(f"{plan.source}: admission gates judge a whole group, and the algorithm's credit "
-                            f"strategy {name!r} credits each rollout alone")
+        try:
+            check_gates(name, values["admission_gates"])
+        except ValueError as e:
+            raise PlanError(f"{plan.source}: {e}") from None
     except PlanError as e:
         if credit:
             raise PlanRefused(str(e)) from None
@@ -142,7 +143,8 @@ def build(flags: dict[str, Any] | None = None, plan: GenerationPlan | None = Non
 
 
 # -- flags -------------------------------------------------------------------------------------------------
-_NOT_FLAGS = {"credit_params", "judge_targets", "derivation", "lora", "optimizer", "admission_gates"}  # structured: from the plan only
+# structured: from the plan only
+_NOT_FLAGS = {"credit_params", "judge_targets", "derivation", "lora", "optimizer", "admission_gates"}
 
 
 def add_flags(p: argparse.ArgumentParser, fields: tuple[str, ...]) -> None:

@@ -629,10 +629,10 @@ class _Compiler:
             if unknown:
                 raise self.fail(gp, f"unknown keys {unknown} (an advantage_range gate has reject_min, reject_max)")
             bounds = {k: self.number(gate[k], _join(gp, k)) for k in ("reject_min", "reject_max") if k in gate}
-            if bounds.get("reject_min", 0.0) > bounds.get("reject_max", 0.0):
-                raise self.fail(gp, f"reject_min ({bounds.get('reject_min', 0.0):g}) is above reject_max "
-                                f"({bounds.get('reject_max', 0.0):g}); prime-rl refuses it too")
-            out.append(AdmissionGate(name=name, **bounds))
+            try:
+                out.append(AdmissionGate(name=name, **bounds))
+            except ValidationError as e:
+                raise self.fail(gp, e.errors()[0]["msg"].removeprefix("Value error, ")) from None
         return out
 
     def _bool(self, value: Any, field: str) -> bool:
