@@ -212,14 +212,16 @@ class Arena:
                  evaluate: bool = False, eval_sampling: Mapping[str, Any] | None = None,
                  admissions: MemoryLedger | None = None, admission_lease_s: float = 600.0,
                  arena_id: str | None = None, eval_environments: Sequence[tuple[Any, Environment]] | None = None,
-                 max_failed_groups: int = 8) -> None:
+                 max_failed_groups: int = 8, eval_concurrency: int = 64) -> None:
         """``policy_base_url``: the learner's server, or several (a pool: ``producers.pool``), when the plan's
         learner names none. ``weights``: what loads a revision into one of them (``VllmWeights``,
         ``LocalPolicyWeights``: called with each server's URL); "auto": the local policy server's loader when the
         learner is this arena's own endpoint; None: the arena loads nothing. ``arena_id``: this arena among the
         run's many (its claims on the admissions ledger; default ``default_arena_id``). ``producer_name`` is what
         its events say produced them. ``max_failed_groups``: stop (``RunFailing``) after this many training groups
-        in a row whose every rollout failed (0: never)."""
+        in a row whose every rollout failed (0: never). ``eval_concurrency``: held-out answers in flight at most,
+        beside the training rollouts' ``concurrency``: the demo's 48 questions in one wave, not two (at 32 the
+        last evaluation took 9.5 s where 48 at once take 5 s; benchmarks/RESULTS.md)."""
         self.plan = plan
         self.max_failed_groups = max_failed_groups
         # keyed by the source's name: two sources of one environment (different args, ratios) stay two
@@ -241,6 +243,7 @@ class Arena:
         self.manage_emitter = manage_emitter  # False: the emitter is shared and started/stopped by its owner
         self.policy_base_urls = [policy_base_url] if isinstance(policy_base_url, str) else list(policy_base_url or [])
         self.concurrency = concurrency
+        self.eval_concurrency = eval_concurrency
         self.progress = progress
         self.run_id = run_id or new_id()
         self.producer_name = producer_name
@@ -409,7 +412,7 @@ class Arena:
         reqs = self.eval_requests()
         if reqs:
             t0 = time.monotonic()
-            await self.generate(reqs)
+            await self.generate(reqs, self.eval_concurrency)
             self.stats.eval_s += time.monotonic() - t0
             self.stats.evaluated_revisions.append(self.current_policy.revision)
         return len(reqs)
@@ -566,9 +569,11 @@ class Arena:
                                      f"stopping (--max-failed-groups). Most frequent reasons: {reasons}")
             await self.pacer.abort(self._fatal)
 
-    async def generate(self, requests: Sequence[EpisodeRequest]) -> list[GenerateResult]:
-        """Run the given requests (bounded concurrency, no pacing), emit each, return the results."""
-        sem = asyncio.Semaphore(self.concurrency)
+    async def generate(self, requests: Sequence[EpisodeRequest], concurrency: int | None = None
+                       ) -> list[GenerateResult]:
+        """Run the given requests (at most ``concurrency`` at once, default the arena's; no pacing), emit each,
+        return the results."""
+        sem = asyncio.Semaphore(concurrency or self.concurrency)
         results: list[GenerateResult] = []
         tasks = []
         for req in requests:

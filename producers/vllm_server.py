@@ -43,8 +43,9 @@ CPU_CLIENT_OPTIONS: dict[str, object] = {"seeded": False}
 KV_CACHE_MAX_BYTES = 2 * 1024**3
 """The most KV cache a server sized to its run reserves (what every server reserved before it was sized)."""
 SEQUENCES = 64
-"""Sequences a server's KV cache holds at full length: an arena's training rollouts and its evaluation answers,
-``--concurrency`` (32) in flight each. More queue in vLLM's scheduler (or are preempted), none fails."""
+"""Sequences a server's KV cache holds at full length: an arena's training rollouts (``--concurrency``, 32) and its
+evaluation answers (``--eval-concurrency``, up to 64) in flight together, most of them short of the full length.
+More queue in vLLM's scheduler (or are preempted), none fails."""
 
 
 def kv_cache_bytes(model_dir: str | os.PathLike, max_model_len: int, sequences: int = SEQUENCES,

@@ -43,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--groups", type=at_least(0), default=4,
                    help="groups to admit (each plan.group_size rollouts); 0 = forever")
     p.add_argument("--concurrency", type=at_least(1), default=32, help="rollouts in flight at most")
+    p.add_argument("--eval-concurrency", type=at_least(1), default=64,
+                   help="--evaluate: held-out answers in flight at most, beside the training rollouts (default 64: "
+                        "a held-out set of up to 64 is answered in one wave)")
     p.add_argument("--policy", choices=("local", "vllm"), default="local",
                    help="what serves the learner: the tiny model's local server, or vLLM (default: local)")
     p.add_argument("--policy-url", action="append", metavar="URL",
@@ -192,7 +195,7 @@ async def _main(args: argparse.Namespace) -> int:
                       weights=weights, evaluate=args.evaluate, client_options=client_options,
                       admissions=KafkaLedger(settings.client_kwargs()), admission_lease_s=args.admission_lease_s,
                       arena_id=arena_id, producer_name=f"arena-{arena_id}",
-                      max_failed_groups=args.max_failed_groups)
+                      max_failed_groups=args.max_failed_groups, eval_concurrency=args.eval_concurrency)
         from producers.metrics import arena_samples, endpoint, policy_server_samples, vllm_samples
 
         metrics = endpoint("arena", args.metrics_port, ("arena", lambda: arena_samples(arena, emitter)),

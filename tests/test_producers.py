@@ -498,6 +498,29 @@ async def test_evaluation_answers_held_out_and_eval_sources_greedily_without_pac
         sorted((s.prompt[-1].content, s.completion[0].content) for s in second)
 
 
+async def test_evaluation_answers_its_held_out_set_at_its_own_concurrency(policy_server):
+    """The held-out answers go out ``eval_concurrency`` at once, not at the training rollouts' ``concurrency``: a
+    set larger than the latter is answered in one wave (the demo's 48 at 32 took two)."""
+    plan = single_plan()
+    train = plan.environments[0].model_copy(update={"args": {"num_examples": 20, "eval_examples": 5}})
+    plan = plan.model_copy(update={"environments": [train]})
+    for eval_concurrency, expected in ((5, 5), (2, 2)):
+        async with Arena(plan, emitter=MemoryEmitter(), policy_base_url=policy_server.base_url, evaluate=True,
+                         concurrency=2, eval_concurrency=eval_concurrency) as arena:
+            peak, run = [0, 0], arena.run_rollout
+
+            async def counted(req):
+                peak[0] += 1
+                peak[1] = max(peak)
+                try:
+                    return await run(req)
+                finally:
+                    peak[0] -= 1
+            arena.run_rollout = counted
+            assert await arena.run_evaluation() == 5
+        assert peak[1] == expected
+
+
 async def test_evaluation_follows_the_plans_cadence_and_takes_the_runs_last_revision(policy_server):
     """The held-out set every ``plan.eval_interval`` revisions, an eval source at its own ``interval``, everything at
     the run's last revision; a revision with nothing due is neither evaluated nor waited on."""
