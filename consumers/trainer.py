@@ -201,7 +201,10 @@ def _rows(t: TrainerTensors, rows: slice | torch.Tensor) -> TrainerTensors:
 def _release_freed_memory() -> None:
     """Give the heap's freed pages back to the system (glibc's ``malloc_trim``). A step frees gigabytes of
     activations in blocks of a few megabytes, below glibc's mmap threshold: without this they stay resident and
-    the next phase's peak (the mismatch probe, the checkpoint) stacks on them."""
+    the next phase's peak (the mismatch probe, the checkpoint) stacks on them. Once a step, after its optimizer
+    step, not after each micro-batch: the next micro-batch reuses the freed pages, and trimming them made it fault
+    them in again (the demo's step 8.8 -> 8.2 s, the two-seat shape's 80.6 -> 76.0 s; peak +130 MB and +180 MB,
+    the two-seat's 2.50x its weights, gradients and AdamW; benchmarks/RESULTS.md)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
@@ -351,8 +354,7 @@ class ReferenceTrainer:
             if lo < hi:
                 new_lp[lo:hi, :part.input_ids.shape[1] - 1] = st["new_lp"]
                 totals += torch.tensor([st["loss"], st["clip_frac"], st["approx_kl"]], dtype=torch.float64)
-            del loss, st
-            _release_freed_memory()  # this micro-batch's activations, before the next one's
+            del loss, st  # not trimmed here: the next micro-batch reuses these pages (``_release_freed_memory``)
         if g:
             g.all_sum(totals)
             g.all_sum(new_lp)

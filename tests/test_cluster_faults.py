@@ -1,5 +1,5 @@
 """Faults on a three-broker KRaft cluster (streams/docker_cluster.py: replication factor 3, min.insync.replicas=2)
-while 2,000 rollouts flow through verifier -> credit -> batcher -> trainer, two processes of each service:
+while 1,200 rollouts flow through verifier -> credit -> batcher -> trainer, two processes of each service:
 
     (a) SIGKILL of the broker that leads most of the pipeline's partitions, restarted after a while;
     (b) SIGKILL of the active KRaft controller (the quorum leader), restarted after a while;
@@ -43,9 +43,10 @@ from tests.test_eos_pipeline import group_record_ids, read_all, seed_groups
 
 pytestmark = pytest.mark.integration
 
-GROUPS, PER_CHUNK = 500, 10  # 2,000 rollouts (4 per group), written 40 at a time
+GROUPS, PER_CHUNK = 300, 10  # 1,200 rollouts (4 per group), written 40 at a time: 60 s of input
 CHUNK_EVERY_S = 2.0  # 20 rollouts/s: below what the pipeline does here, so a backlog builds only in a fault
-FAULT_AT_CHUNK = 15  # and once the pipeline keeps up (its backlog this small): the fault hits it in its stride
+FAULT_AT_CHUNK = 10  # and once the pipeline keeps up (its backlog this small): the fault hits it in its stride,
+# 20 s in, and a broker is back (12 s down, then its start) while input still flows
 STEADY_BACKLOG = 3 * 40
 RESULTS: list[str] = []
 
@@ -226,7 +227,7 @@ async def _run(cluster: DockerCluster, fault, label: str, monkeypatch, tmp_path:
         expected: set[str] = set()
         for chunk in groups_on_log:
             expected |= group_record_ids(PER_CHUNK, start=chunk)
-        assert len(expected) >= 1800, f"only {len(expected)} rollouts committed"
+        assert len(expected) >= 0.9 * 4 * GROUPS, f"only {len(expected)} rollouts committed"
         deadline = time.monotonic() + 300
         while sum(n for _, n in tl.trained) < len(expected) and time.monotonic() < deadline:
             await asyncio.sleep(1.0)
