@@ -106,6 +106,38 @@ async def test_trainer_task_resumes_from_snapshot_state(tmp_path):
     assert [o.event.revision for o in outs2] == [2] and outs2[0].event.parent_revision == 1
 
 
+async def test_a_warm_trainer_is_handed_once_to_the_first_batch_that_starts_from_its_revision(tmp_path):
+    """``WarmStart``: the trainer opened ahead of the first batch is the one that batch trains (same object, the
+    revision it names next), only once; a take-over drops it and opens the committed revision."""
+    from consumers.tasks.trainer import WarmStart
+    from schemas import codec
+
+    rev0 = initial_revision("tiny", tmp_path, seed=0)
+    model = load_checkpoint(rev0.checkpoint)
+    b = batch_of([_record(i, model, list(b"2+2="), list(b"4"), 1.0 if i % 2 else -1.0) for i in range(4)], rev0)
+
+    class Rec:
+        topic, partition, offset, key, headers = "tb", 0, 0, b"tiny", []
+        value = codec.encode(b)
+
+    opened = []
+
+    def open_first():
+        opened.append(TrainerTask(0, "tiny", tmp_path)._open(rev0.checkpoint, 0))
+        return opened[-1]
+
+    warm = WarmStart(open_first)
+    task = TrainerTask(0, "tiny", tmp_path, target_checkpoint=lambda t: rev0.checkpoint, warm=warm)
+    outs = await task.process(Rec())
+    assert len(opened) == 1 and task.trainer is opened[0] and [o.event.revision for o in outs] == [1]
+    assert warm.take() is None  # handed once
+
+    other = TrainerTask(0, "tiny", tmp_path, target_checkpoint=lambda t: rev0.checkpoint, warm=WarmStart(open_first))
+    other.load_state(task.state())  # a take-over of revision 1: the warm trainer (revision 0) is not it
+    outs = await other.process(Rec())
+    assert len(opened) == 2 and other.trainer is not opened[1] and [o.event.revision for o in outs] == [2]
+
+
 @pytest.mark.integration
 async def test_trainer_bootstraps_revision_zero_once(kafka_settings, monkeypatch, tmp_path):
     """A fresh log gets revision 0 (seeded, on disk, digest verified); a log that has one gets nothing new."""

@@ -2,13 +2,14 @@
 
 The revision event and the batch's offset commit go in one transaction; the current revision (with its
 checkpoint digest), the last training state and the batches trained since are the task's state, so a restarted
-trainer resumes from exactly the weights the log says it published. torch is imported only when the first batch
-arrives.
+trainer resumes from exactly the weights the log says it published. torch is imported off the event loop: on the
+process's torch thread, where a fresh run's trainer opens as the service starts (``WarmStart``).
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
@@ -58,11 +59,13 @@ class TrainerTask(TaskDefaults):
                  keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None,
                  state_every: int = DEFAULT_STATE_EVERY, micro_batch_tokens: int = MICRO_BATCH_TOKENS,
                  read_records: Callable[[str, int, list[int]], Awaitable[list[Any]]] | None = None,
-                 max_steps: int | None = None, lora: Any = None, optimizer: Any = None) -> None:
+                 max_steps: int | None = None, lora: Any = None, optimizer: Any = None,
+                 warm: WarmStart | None = None) -> None:
         """``target_checkpoint``: where the first batch's target revision's weights are (default: this trainer's
         checkpoint_dir naming of the tiny model); the revisions topic says it, see ``wiring``. ``read_records(topic,
         partition, offsets)``: committed records read back from the log (a take-over's batches to train again);
-        without it a take-over resumes from the last training state's moments and the committed weights."""
+        without it a take-over resumes from the last training state's moments and the committed weights.
+        ``warm``: a trainer already opened on the run's first revision (``WarmStart``)."""
         self.partition = partition
         self.family = family
         self.dir = Path(checkpoint_dir)
@@ -74,6 +77,7 @@ class TrainerTask(TaskDefaults):
         self.options = dict(lr=lr, epochs=epochs, keep_checkpoints=keep_checkpoints, weight_decay=weight_decay,
                             served_model=served_model, state_every=state_every, micro_batch_tokens=micro_batch_tokens,
                             last_revision=max_steps, lora=lora, optimizer=optimizer)
+        self.warm = warm
         self.trainer: ReferenceTrainer | None = None
         self.current: dict[str, Any] = {}  # the revision: {"revision", "checkpoint"}
         self.base: dict[str, Any] = {}  # the last training state: {"revision", "checkpoint", "fresh"?}
@@ -118,11 +122,14 @@ class TrainerTask(TaskDefaults):
         the batches trained after the last training state, read back from the log)."""
         if self.trainer is not None:
             return self.trainer
+        warm = self.warm.take() if self.warm is not None else None
         if not self.current:
             ref, rev = self._first(batch)
-            self.trainer = self._open(ref, rev)
+            same = warm is not None and warm.revision == rev and warm.refs.get(rev) == ref
+            self.trainer = warm if same else self._open(ref, rev)
             self.base = {"revision": rev, "checkpoint": ref.model_dump(mode="json"), "fresh": True}
             return self.trainer
+        del warm  # a take-over: its weights are the committed revision's, not the run's first
         ref, rev = CheckpointRef(**self.current["checkpoint"]), int(self.current["revision"])
         # a state committed before training states were written every few revisions names none: its own is beside it
         base = self.base or {"revision": rev, "checkpoint": self.current["checkpoint"]}
@@ -224,6 +231,31 @@ class TrainerTask(TaskDefaults):
         return outs + [Out(topics.POLICY_REVISIONS.name, rev)]
 
 
+class WarmStart:
+    """The trainer opened on the run's first revision before any batch arrives, on the process's torch thread
+    (``policy.compute``): in ``rollout demo`` and ``rollout rl`` the model loads while vLLM starts instead of after
+    the first batch (7.7 s of the demo's first revision, benchmarks/RESULTS.md). Handed once, to the first batch
+    ever that starts from that revision; a take-over, or a first batch that targets another revision, opens its
+    own and this one is dropped."""
+
+    def __init__(self, open_first: Callable[[], ReferenceTrainer]) -> None:
+        from policy.compute import COMPUTE
+
+        self._future: Future | None = COMPUTE.submit(open_first)
+
+    def take(self) -> ReferenceTrainer | None:
+        """The opened trainer, once; None after that, or when opening it failed (the batch's own open then says
+        why). Called on the torch thread, where the opening ran first."""
+        future, self._future = self._future, None
+        if future is None:
+            return None
+        try:
+            return future.result()
+        except Exception as e:  # noqa: BLE001 - the batch opens its own, and that raises
+            log.warning("opening the trainer ahead of the first batch failed: %s", e)
+            return None
+
+
 async def bootstrap_revision(client_kwargs: dict[str, Any], family: str, checkpoint_dir: str | Path, *,
                              seed: int = 0, run_id: str = "run") -> PolicyRevision | None:
     """Publish revision 0 (seeded init, written to ``checkpoint_dir``) when the log has no revision of ``family``.
@@ -254,10 +286,18 @@ async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIt
     rev0 = await latest_revision(client_kwargs, cfg.family, revision=first)
     start = (lambda target: rev0.checkpoint if target.revision == first else None) if rev0 and rev0.checkpoint \
         else None
-    yield lambda p: TrainerTask(p, cfg.family, cfg.checkpoint_dir, lr=cfg.lr, epochs=cfg.epochs,
-                                producer=f"{NAME}{cfg.instance}", target_checkpoint=start,
-                                keep_checkpoints=cfg.keep_checkpoints, weight_decay=cfg.weight_decay,
-                                served_model=cfg.served_model, state_every=cfg.state_every,
-                                micro_batch_tokens=cfg.micro_batch_tokens, max_steps=cfg.max_steps, lora=cfg.lora,
-                                optimizer=cfg.optimizer,
+    options = dict(lr=cfg.lr, epochs=cfg.epochs, producer=f"{NAME}{cfg.instance}", target_checkpoint=start,
+                   keep_checkpoints=cfg.keep_checkpoints, weight_decay=cfg.weight_decay,
+                   served_model=cfg.served_model, state_every=cfg.state_every,
+                   micro_batch_tokens=cfg.micro_batch_tokens, max_steps=cfg.max_steps, lora=cfg.lora,
+                   optimizer=cfg.optimizer)
+    from consumers import distributed
+
+    # a fresh run (no revision after its first: a trainer joining a run under way takes over instead), and not
+    # under torchrun, whose ranks open their shards together (``TrainerTask._open``)
+    newest = await latest_revision(client_kwargs, cfg.family) if start is not None else None
+    fresh = newest is not None and newest.revision == first and distributed.current() is None
+    warm = WarmStart(lambda: TrainerTask(0, cfg.family, cfg.checkpoint_dir, **options)._open(rev0.checkpoint, first)) \
+        if fresh else None
+    yield lambda p: TrainerTask(p, cfg.family, cfg.checkpoint_dir, **options, warm=warm,
                                 read_records=lambda topic, p, offsets: records_at(client_kwargs, topic, p, offsets))
