@@ -162,13 +162,19 @@ class TransactionalProcessor:
         self.consumer.subscribe(self.config.inputs, listener=Rebalance(self))
 
     async def stop(self) -> None:
-        """Graceful: finish the open transaction (lock), then leave the group and close the producer."""
+        """Graceful: finish the open transaction (lock), then leave the group and close the producer. The group is
+        left outside the lock: aiokafka's ``consumer.stop()`` first waits for its coordination task, which in a
+        rebalance is in our revocation callback waiting for that lock (``streams.rebalance``). Holding it there
+        hung a System's exit for good when a second instance had just left the group (the event loop idle in
+        ``select``: ``test_commit_interval``). Called once the loop is done, so no transaction starts meanwhile."""
         async with self.lock:
-            if self.consumer is not None:
-                try:
-                    await self.consumer.stop()  # leaves the group
-                except Exception as e:  # noqa: BLE001
-                    log.warning("consumer stop: %s", e)
+            pass  # the transaction in flight, if any, is committed or aborted
+        if self.consumer is not None:
+            try:
+                await self.consumer.stop()  # leaves the group
+            except Exception as e:  # noqa: BLE001
+                log.warning("consumer stop: %s", e)
+        async with self.lock:
             self._drop_all()
             await self._close_producer()
             await self.restorer.stop()
