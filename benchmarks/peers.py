@@ -33,8 +33,8 @@ process of the side (``TreeRss``: the subprocess and its descendants, vLLM and t
 /proc every 0.5 s): the peak of their summed RSS and the largest single process. ``--runs N`` alternates the two
 sides N times (TRL first in the 1st, 3rd, ... run, rollout-log first in the others) and reports min / median /
 max. Ends with a markdown table, a mermaid ``xychart-beta`` of the two median curves, and one JSON line (every
-run's figures and their summary). The target: rollout-log reaches TRL's eval accuracy at equal steps in at most
-TRL's wall time.
+run's figures and their summary). The targets (issue 34, ``verdict``): rollout-log's eval accuracy at the last step
+at most one held-out question below TRL's, in at most TRL's wall time, with at most 1.5x its peak memory.
 """
 
 from __future__ import annotations
@@ -408,15 +408,19 @@ def chart(j: Job, ours: dict | None, trl: dict | None) -> str:
         f"    line [{series(ours)}]", f"    line [{series(trl)}]", "```"])
 
 
-def verdict(j: Job, ours: dict | None, trl: dict | None) -> dict:
-    """On the medians: rollout-log's final eval accuracy at least TRL's, in at most TRL's wall time."""
+def verdict(j: Job, ours: dict | None, trl: dict | None, questions: int | None = None) -> dict:
+    """On the medians, issue 34's targets: rollout-log's final eval accuracy at most one of the ``questions``
+    held-out questions below TRL's (counted in questions: the accuracies are rounded fractions), in at most TRL's
+    wall time, with at most 1.5x its peak memory (all processes)."""
     if not ours or not trl:
         return {}
     last = j.steps
     a, b = ((d["eval_accuracy"].get(last) or {}).get("median") for d in (ours, trl))
-    return {"final_step": last, "rollout_log_final": a, "trl_final": b,
-            "accuracy_met": a is not None and b is not None and a >= b,
-            "wall_met": ours["wall_s"]["median"] <= trl["wall_s"]["median"]}
+    n = questions or 1
+    return {"final_step": last, "rollout_log_final": a, "trl_final": b, "questions": questions,
+            "accuracy_met": a is not None and b is not None and round(a * n) >= round(b * n) - (1 if questions else 0),
+            "wall_met": ours["wall_s"]["median"] <= trl["wall_s"]["median"],
+            "memory_met": ours["peak_rss_mb"]["median"] <= 1.5 * trl["peak_rss_mb"]["median"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(j, ours, trl), flush=True)
     print(chart(j, ours, trl), flush=True)
     out = {"job": described, "runs": args.runs, "rollout_log": runs["rollout-log"], "trl": runs["trl"],
-           "summary": {"rollout_log": ours, "trl": trl}, "verdict": verdict(j, ours, trl), "quick": args.quick,
+           "summary": {"rollout_log": ours, "trl": trl}, "verdict": verdict(j, ours, trl, next((r.get("eval_questions") for r in runs["trl"]), None)), "quick": args.quick,
            "wall_s": round(time.perf_counter() - t0, 1)}
     print(json.dumps(out))
     return 0

@@ -144,7 +144,7 @@ def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revis
     (created if missing); the ref's digest is the file's. The family itself is kept in the metadata and ``revision.json``."""
     import torch
 
-    from policy.checkpoint import checkpoint_name, checkpoint_stem, file_sha256, place, writing
+    from policy.checkpoint import checkpoint_name, checkpoint_stem, digest_flushing, place, writing
 
     tmp = Path(directory) / f"{checkpoint_stem(family, revision)}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -161,8 +161,9 @@ def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revis
         save_file(state, tmp / WEIGHTS, metadata={"format": "pt", "family": family, "revision": str(revision)})
         model.config.to_json_file(tmp / "config.json")
         (tmp / "revision.json").write_text(json.dumps({"family": family, "revision": revision}) + "\n")
-    digest = file_sha256(tmp / WEIGHTS)
-    folder = place(tmp, Path(directory) / checkpoint_name(family, revision, digest))  # never over another's
+    digest = digest_flushing(tmp, tmp / WEIGHTS)
+    # content-addressed: never over another's
+    folder = place(tmp, Path(directory) / checkpoint_name(family, revision, digest), flushed=True)
     return CheckpointRef(uri=(folder / WEIGHTS).resolve().as_uri(), digest=digest)
 
 

@@ -95,8 +95,13 @@ def test_runs_summarise_as_min_median_max_and_the_chart_has_one_point_per_evalua
     assert "| 4 | 75.0% (50.0%–100.0%) | 50.0% |" in rows and not any(r.startswith("| 1 |") for r in rows)
     assert "| wall time, whole run (s) | 20.0 (10.0–30.0) | 40.0 |" in rows
     assert "| peak RSS, all processes summed (MB) | 900 (900–1200) | 900 |" in rows
-    assert verdict(j, ours, trl) == {"final_step": 4, "rollout_log_final": 0.75, "trl_final": 0.5,
-                                     "accuracy_met": True, "wall_met": True}
+    assert verdict(j, ours, trl) == {"final_step": 4, "rollout_log_final": 0.75, "trl_final": 0.5, "questions": None,
+                                     "accuracy_met": True, "wall_met": True, "memory_met": True}
+    # one question of 48 below TRL's, as the rounded fractions the sides report it: met; two below: not
+    close = {**ours, "eval_accuracy": {4: {"median": 0.5833}}}
+    assert verdict(j, close, {**trl, "eval_accuracy": {4: {"median": 29 / 48}}}, 48)["accuracy_met"]
+    assert not verdict(j, close, {**trl, "eval_accuracy": {4: {"median": 30 / 48}}}, 48)["accuracy_met"]
+    assert not verdict(j, {**ours, "peak_rss_mb": {"median": 1351}}, trl)["memory_met"]
 
 
 GRANDCHILD = "b = b'x' * (64 * 2**20); import time; time.sleep(1.5)  # peers-rss-marker"
