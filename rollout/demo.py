@@ -101,7 +101,8 @@ def add_cores_flag(p: argparse.ArgumentParser) -> None:
                         "never at once: off-policy bound 0 for the run), split (half each, overlapping, the plan's "
                         f"bound), shared (every core each, at once); auto (default): split from {SPLIT_FROM} cores, "
                         "turns below, or shared for a plan with seats, routed members or a verifiers env "
-                        "(rollout/cores.py)")
+                        "(rollout/cores.py). With --vllm-url only turns applies (a server on this machine); "
+                        "otherwise the two overlap")
 
 
 def add_eval_interval_flag(p: argparse.ArgumentParser) -> None:
@@ -367,7 +368,7 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
     view = asyncio.create_task(_show(progress, stop_view, not args.no_progress))
     vllm = metrics = serving = None
     arena_args: list[str] = []
-    cores = "shared"  # with no vLLM started here, nothing to divide
+    cores = "shared"  # with no vLLM started here, nothing to divide, unless --cores turns says so
     arena_nice, restore_broker = 0, lambda: None
     try:
         if args.policy == "vllm":
@@ -386,11 +387,6 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
                                   cores=vllm_bind(split) if split else None)
                 rundir.mkdir(parents=True, exist_ok=True)
                 url = vllm.base_url
-                if cores == "turns":
-                    plan = plan.model_copy(update={"max_off_policy_steps": 0})
-                    arena_args += ["--max-off-policy-steps", "0"]
-                    arena_nice = BACKGROUND_NICE
-                    restore_broker = _broker_steps_back(settings)
 
                 async def serve() -> None:
                     """vLLM up (its start overlaps the topics' and the services'; the arena waits for it)."""
@@ -408,6 +404,15 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
 
                 progress.phase = f"vLLM starting on port {port} (log {rundir / 'vllm.log'}); services starting"
                 serving = asyncio.create_task(serve())
+            elif args.cores == "turns":  # a server of its own on this machine: asked to, take turns with it
+                cores = "turns"
+                print("cores: generation and training take turns: off-policy bound 0 for this run (--cores)",
+                      flush=True)
+            if cores == "turns":
+                plan = plan.model_copy(update={"max_off_policy_steps": 0})
+                arena_args += ["--max-off-policy-steps", "0"]
+                arena_nice = BACKGROUND_NICE
+                restore_broker = _broker_steps_back(settings)
             arena_args += ["--policy", "vllm", "--policy-url", url]
         else:
             from policy.checkpoint import checkpoint_path

@@ -47,7 +47,8 @@ def test_demo_on_vllm_trains_serves_and_evaluates_revisions(kafka_bootstrap, vll
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
     env.pop("ROLLOUT_TOPIC_PREFIX", None)
     out = subprocess.run([sys.executable, "-m", "rollout.cli", "demo", "--groups", str(groups), "--no-progress",
-                          "--eval-interval", "3", "--vllm-url", vllm_server.base_url], cwd=ROOT, env=env,
+                          "--eval-interval", "3", "--vllm-url", vllm_server.base_url, "--cores", "turns"], cwd=ROOT,
+                         env=env,
                          capture_output=True, text=True, timeout=1400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     print(out.stdout[-3000:])
@@ -57,6 +58,8 @@ def test_demo_on_vllm_trains_serves_and_evaluates_revisions(kafka_bootstrap, vll
     assert s["records_in_batches"] + stale == groups * 8 and s["dead_letters"] == stale
     # one batch, one optimizer step of the plan's batch_size (32), one revision; paced, nothing went stale
     assert s["batches"] == s["revisions"] and s["records_in_batches"] == 32 * s["batches"] == groups * 8
+    # --cores turns with the fixture's server (on this machine): generation and training took turns, bound 0
+    assert s["cores"] == "turns" and all(n == 32 for n in s["rollouts_by_revision"].values())
     # 4 revisions trained from batches; revision 0, every 3rd and the last (4) answer the held-out set, each loaded
     # into the running vLLM first (one with no evaluation due may be skipped for a newer one)
     assert s["revisions"] == 4
