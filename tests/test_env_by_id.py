@@ -290,7 +290,7 @@ def test_recipe_whole_loop_on_vllm(kafka_bootstrap, vllm_server, tmp_path):
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
     env.pop("ROLLOUT_TOPIC_PREFIX", None)
     s = _rl(RECIPES / "rlt-sum-quiz.toml", env, "--max-steps", "3", "--vllm-url", vllm_server.base_url,
-            logs=tmp_path / "rl")
+            "--cores", "turns", logs=tmp_path / "rl")  # the fixture's server shares this machine's cores
     assert s["family"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and s["served_model"] is None
     # max_steps 3: exactly 3 revisions; the arena admitted until r3 was published, at least 3 batches' worth
     assert s["revisions"] == 3 and s["rollouts"] == s["scored"]
