@@ -24,7 +24,7 @@ from schemas.events import TrainerBatch
 from schemas.policy import CheckpointRef, PolicyRef, PolicyRevision
 from streams import topics
 from streams.records_at import records_at
-from streams.revisions import latest_revision, publish
+from streams.revisions import RevisionFollower, latest_revision, publish
 from streams.partition_task import Out
 
 if TYPE_CHECKING:
@@ -283,7 +283,9 @@ async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIt
     first = cfg.derivation.fork.revision if cfg.derivation else 0
     if cfg.derivation is None:
         await bootstrap_revision(client_kwargs, cfg.family, cfg.checkpoint_dir)
-    rev0 = await latest_revision(client_kwargs, cfg.family, revision=first)
+    async with RevisionFollower(client_kwargs, cfg.family) as follower:  # one read: the first and the newest
+        revs = [rev for _, rev in await follower.read_to_end()]
+    rev0 = next((r for r in revs if r.revision == first), None)
     start = (lambda target: rev0.checkpoint if target.revision == first else None) if rev0 and rev0.checkpoint \
         else None
     options = dict(lr=cfg.lr, epochs=cfg.epochs, producer=f"{NAME}{cfg.instance}", target_checkpoint=start,
@@ -295,8 +297,7 @@ async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIt
 
     # a fresh run (no revision after its first: a trainer joining a run under way takes over instead), and not
     # under torchrun, whose ranks open their shards together (``TrainerTask._open``)
-    newest = await latest_revision(client_kwargs, cfg.family) if start is not None else None
-    fresh = newest is not None and newest.revision == first and distributed.current() is None
+    fresh = start is not None and max(r.revision for r in revs) == first and distributed.current() is None
     warm = WarmStart(lambda: TrainerTask(0, cfg.family, cfg.checkpoint_dir, **options)._open(rev0.checkpoint, first)) \
         if fresh else None
     yield lambda p: TrainerTask(p, cfg.family, cfg.checkpoint_dir, **options, warm=warm,
