@@ -146,13 +146,22 @@ class VllmWeights:
         path = checkpoint_path(ck)
         if not path.is_file():
             raise RevisionRefused(f"{rev.family}@r{rev.revision}: checkpoint {path} does not exist on this host")
-        digest = await asyncio.to_thread(file_sha256, path)
-        if digest != ck.digest:
-            raise RevisionRefused(f"{rev.family}@r{rev.revision}: checkpoint {path} has sha256 {digest}, "
-                                  f"its revision says {ck.digest}: refusing to serve different weights")
+        # hashed while the server reads it (0.45 s each, a SmolLM2 revision): the swap holds the gate shut, so no
+        # call runs on these weights before the digest is checked; bytes that are not the digest refuse the
+        # revision whatever the server made of them, and leave its weights unknown (the gate stays shut)
+        digest = asyncio.ensure_future(asyncio.to_thread(file_sha256, path))
         t0 = time.perf_counter()
-        await self._post(http, "/collective_rpc", rev, json={
-            "method": "reload_weights", "kwargs": {"weights_path": str(checkpoint_folder(ck))}})
+        try:
+            await self._post(http, "/collective_rpc", rev, json={
+                "method": "reload_weights", "kwargs": {"weights_path": str(checkpoint_folder(ck))}})
+        finally:
+            try:
+                found = await digest
+            except OSError as e:  # pruned or unreadable since: the revision cannot be served here
+                raise RevisionRefused(f"{rev.family}@r{rev.revision}: checkpoint {path} cannot be read: {e}") from None
+            if found != ck.digest:
+                raise RevisionRefused(f"{rev.family}@r{rev.revision}: checkpoint {path} has sha256 {found}, its "
+                                      f"revision says {ck.digest}: refusing to serve different weights") from None
         reload_s = time.perf_counter() - t0
         await self._post(http, "/reset_prefix_cache", rev)
         await self._post(http, "/update_weight_version", rev, json={"new_version": f"r{rev.revision}"})
