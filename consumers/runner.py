@@ -12,7 +12,9 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 from contextlib import AsyncExitStack
@@ -80,6 +82,10 @@ def metrics_endpoint(service: Service, port: int | None = None) -> tuple[Endpoin
 
 
 ABANDON_AFTER_S = 2.0  # a System stopped by a signal: what its services have not committed by then is abandoned
+STOP_BOUND_S = 8.0
+"""A service stopped by a signal exits within this, whatever it still waits on (a broker that is gone, a trainer
+step in its torch thread): issue 36 asks every long-lived command to stop within 10 s of SIGTERM. What it has not
+committed by then is abandoned, as a SIGKILL would abandon it: its next owner reads that input again."""
 
 
 class System:
@@ -140,10 +146,16 @@ async def serve(service: Service, settings: ServiceSettings, client_kwargs: dict
     import signal
 
     stop = asyncio.Event()
+    fields = {"service": service.name, "instance": settings.instance}
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            _exit_at_the_bound(fields)
+            stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    fields = {"service": service.name, "instance": settings.instance}
+        loop.add_signal_handler(sig, on_signal)
     processing = ProcessingSettings()
     tune_gc(processing)
     endpoint, observer = metrics_endpoint(service, metrics_port)
@@ -152,6 +164,23 @@ async def serve(service: Service, settings: ServiceSettings, client_kwargs: dict
     finally:
         endpoint.close()
     log.info("service stopped", extra={"fields": fields})
+
+
+def _exit_at_the_bound(fields: dict[str, Any]) -> None:
+    """Armed by the first signal: a daemon timer that ends the process ``STOP_BOUND_S`` later if the graceful stop
+    has not (an await on a broker that is gone, the interpreter's join of a torch thread mid-step); it outlives the
+    event loop, so it bounds the whole shutdown."""
+
+    def abandon() -> None:
+        log.warning("not stopped %.0f s after the signal: exiting now; what was not committed is read again by the "
+                    "next owner", STOP_BOUND_S, extra={"fields": fields})
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
+
+    timer = threading.Timer(STOP_BOUND_S, abandon)
+    timer.daemon = True
+    timer.start()
 
 
 async def _serve(service: Service, settings: ServiceSettings, client_kwargs: dict[str, Any], stop: asyncio.Event,

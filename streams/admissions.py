@@ -19,6 +19,7 @@ from schemas.admission import ADMISSION_EVENTS, AdmissionBook, AdmissionClaim, A
 from schemas.envelope import Event
 from schemas.errors import EventDecodeError
 from streams import topics
+from streams.aiokafka_internals import stop_consumer
 from streams.serde import to_message
 
 
@@ -91,9 +92,11 @@ class KafkaLedger(MemoryLedger):
         await self.sync()
 
     async def stop(self) -> None:
-        for client in (self._producer, self._consumer, self._ends):
+        if self._producer is not None:
+            await self._producer.stop()
+        for client in (self._consumer, self._ends):
             if client is not None:
-                await client.stop()
+                await stop_consumer(client)
         self._producer = self._consumer = self._ends = None
 
     async def sync(self, through: int | None = None) -> None:

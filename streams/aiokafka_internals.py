@@ -7,11 +7,12 @@ sender's hooks (``streams.commits``), reads the group's offsets through the cons
 replacing ``_do_txn_offset_commit`` on a sender that no longer calls it turns the fence off without an error.
 So each name is checked where aiokafka defines it, and a mismatch stops the service with the list, before it
 commits anything. After an aiokafka upgrade, also run ``tests/test_group_fencing.py``: it shows the fence
-refusing a stale generation on a real broker.
+refusing a stale generation on a real broker. ``stop_consumer`` works around one public method's bug instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from functools import cache
@@ -67,3 +68,16 @@ def check() -> None:
     if aiokafka.__version__ != TESTED_VERSION:
         log.warning("aiokafka %s: the exactly-once code was tested with %s; run tests/test_group_fencing.py",
                     aiokafka.__version__, TESTED_VERSION)
+
+
+async def stop_consumer(consumer) -> None:
+    """``consumer.stop()``, also when the broker is gone: aiokafka 0.14's ``Fetcher.close()`` awaits the fetch
+    requests it has just cancelled without suppressing their cancellation, so a stop while fetches wait to retry an
+    unreachable broker raised ``CancelledError`` into a service's shutdown (a traceback and exit 1 after SIGTERM,
+    ``tests/test_stop_without_broker.py``). A cancellation of the caller itself still propagates."""
+    try:
+        await consumer.stop()
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise
+        log.warning("a Kafka consumer stopped with its fetches to an unreachable broker cancelled")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from streams import group_offsets
+from streams.aiokafka_internals import stop_consumer
 from streams.settings import MAX_MESSAGE_BYTES
 from streams.topics import Topic
 
@@ -108,7 +109,7 @@ class Restorer:
     async def stop(self) -> None:
         for c in (self.consumer, self.uncommitted):
             if c is not None:
-                await c.stop()
+                await stop_consumer(c)
         self.consumer = self.uncommitted = None
 
     async def restore(self, ps: list[int], group: AIOKafkaConsumer,

@@ -23,6 +23,7 @@ from schemas.errors import EventDecodeError
 from schemas.events import DeadLetter
 from schemas.policy import PolicyRevision
 from streams import topics
+from streams.aiokafka_internals import stop_consumer
 from streams.serde import from_message
 
 POLL_MS = 200
@@ -74,7 +75,7 @@ class RevisionFollower:
 
     async def stop(self) -> None:
         if self._consumer is not None:
-            await self._consumer.stop()
+            await stop_consumer(self._consumer)
             self._consumer = None
 
     async def __aenter__(self) -> RevisionFollower:

@@ -43,6 +43,7 @@ from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError, ProducerFenced
 
 from streams import aiokafka_internals, serde
+from streams.aiokafka_internals import stop_consumer
 from streams.batched_send import PartitionBatches
 from streams.changelog import Restorer, encode_snapshot
 from streams.commits import CommitWatch, StallWatch, commit_again
@@ -171,7 +172,7 @@ class TransactionalProcessor:
             pass  # the transaction in flight, if any, is committed or aborted
         if self.consumer is not None:
             try:
-                await self.consumer.stop()  # leaves the group
+                await stop_consumer(self.consumer)  # leaves the group
             except Exception as e:  # noqa: BLE001
                 log.warning("consumer stop: %s", e)
         async with self.lock:
