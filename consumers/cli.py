@@ -85,6 +85,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"rollout serve {args.name}: error: {e}", file=sys.stderr)
         return 1
     except ProcessMustRestart as e:  # a torchrun group's rank 0: torchrun starts the group again
+        # no goodbye to the followers: one may still wait in the failed step's collectives, where a "stop" broadcast
+        # would wait with it for good; this rank's exit breaks their connections and torchrun restarts every rank
+        group = None
         print(f"rollout serve {args.name}: {e}", file=sys.stderr)
         return 1
     finally:

@@ -331,14 +331,14 @@ async def test_a_trainer_killed_committing_a_backlog_of_three_leaves_what_its_su
 
 # A torchrun trainer with one batch only a follower cannot train: rank 1 raises on any batch holding a group whose
 # id starts with POISON_GROUPS (as a batch that breaks one rank's kernels would); rank 0 and other batches are fine.
-_FOLLOWER_FAILS = """
+_RANK_FAILS = """
 import os, runpy, sys
-if os.environ.get("RANK") == "1":
+if os.environ.get("RANK") == os.environ["FAILING_RANK"]:
     from consumers.trainer import ReferenceTrainer
     step = ReferenceTrainer.step
     def failing_step(self, t, batch):
         if any(r.group_id.startswith(os.environ["POISON_GROUPS"]) for r in batch.records):
-            raise RuntimeError("this batch breaks rank 1")
+            raise RuntimeError("this batch breaks rank " + os.environ["RANK"])
         return step(self, t, batch)
     ReferenceTrainer.step = failing_step
 sys.argv[0] = "consumers"
@@ -346,20 +346,24 @@ runpy.run_module("consumers", run_name="__main__")
 """
 
 
-async def test_a_batch_that_crashes_only_a_follower_rank_is_dead_lettered(kafka_settings, kafka_bootstrap,
-                                                                         monkeypatch, tmp_path):
-    """Rank 1 of a torchrun group of 2 raises on one batch: torchrun restarts the whole group, rank 0 (the one
+@pytest.mark.parametrize("failing_rank", ["1", "0"], ids=["a-follower", "rank-0-mid-step"])
+async def test_a_batch_that_crashes_one_rank_is_dead_lettered(kafka_settings, kafka_bootstrap, monkeypatch, tmp_path,
+                                                              failing_rank):
+    """One rank of a torchrun group of 2 raises on one batch: torchrun restarts the whole group, rank 0 (the one
     counting failures) included, each time. Counted in a file that outlives rank 0 (``streams.poison``), the batch
     is dead-lettered on the group's ``POISON_ATTEMPTS + 1``-th start, and the trainer goes on with the next one,
-    instead of failing until ``--max-restarts`` runs out."""
+    instead of failing until ``--max-restarts`` runs out. Rank 1 failing: rank 0 waits in the step's collectives;
+    rank 0 failing, before its step's collectives: rank 1 waits in them, and rank 0 must not try the batch again
+    in the same life (the group no longer agrees on where it is)."""
     from streams.transactions import POISON_ATTEMPTS
 
     kw = kafka_settings.client_kwargs()
     prefix = await _fresh_run(kw, monkeypatch, tmp_path, "tf")
     settings = ServiceSettings(family=testing.FAMILY, batch_records=16, flush_after_s=2.0)
-    script = tmp_path / "follower_fails.py"
-    script.write_text(_FOLLOWER_FAILS)
+    script = tmp_path / "rank_fails.py"
+    script.write_text(_RANK_FAILS)
     monkeypatch.setenv("POISON_GROUPS", "g0001")
+    monkeypatch.setenv("FAILING_RANK", failing_rank)
     main = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", f"--max-restarts={POISON_ATTEMPTS}",
             "--monitor-interval=0.5", str(script))
     trainer = _trainer(kafka_bootstrap, prefix, tmp_path, tmp_path / "trainer.log", main=main)
