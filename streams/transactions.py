@@ -496,6 +496,10 @@ class TransactionalProcessor:
                           self.config.name, rec.topic, rec.partition, rec.offset, type(e).__name__, e,
                           ENVIRONMENT_RETRY_S)
                 await asyncio.sleep(ENVIRONMENT_RETRY_S)
+                if self.poison.once_per_life:  # a group may not agree where its step stopped: every rank starts again
+                    raise ProcessMustRestart(f"{self.config.name}: {rec.topic}[{rec.partition}]@{rec.offset}: "
+                                             f"{type(e).__name__}: {e}; exiting, not counted against it, for the "
+                                             "group to start again (a torchrun group restarts every rank)") from e
                 raise
             self.poison.ended(key, e)
             if self.poison.once_per_life:

@@ -333,12 +333,21 @@ async def test_a_trainer_killed_committing_a_backlog_of_three_leaves_what_its_su
 # id starts with POISON_GROUPS (as a batch that breaks one rank's kernels would); rank 0 and other batches are fine.
 _RANK_FAILS = """
 import os, runpy, sys
+from pathlib import Path
 if os.environ.get("RANK") == os.environ["FAILING_RANK"]:
+    import streams.transactions
     from consumers.trainer import ReferenceTrainer
+    streams.transactions.ENVIRONMENT_RETRY_S = 1.0
     step = ReferenceTrainer.step
     def failing_step(self, t, batch):
         if any(r.group_id.startswith(os.environ["POISON_GROUPS"]) for r in batch.records):
-            raise RuntimeError("this batch breaks rank " + os.environ["RANK"])
+            faults = Path(os.environ.get("MEMORY_FAULTS", "/nonexistent"))
+            if not faults.exists():
+                raise RuntimeError("this batch breaks rank " + os.environ["RANK"])
+            left = int(faults.read_text())
+            if left > 0:  # the machine's fault, this many times: then the batch trains
+                faults.write_text(str(left - 1))
+                raise MemoryError("out of memory on rank " + os.environ["RANK"])
         return step(self, t, batch)
     ReferenceTrainer.step = failing_step
 sys.argv[0] = "consumers"
@@ -391,6 +400,44 @@ async def test_a_batch_that_crashes_one_rank_is_dead_lettered(kafka_settings, ka
     dead = codec.decode(letters[0].raw, TrainerBatch)
     assert {x.record_id for x in dead.records} == poisoned
     assert log.count("service started") == POISON_ATTEMPTS + 1, log[-3000:]
+    revs = await _revisions(kw)
+    batches = {b.batch_id: b for b in (codec.decode(r.value, TrainerBatch) for r in
+                                       await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=0.5, timeout_s=10))}
+    assert [r.revision for r in revs] == [0, 1, 2]
+    assert Counter(x.record_id for r in revs[1:] for x in batches[r.batch_id].records) == Counter(expected)
+
+
+async def test_memory_exhausted_on_rank_0_mid_step_restarts_the_group_and_dead_letters_nothing(
+        kafka_settings, kafka_bootstrap, monkeypatch, tmp_path):
+    """The environment's fault in a torchrun group (MemoryError on rank 0, mid-step, twice): not the batch's, so not
+    counted against it; and not tried again in the same life either, since rank 1 waits in the step's collectives:
+    the group starts again each time, then trains the batch once. Nothing is dead-lettered."""
+    kw = kafka_settings.client_kwargs()
+    prefix = await _fresh_run(kw, monkeypatch, tmp_path, "tm")
+    settings = ServiceSettings(family=testing.FAMILY, batch_records=16, flush_after_s=2.0)
+    script = tmp_path / "rank_fails.py"
+    script.write_text(_RANK_FAILS)
+    faults = tmp_path / "faults"
+    faults.write_text("2")
+    monkeypatch.setenv("POISON_GROUPS", "g0001")
+    monkeypatch.setenv("FAILING_RANK", "0")
+    monkeypatch.setenv("MEMORY_FAULTS", str(faults))
+    main = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
+            "--monitor-interval=0.5", str(script))
+    trainer = _trainer(kafka_bootstrap, prefix, tmp_path, tmp_path / "trainer.log", main=main)
+    try:
+        async with System(("verifier", "credit", "batcher"), settings, kw):
+            expected = await seed_groups(kw, 4)  # r1
+            await _wait_revision(kw, 1)
+            expected |= await seed_groups(kw, 4, start=100, revision=1)  # the batch rank 0 runs out of memory on
+            await _wait_revision(kw, 2, timeout_s=240)
+            assert trainer.poll() is None
+    finally:
+        stop(trainer)
+    log = (tmp_path / "trainer.log").read_text()
+    assert faults.read_text() == "0"
+    assert log.count("service started") == 3, log[-3000:]  # the first start, and one after each fault
+    assert not await read_all(kw, topics.DEAD_LETTERS.name, idle_s=0.5, timeout_s=10)
     revs = await _revisions(kw)
     batches = {b.batch_id: b for b in (codec.decode(r.value, TrainerBatch) for r in
                                        await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=0.5, timeout_s=10))}
