@@ -67,6 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"refuse records whose generating revision is further than this from the target revision "
                         f"(default {DEFAULT_MAX_LAG})")
     p.add_argument("--lr", type=float, help="learning rate (default: the trainer's)")
+    p.add_argument("--gate", action="append", metavar="MIN:MAX",
+                   help="an admission gate, prime-rl's advantage_range: a group whose every advantage lies in "
+                        "[MIN, MAX] is not trained on (0:0 drops the groups every rollout of which was rewarded "
+                        "alike); repeatable")
     p.add_argument("--flush-after-s", type=float, default=2.0,
                    help="train a partial batch after this long without a full one (default 2)")
     p.add_argument("--group-timeout-s", type=float, default=GROUP_TIMEOUT_S,
@@ -89,6 +93,26 @@ def _revision_range(text: str | None) -> tuple[int | None, int | None]:
         return (int(lo) if lo else None), (int(hi) if hi else None)
     except ValueError:
         raise DeriveError(f"--revisions {text!r}: revisions are numbers, as in 3:9") from None
+
+
+def gates_of(specs: list[str] | None) -> list:
+    """``--gate MIN:MAX`` flags as the plan's admission gates (``schemas.plan.AdmissionGate``), named by position."""
+    from pydantic import ValidationError
+
+    from schemas.plan import AdmissionGate
+
+    gates = []
+    for i, spec in enumerate(specs or [], 1):
+        lo, sep, hi = spec.partition(":")
+        try:
+            if not sep:
+                raise ValueError("give MIN:MAX")
+            gates.append(AdmissionGate(name=f"gate{i}", reject_min=float(lo), reject_max=float(hi)))
+        except ValidationError as e:  # MIN above MAX
+            raise DeriveError(f"--gate {spec!r}: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+        except ValueError as e:  # not MIN:MAX, or not numbers
+            raise DeriveError(f"--gate {spec!r}: {e}; as in --gate 0:0") from None
+    return gates
 
 
 def rescore_of(rubric: list[str] | None, kind: str | None):
@@ -196,6 +220,8 @@ async def publish_fork(kw: dict[str, Any], family: str, derivation, source, wher
 async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
     from consumers import settings as service_settings
     from consumers.batching import HISTORY_AHEAD
+    from consumers.credit import check_gates
+    from consumers.settings import ServiceSettings
     from consumers.runner import System
     from consumers.status import service_lag
     from schemas.history import Derivation
@@ -203,6 +229,11 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
 
     lo, hi = _revision_range(args.revisions)
     rescore = rescore_of(args.rubric, args.scoring_kind)
+    gates = gates_of(args.gate)
+    try:
+        check_gates(args.credit or ServiceSettings.model_fields["credit"].default, gates)
+    except ValueError as e:
+        raise DeriveError(f"--gate: {e}") from None
     run_id = args.run_id or f"derive-{uuid.uuid4().hex[:8]}"
     kw = kafka.client_kwargs()
     source_prefix = await find_source(kafka, args.source)
@@ -213,12 +244,14 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
     os.environ["ROLLOUT_TOPIC_PREFIX"] = f"{run_id}."  # the derived run's own topics, groups and ids
     await topics.create_topics(kafka.admin_kwargs())
     shaping = {"credit": args.credit, "batch_records": args.batch_records, "lr": args.lr,
-               "max_off_policy_steps": args.max_off_policy_steps, "flush_after_s": args.flush_after_s}
+               "max_off_policy_steps": args.max_off_policy_steps, "flush_after_s": args.flush_after_s,
+               **({"gates": [[g.reject_min, g.reject_max] for g in gates]} if gates else {})}
     await publish_fork(kw, family, derivation, source, where, checkpoint, shaping)
     flags = {k: v for k, v in (("credit", args.credit), ("batch_records", args.batch_records), ("lr", args.lr))
              if v is not None}
     cfg = service_settings.build(flags, family=family, derivation=derivation, flush_after_s=args.flush_after_s,
                                  max_off_policy_steps=args.max_off_policy_steps, group_timeout_s=args.group_timeout_s,
+                                 admission_gates=gates,
                                  checkpoint_dir=args.checkpoint_dir or str(Path(".state/derived") / run_id))
     print(f"derived run {run_id}: from run {args.source} (topics {source_prefix}*), training {family} from "
           f"{source.family}@r{source.revision}", file=sys.stderr)

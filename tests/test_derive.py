@@ -233,6 +233,37 @@ async def test_a_derived_run_refuses_what_it_cannot_use_in_one_line(kafka_settin
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "is missing" in done.stderr, done.stderr
 
 
+async def test_a_derived_run_with_an_admission_gate_trains_only_the_groups_with_signal(kafka_settings, monkeypatch,
+                                                                                       tmp_path):
+    """``--gate 0:0`` (prime-rl's ``advantage_range`` gate): a group whose rollouts were all rewarded alike is not
+    trained on and gets its refund on the derived run's ledger; every other group is trained, each record once."""
+    from schemas.admission import AdmissionRefund
+
+    kw = kafka_settings.client_kwargs()
+    source, prefix_a = await _source_run(kw, monkeypatch, tmp_path, 16)  # about half of each group's answers right
+    for bad, why in ((["--gate", "0"], r"--gate '0': give MIN:MAX"), (["--gate", "1:0"], r"reject_min \(1.0\) is above"),
+                     (["--gate", "0:0", "--credit", "reinforce_baseline"], r"credits each rollout alone")):
+        with pytest.raises(DeriveError, match=why):
+            await run_derived(_args(source, *bad), kafka_settings)
+    out = await run_derived(_args(source, "--gate", "0:0", "--batch-records", "8", "--flush-after-s", "1",
+                                  "--checkpoint-dir", str(tmp_path / "b"), "--no-progress"), kafka_settings)
+    prefix_b = out["prefix"]
+    group_of = {r.rollout_id: r.group_id for r in await _events(kw, prefix_a + "rollouts", Rollout)}
+    rewards: dict[str, set[float]] = {}
+    for s in await _events(kw, prefix_b + "scores", RolloutScored):
+        rewards.setdefault(group_of[s.rollout_id], set()).add(s.rewards["solver"])
+    flat = {g for g, rs in rewards.items() if len(rs) == 1}
+    assert len(rewards) == 16 and flat and flat != set(rewards)  # the seeded groups hold both kinds
+    batches = await _events(kw, prefix_b + "trainer-batches", TrainerBatch)
+    trained = Counter(r.rollout_id for b in batches for r in b.records)
+    assert set(trained.values()) == {1}
+    assert {group_of[r] for r in trained} == set(rewards) - flat
+    refunds = [codec.decode(r.value, AdmissionRefund) for r in
+               await read_all(kw, prefix_b + "admissions", idle_s=0.5, timeout_s=20)]
+    assert sorted(r.group_id for r in refunds) == sorted(flat)
+    assert not await read_all(kw, prefix_b + "dead-letters", idle_s=0.5, timeout_s=5)
+
+
 async def test_a_prime_rl_trace_stream_imported_then_derived_from(kafka_settings, monkeypatch, tmp_path):
     """History from outside: a prime-rl run's trace stream (tests/fixtures/prime-rl-trace-stream) imported as a run
     (its rewards as recorded, no weights), then re-trained from weights given for its revision 0."""
