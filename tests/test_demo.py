@@ -96,6 +96,22 @@ def test_demo_on_vllm_trains_serves_and_evaluates_revisions(kafka_bootstrap, vll
     assert unknown == 0 and accuracy == len(evaluated)
 
 
+def _newest_revision(bootstrap: str, run: str) -> int:
+    """The newest revision on demo run ``run``'s revisions topic (-1: none yet)."""
+    import asyncio
+
+    from streams.revisions import RevisionFollower
+
+    async def read() -> int:
+        async with RevisionFollower({"bootstrap_servers": bootstrap}, topic=f"demo-{run}.policy-revisions") as f:
+            return max((rev.revision for _, rev in await f.read_to_end()), default=-1)
+
+    try:
+        return asyncio.run(read())
+    except RuntimeError:  # the topic is not created yet
+        return -1
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_a_demo_killed_mid_run_leaves_no_process_behind(kafka_bootstrap, sig, tmp_path):
     """SIGKILL (the OOM killer), SIGTERM (a scheduler) or SIGINT (Ctrl-C) to `rollout demo` once its arena runs:
@@ -124,7 +140,12 @@ def test_a_demo_killed_mid_run_leaves_no_process_behind(kafka_bootstrap, sig, tm
                  if b"arena" in Path(f"/proc/{c}/cmdline").read_bytes()} if demo.poll() is None else set()
         time.sleep(0.2)
     assert arena, "the demo's arena never started"
-    time.sleep(8)  # mid-run: revisions trained, rollouts in flight
+    run = re.search(r"^run (\w+):", out.read_text(), re.M).group(1)
+    deadline = time.monotonic() + 120
+    while _newest_revision(kafka_bootstrap, run) < 1:  # mid-run: a revision trained, rollouts in flight (a fixed
+        assert time.monotonic() < deadline and demo.poll() is None, "no revision trained"  # wait missed it on a
+        time.sleep(0.5)  # busy machine)
+    time.sleep(1.0)
     started = arena | {g for a in arena for g in children(a)}
     sent = time.monotonic()
     demo.send_signal(sig)
@@ -138,7 +159,6 @@ def test_a_demo_killed_mid_run_leaves_no_process_behind(kafka_bootstrap, sig, tm
         return
     assert demo.returncode == 128 + sig and took <= 10, (demo.returncode, took, err.decode()[-2000:])
     assert b"Traceback" not in err and f"stopped by {signal.Signals(sig).name}".encode() in err, err.decode()[-2000:]
-    run = re.search(r"^run (\w+):", out.read_text(), re.M).group(1)
     db = tmp_path / "run.duckdb"
     for cmd in (["replay", "--db", str(db), "--run", run, "--quiet"], ["audit", "--db", str(db)]):
         done = subprocess.run([sys.executable, "-m", "rollout.cli", *cmd], cwd=ROOT, env=env, capture_output=True)
