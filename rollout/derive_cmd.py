@@ -221,7 +221,6 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
     from consumers import settings as service_settings
     from consumers.batching import HISTORY_AHEAD
     from consumers.credit import check_gates
-    from consumers.settings import ServiceSettings
     from consumers.runner import System
     from consumers.status import service_lag
     from schemas.history import Derivation
@@ -231,7 +230,7 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
     rescore = rescore_of(args.rubric, args.scoring_kind)
     gates = gates_of(args.gate)
     try:
-        check_gates(args.credit or ServiceSettings.model_fields["credit"].default, gates)
+        check_gates(args.credit or service_settings.ServiceSettings.model_fields["credit"].default, gates)
     except ValueError as e:
         raise DeriveError(f"--gate: {e}") from None
     run_id = args.run_id or f"derive-{uuid.uuid4().hex[:8]}"

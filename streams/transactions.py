@@ -43,7 +43,6 @@ from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError, ProducerFenced
 
 from streams import aiokafka_internals, serde
-from streams.aiokafka_internals import stop_consumer
 from streams.batched_send import PartitionBatches
 from streams.changelog import Restorer, encode_snapshot
 from streams.commits import CommitWatch, StallWatch, commit_again
@@ -172,7 +171,7 @@ class TransactionalProcessor:
             pass  # the transaction in flight, if any, is committed or aborted
         if self.consumer is not None:
             try:
-                await stop_consumer(self.consumer)  # leaves the group
+                await aiokafka_internals.stop_consumer(self.consumer)  # leaves the group
             except Exception as e:  # noqa: BLE001
                 log.warning("consumer stop: %s", e)
         async with self.lock:
@@ -489,23 +488,19 @@ class TransactionalProcessor:
         try:
             out = await task.process(rec)
         except Exception as e:
-            if environment_fault(e):  # not counted towards poison: the same record succeeds once space is freed
-                self.poison.ended(key, None)
+            fault = environment_fault(e)  # not counted towards poison: the same record succeeds once space is freed
+            self.poison.ended(key, None if fault else e)
+            if fault:
                 log.error("%s: %s[%d]@%d: %s: %s. The environment's fault, not the record's: nothing is "
                           "dead-lettered; trying again in %.0fs (free the space or memory meanwhile)",
                           self.config.name, rec.topic, rec.partition, rec.offset, type(e).__name__, e,
                           ENVIRONMENT_RETRY_S)
                 await asyncio.sleep(ENVIRONMENT_RETRY_S)
-                if self.poison.once_per_life:  # a group may not agree where its step stopped: every rank starts again
-                    raise ProcessMustRestart(f"{self.config.name}: {rec.topic}[{rec.partition}]@{rec.offset}: "
-                                             f"{type(e).__name__}: {e}; exiting, not counted against it, for the "
-                                             "group to start again (a torchrun group restarts every rank)") from e
-                raise
-            self.poison.ended(key, e)
-            if self.poison.once_per_life:
+            if self.poison.once_per_life:  # a group may not agree where its failed step stopped: every rank restarts
+                uncounted = "not counted against it, " if fault else ""
                 raise ProcessMustRestart(f"{self.config.name}: {rec.topic}[{rec.partition}]@{rec.offset} failed "
-                                         f"({type(e).__name__}: {e}); exiting, to be tried again by the next "
-                                         "start (a torchrun group restarts every rank)") from e
+                                         f"({type(e).__name__}: {e}); exiting, {uncounted}to be tried again by the "
+                                         "next start (a torchrun group restarts every rank)") from e
             raise
         except BaseException:  # cancelled by a stop: no try of the record's
             self.poison.ended(key, None)
