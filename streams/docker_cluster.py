@@ -10,6 +10,11 @@ ROLLOUT_TOPIC_REPLICATION_FACTOR=3 and ROLLOUT_TOPIC_MIN_INSYNC_REPLICAS=2 (``cl
     rollout kafka up --brokers 3            (rollout/kafka_cmd.py)
     cluster = DockerCluster("mytest"); cluster.up(); cluster.kill(2); cluster.start(2); cluster.down()
 
+``security`` (``ScramTls``) puts CLIENT behind SASL_SSL with SCRAM-SHA-512 users made when the nodes format
+their storage, and the StandardAuthorizer denying what no ACL allows; INTERNAL and CONTROLLER stay plaintext on
+the cluster's own network (their principal, ANONYMOUS, is a super user), so securing the clients changes nothing
+between the brokers. ``client_env(user)`` is then what that user's processes set.
+
 Faults for the tests: ``kill`` (SIGKILL), ``stop`` (SIGTERM: a controlled shutdown), ``isolate``/``heal``
 (every packet to and from the node dropped, in its network namespace, with the host's iptables: a network
 partition from the other brokers and from the clients alike). Only the docker CLI is used: no SDK.
@@ -21,7 +26,10 @@ import json
 import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+from streams.config import KafkaSettings
 from streams.kafka_errors import KafkaError, KafkaUnreachable
 from streams.local_broker import fetch_metadata, free_port, run_sync
 
@@ -36,6 +44,47 @@ QUORUM_STATE = "/var/lib/kafka/data/__cluster_metadata-0/quorum-state"
 
 class ClusterError(KafkaError):
     pass
+
+
+TLS_MOUNT = "/etc/rollout-tls"
+
+
+@dataclass(frozen=True)
+class ScramTls:
+    """SASL_SSL (SCRAM-SHA-512) on the CLIENT listener. ``tls_dir`` holds ``broker.p12`` (a PKCS12 keystore whose
+    certificate names ``localhost``, readable by the image's uid 1000) and ``ca.pem`` (its CA, for the clients).
+    ``users``: name -> password, made at format time (so only on a cluster's first start); ``admin`` is the one
+    super user among them, for topics and ACLs."""
+
+    tls_dir: Path
+    keystore_password: str
+    users: dict[str, str]
+    admin: str = "admin"
+    mechanism: str = "SCRAM-SHA-512"
+
+    def node_env(self) -> dict[str, str]:
+        for name, pw in self.users.items():
+            if not name.isidentifier() or any(c in pw for c in " ,=[]"):
+                raise ClusterError(f"SCRAM user {name!r}: names must be identifiers and passwords free of ' ,=[]'")
+        return {
+            "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP": "CLIENT:SASL_SSL,INTERNAL:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "KAFKA_SASL_ENABLED_MECHANISMS": self.mechanism,
+            f"KAFKA_LISTENER_NAME_CLIENT_{self.mechanism.replace('-', '___')}_SASL_JAAS_CONFIG":
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            "KAFKA_SSL_KEYSTORE_TYPE": "PKCS12",
+            "KAFKA_SSL_KEYSTORE_LOCATION": f"{TLS_MOUNT}/broker.p12",
+            "KAFKA_SSL_KEYSTORE_PASSWORD": self.keystore_password,
+            "KAFKA_SSL_KEY_PASSWORD": self.keystore_password,
+            "KAFKA_AUTHORIZER_CLASS_NAME": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "KAFKA_ALLOW_EVERYONE_IF_NO_ACL_FOUND": "false",
+            "KAFKA_SUPER_USERS": f"User:{self.admin};User:ANONYMOUS",
+            "KAFKA_ADD_SCRAM": " ".join(f"{self.mechanism}=[name={u},password={pw}]" for u, pw in self.users.items()),
+        }
+
+    def client_env(self, user: str) -> dict[str, str]:
+        return {"ROLLOUT_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "ROLLOUT_KAFKA_SASL_MECHANISM": self.mechanism,
+                "ROLLOUT_KAFKA_SASL_USERNAME": user, "ROLLOUT_KAFKA_SASL_PASSWORD": self.users[user],
+                "ROLLOUT_KAFKA_SSL_CAFILE": str(self.tls_dir / "ca.pem")}
 
 
 def docker(*args: str, check: bool = True, timeout: float = 120.0) -> str:
@@ -59,6 +108,7 @@ class DockerCluster:
     image: str = DEFAULT_IMAGE
     ports: list[int] = field(default_factory=list)
     heap: str = "-Xmx512m -Xms256m"
+    security: ScramTls | None = None  # not kept in labels: ``load`` finds a secured cluster's ports, not its users
 
     def container(self, node: int) -> str:
         return f"{self.name}-kafka-{node}"
@@ -74,10 +124,19 @@ class DockerCluster:
     def address(self, node: int) -> str:
         return f"localhost:{self.ports[node - 1]}"
 
-    def client_env(self) -> dict[str, str]:
-        """What a client of this cluster sets: the bootstrap list and the replication of created topics."""
-        return {"ROLLOUT_BOOTSTRAP_SERVERS": self.bootstrap, "ROLLOUT_TOPIC_REPLICATION_FACTOR": str(min(3, self.brokers)),
-                "ROLLOUT_TOPIC_MIN_INSYNC_REPLICAS": str(min(2, self.brokers))}
+    def client_env(self, user: str | None = None) -> dict[str, str]:
+        """What a client of this cluster sets: the bootstrap list, the replication of created topics, and on a
+        secured cluster the credentials of ``user`` (default: the admin)."""
+        env = {"ROLLOUT_BOOTSTRAP_SERVERS": self.bootstrap, "ROLLOUT_TOPIC_REPLICATION_FACTOR": str(min(3, self.brokers)),
+               "ROLLOUT_TOPIC_MIN_INSYNC_REPLICAS": str(min(2, self.brokers))}
+        if self.security:
+            env.update(self.security.client_env(user or self.security.admin))
+        return env
+
+    def client_kwargs(self, user: str | None = None, node: int | None = None) -> dict[str, Any]:
+        """aiokafka keyword arguments of ``user`` (default: the admin), bootstrapped from one node or all."""
+        settings = KafkaSettings.from_env(self.client_env(user))
+        return settings.with_bootstrap(self.address(node) if node else self.bootstrap).client_kwargs()
 
     def node_env(self, node: int) -> dict[str, str]:
         """The node's server properties, in the official image's KAFKA_* convention."""
@@ -108,6 +167,7 @@ class DockerCluster:
             "KAFKA_NUM_PARTITIONS": "1",
             "KAFKA_LOG_RETENTION_HOURS": "-1",
             "KAFKA_HEAP_OPTS": self.heap,
+            **(self.security.node_env() if self.security else {}),
         }
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -140,11 +200,13 @@ class DockerCluster:
             if not docker("network", "ls", "-q", "--filter", f"name=^{self.name}$"):
                 docker("network", "create", "--label", f"{LABEL}={self.name}", self.name)
             for n in self.nodes:
-                env = [a for k, v in self.node_env(n).items() for a in ("-e", f"{k}={v}")]
+                opts = [a for k, v in self.node_env(n).items() for a in ("-e", f"{k}={v}")]
+                if self.security:
+                    opts += ["-v", f"{self.security.tls_dir}:{TLS_MOUNT}:ro"]
                 docker("run", "-d", "--name", self.container(n), "--hostname", f"kafka-{n}", "--network", self.name,
                        "--network-alias", f"kafka-{n}", "-p", f"{self.ports[n - 1]}:{CLIENT_PORT}",
                        "--label", f"{LABEL}={self.name}", "--label", f"{LABEL}.node={n}",
-                       "--label", f"{LABEL}.port={self.ports[n - 1]}", *env, self.image)
+                       "--label", f"{LABEL}.port={self.ports[n - 1]}", *opts, self.image)
         self.wait_ready(timeout_s)
         return self.bootstrap
 
@@ -156,7 +218,7 @@ class DockerCluster:
         while time.monotonic() < deadline:
             try:
                 for n in want:
-                    md = run_sync(fetch_metadata({"bootstrap_servers": self.address(n)}, timeout_s=5))
+                    md = run_sync(fetch_metadata(self.client_kwargs(node=n), timeout_s=5))
                     if not want <= {b["node_id"] for b in md.get("brokers", [])}:
                         raise KafkaUnreachable(f"brokers registered: {md.get('brokers')}")
                 return

@@ -34,7 +34,8 @@ from replay.ingest import Replayer
 from schemas import codec
 from schemas.events import DeadLetter, Rollout, TrainerBatch, TrainingRecord
 from schemas.policy import PolicyRevision
-from streams import topics
+from consumers.registry import SERVICES
+from streams import security, topics
 from streams.config import KafkaSettings
 from streams.docker_cluster import LABEL, ClusterError, DockerCluster, docker
 from streams.revisions import publish
@@ -100,7 +101,9 @@ class Timeline:
 
     def figures(self, fault_at: float, healed_at: float) -> dict[str, float]:
         before = [t for t in self.revisions if t < fault_at]
-        gaps_before = [b - a for a, b in zip(before[-20:], before[-19:])]
+        last = before[-20:]
+        gaps_before = [b - a for a, b in zip(last, last[1:])]  # (zipping before[-20:] with before[-19:] paired
+        # each revision with itself whenever fewer than 20 came before the fault: a gap of 0.0)
         after = [t for t in self.revisions if t >= fault_at]
         # the stall: the longest span without a new revision from the fault on (the last one before it opens it)
         marks = ([before[-1]] if before else []) + after
@@ -116,7 +119,8 @@ class Timeline:
         # the input waits too (the seeder, like an arena, writes through the same brokers)
         ins = [fault_at] + [t for t, _ in self.seeded if t >= fault_at]
         input_stall = max((b - a for a, b in zip(ins, ins[1:])), default=0.0)
-        return {"stall_s": stall, "gap_before_s": max(gaps_before, default=0.0), "catch_up_s": caught - resumed,
+        return {"stall_s": stall, "gap_before_s": max(gaps_before, default=0.0), "revisions_before": len(before),
+                "catch_up_s": caught - resumed,
                 "fault_s": healed_at - fault_at, "backlog_before": normal, "input_stall_s": input_stall}
 
 
@@ -189,13 +193,17 @@ async def _run(cluster: DockerCluster, fault, label: str, monkeypatch, tmp_path:
     prefix = f"f{uuid.uuid4().hex[:8]}."
     for k, v in {**cluster.client_env(), "ROLLOUT_TOPIC_PREFIX": prefix}.items():
         monkeypatch.setenv(k, v)
-    settings = KafkaSettings.from_env()
+    settings = KafkaSettings.from_env()  # the test's own reads and writes: the admin's, on a secured cluster
     kw = settings.client_kwargs()
     await _fully_replicated(kw)
     await topics.create_topics(kw)
+    services = ("verifier", "credit", "batcher", "trainer")
+    if cluster.security:  # one principal per service, allowed what its declaration needs and nothing else
+        await security.apply_acls(kw, security.all_acls(SERVICES))
     ckdir = tmp_path / "checkpoints"
     await publish(kw, initial_revision(testing.FAMILY, ckdir, seed=0))
-    fleet = Fleet(cluster.bootstrap, prefix, tmp_path, services=("verifier", "credit", "batcher", "trainer"))
+    fleet = Fleet(cluster.bootstrap, prefix, tmp_path, services=services,
+                  service_env={s: cluster.client_env(s) for s in services})
     fleet.env.update(ROLLOUT_CHECKPOINT_DIR=str(ckdir), ROLLOUT_MAX_OFF_POLICY_STEPS="100000")
     tl, stop = Timeline(), asyncio.Event()
     watcher = asyncio.create_task(_watch(kw, tl, stop))
@@ -257,7 +265,8 @@ async def _run(cluster: DockerCluster, fault, label: str, monkeypatch, tmp_path:
     figures = tl.figures(fault_at, healed_at)
     line = (f"[{label}] rollouts={len(expected)} trained={sum(trained.values())} dead_lettered={sum(refused.values())} "
             f"lost={len(lost)} doubled={len(doubled)} revisions={len(revs) - 1} fault_s={figures['fault_s']:.1f} "
-            f"stall_s={figures['stall_s']:.1f} (longest gap before the fault {figures['gap_before_s']:.1f}) "
+            f"stall_s={figures['stall_s']:.1f} (longest gap between the {figures['revisions_before']} revisions before the "
+            f"fault {figures['gap_before_s']:.1f}) "
             f"catch_up_s={figures['catch_up_s']:.1f} (backlog before {figures['backlog_before']}) "
             f"input_stall_s={figures['input_stall_s']:.1f} "
             f"seeder_failed_chunks={len(uncertain)} run_s={total_s:.0f}")

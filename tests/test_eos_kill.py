@@ -39,13 +39,15 @@ class Fleet:
     """Service processes: two instances per service, each restartable."""
 
     def __init__(self, bootstrap: str, prefix: str, logdir: Path, services=("verifier", "credit", "batcher"),
-                 named: bool = True, env: dict[str, str] | None = None):
+                 named: bool = True, env: dict[str, str] | None = None,
+                 service_env: dict[str, dict[str, str]] | None = None):
         self.env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix,
                     "ROLLOUT_SESSION_TIMEOUT_MS": "6000", "PYTHONPATH": str(ROOT),
                     "ROLLOUT_FAMILY": testing.FAMILY,  # a setting from the environment, as a deployment would
                     **(env or {})}
         self.logdir = logdir
         self.named = named  # False: no --instance, so each process takes a free slot of its group (streams.instances)
+        self.service_env = service_env or {}  # per service (its principal's credentials on a secured cluster)
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
         self.services = services
         self.kills = Counter()
@@ -54,7 +56,8 @@ class Fleet:
         log = open(self.logdir / f"{svc}-{inst}.log", "ab")
         self.procs[(svc, inst)] = subprocess.Popen(
             [sys.executable, "-m", "consumers", "serve", svc, *(("--instance", inst) if self.named else ()),
-             *(("--batch-records", "32", "--flush-after-s", "1") if svc == "batcher" else ())], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+             *(("--batch-records", "32", "--flush-after-s", "1") if svc == "batcher" else ())], cwd=ROOT,
+            env={**self.env, **self.service_env.get(svc, {})}, stdout=log, stderr=subprocess.STDOUT)
 
     def start_all(self) -> None:
         for svc in self.services:

@@ -6,6 +6,8 @@
 # are not properties. With no KAFKA_* property variables at all, a single-node combined
 # broker+controller on localhost:9092 is configured (like the official image's defaults).
 # CLUSTER_ID (default below, same as the official image's) formats the storage on first start.
+# KAFKA_ADD_SCRAM: SCRAM users made when the storage is formatted (KRaft keeps them in its metadata), space-separated
+# entries of the StorageTool's --add-scram form, 'SCRAM-SHA-512=[name=alice,password=alice-secret]' (no spaces).
 set -euo pipefail
 
 KAFKA_HOME=${KAFKA_HOME:-/opt/kafka}
@@ -16,7 +18,7 @@ is_jvm_var() {
   case "$1" in
     KAFKA_HEAP_OPTS|KAFKA_OPTS|KAFKA_JVM_PERFORMANCE_OPTS|KAFKA_GC_LOG_OPTS|KAFKA_JMX_OPTS|KAFKA_JMX_PORT|\
     KAFKA_LOG4J_OPTS|KAFKA_LOG4J_ROOT_LOGLEVEL|KAFKA_LOG4J_LOGGERS|KAFKA_TOOLS_LOG4J_LOGLEVEL|\
-    KAFKA_VERSION|KAFKA_HOME|KAFKA_CONFIG_FILE|KAFKA_DEBUG|KAFKA_SKIP_FORMAT) return 0 ;;
+    KAFKA_VERSION|KAFKA_HOME|KAFKA_CONFIG_FILE|KAFKA_DEBUG|KAFKA_SKIP_FORMAT|KAFKA_ADD_SCRAM) return 0 ;;
   esac
   return 1
 }
@@ -58,6 +60,8 @@ if [[ -z ${KAFKA_SKIP_FORMAT:-} ]]; then
   fmt=(format --ignore-formatted --cluster-id="$CLUSTER_ID" -c "$CONF")
   # Without a static voter set (controller.quorum.voters), a single node bootstraps a dynamic quorum.
   grep -q '^controller\.quorum\.voters=' "$CONF" || fmt+=(--standalone)
+  read -ra scram <<<"${KAFKA_ADD_SCRAM:-}"
+  for entry in "${scram[@]}"; do fmt+=(--add-scram "$entry"); done
   java $LOG4J -cp "$CP" kafka.tools.StorageTool "${fmt[@]}"
 fi
 
