@@ -12,15 +12,24 @@ again with the same producer and epoch over the same partitions and offsets (``c
 coordinator then writes the commit markers the first commit should have, which is the outcome this
 producer was told.
 
+What a commit wrote is kept in a file per transactional id (``CommitWatch(path=...)``) until it is seen: a process
+that dies with a commit hanging leaves it to the next process with its id (a restarted named instance, or the next
+unnamed one on the host, ``streams.instances``), which reads the file and commits again over it, since only that
+id can close it. Without the file nobody knew which partitions to close: the readers of those partitions waited for
+good.
+
 ``StallWatch`` is the last safety net: input waiting, no commit, for too long.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -82,11 +91,35 @@ class CommitWatch:
     offsets, no records), so no attempt is made to tell the two apart.
     """
 
-    def __init__(self, confirm_s: float) -> None:
+    def __init__(self, confirm_s: float, path: Path | None = None) -> None:
         self.confirm_s = confirm_s
         self.unconfirmed: dict[TopicPartition, tuple[int, float]] = {}  # output tp -> (last offset, awaited since)
         self._offsets_behind = Lasting()
         self._last_check = time.monotonic()
+        self.path = path  # where what is not yet seen outlives the process (the module's docstring)
+        self.inherited = self._load()  # what a predecessor with this id left unseen: due at once
+        self.unconfirmed.update({tp: (off, self._last_check - confirm_s) for tp, off in self.inherited.items()})
+
+    def _load(self) -> dict[TopicPartition, int]:
+        try:
+            rows = json.loads(self.path.read_text()) if self.path is not None and self.path.exists() else []
+            return {TopicPartition(t, int(p)): int(o) for t, p, o in rows}
+        except (ValueError, TypeError, OSError) as e:  # a torn write: nothing to close is the old behaviour
+            log.warning("unreadable unconfirmed commits in %s (%s): not checked", self.path, e)
+            return {}
+
+    def _save(self) -> None:
+        """Not fsynced: a process's death keeps the page cache, which is what this is for; a file that names a
+        partition already visible costs its reader one look. Removed once nothing is unconfirmed."""
+        if self.path is None:
+            return
+        if not self.unconfirmed:
+            self.path.unlink(missing_ok=True)
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps([[tp.topic, tp.partition, off] for tp, (off, _) in self.unconfirmed.items()]))
+        os.replace(tmp, self.path)
 
     def time_to_check(self) -> bool:
         """True once per ``confirm_s``: checking asks the brokers, so it is not done every step."""
@@ -96,11 +129,19 @@ class CommitWatch:
         return True
 
     def wrote(self, written: list[Any]) -> None:
-        """Record metadata of what a transaction just committed, in send order (the last one per output
-        partition is its highest offset)."""
+        """Record metadata of what a transaction is about to commit, in send order (the last one per output
+        partition is its highest offset). Called before the commit, so no death between the commit and this
+        record loses it; if the transaction aborts instead, its abort markers make it visible and it is dropped."""
         now = time.monotonic()
         for md in written:
             self.unconfirmed[TopicPartition(md.topic, md.partition)] = (md.offset, now)
+        if written:
+            self._save()
+
+    def _seen(self, tp: TopicPartition) -> None:
+        del self.unconfirmed[tp]
+        if not self.unconfirmed:
+            self._save()
 
     def partitions_dropped(self) -> None:
         """The processor dropped its partitions (a failed transaction, a fence, a new member id). What its
@@ -115,7 +156,7 @@ class CommitWatch:
             lso = await asyncio.wait_for(consumer.end_offsets(list(self.unconfirmed)), 10)
             for tp, (off, _) in list(self.unconfirmed.items()):
                 if lso.get(tp, 0) > off:
-                    del self.unconfirmed[tp]
+                    self._seen(tp)
         return sorted(self.unconfirmed, key=str)
 
     async def overdue(self, consumer: AIOKafkaConsumer, committed: dict[int, dict[str, int]]
@@ -135,7 +176,7 @@ class CommitWatch:
         due: list[TopicPartition] = []
         for tp, (off, since) in list(self.unconfirmed.items()):
             if lso.get(tp, 0) > off:
-                del self.unconfirmed[tp]
+                self._seen(tp)
             elif now - since >= self.confirm_s:
                 due.append(tp)
         mine = {TopicPartition(t, p): o for p, offs in committed.items() for t, o in offs.items()}

@@ -47,7 +47,7 @@ from streams.batched_send import PartitionBatches
 from streams.changelog import Restorer, encode_snapshot
 from streams.commits import CommitWatch, StallWatch, commit_again
 from streams.group_fencing import GroupFenced, GroupMember, fence_by_group, fence_error_seen
-from streams.instances import slot_name
+from streams.instances import slot_name, slots_dir
 from streams.partition_task import Out, PartitionTask, dead_letter
 from streams.poison import PoisonCounts, ProcessMustRestart
 from streams.processor_config import LINGER_MS, MAX_RECORDS, TICK_S, ProcessorConfig
@@ -137,7 +137,8 @@ class TransactionalProcessor:
         self.member: GroupMember | None = None
         self._tasks_member: GroupMember | None = None
         self._closing: set[asyncio.Task] = set()
-        self.commits = CommitWatch(config.settings.confirm_s)
+        # what this id committed and no reader saw yet, in a file a successor with the id reads (streams.commits)
+        self.commits = CommitWatch(config.settings.confirm_s, slots_dir() / f"{self.txn_id}.commits.json")
         # Fetched input not processed yet: with ROLLOUT_COMMIT_INTERVAL_MS, a partition's input waits here until
         # its last commit is that old, then is processed and committed. Never ahead of the task's state: it is
         # dropped, and re-read from the committed offsets, whenever the partitions are re-seeked.
@@ -169,6 +170,11 @@ class TransactionalProcessor:
         ``select``: ``test_commit_interval``). Called once the loop is done, so no transaction starts meanwhile."""
         async with self.lock:
             pass  # the transaction in flight, if any, is committed or aborted
+        if self.consumer is not None and self.commits.unconfirmed:
+            try:  # one look, so a stop leaves no file of what is already visible (a broker gone: not waited for)
+                await asyncio.wait_for(self.commits.hidden(self.consumer), 1.0)
+            except Exception as e:  # noqa: BLE001
+                log.debug("last look at unconfirmed commits: %s", e)
         if self.consumer is not None:
             try:
                 await aiokafka_internals.stop_consumer(self.consumer)  # leaves the group
@@ -523,9 +529,8 @@ class TransactionalProcessor:
         await batches.send()
         # every owned partition's offsets, changed or not: the group's generation check fences this transaction
         await prod.send_offsets_to_transaction(self._offsets(txn.offsets), self.config.group_id)
-        written = await batches.written()
+        self.commits.wrote(await batches.written())
         await prod.commit_transaction()
-        self.commits.wrote(written)
 
     async def confirm_commits(self) -> list[TopicPartition]:
         """Re-commit when committed transactions are not visible after ``confirm_s``
@@ -540,12 +545,14 @@ class TransactionalProcessor:
 
     async def _recommit(self, tps: list[TopicPartition]) -> None:
         async with self.lock:
-            if self.producer is None or self.member is None or self.pending:  # a take-over re-commits first
+            if self.member is None or self.pending:  # a take-over re-commits first
                 return
             log.warning("%s: committed transactions not visible after %.0fs (outputs %s); committing again over "
                         "the same partitions and offsets", self.config.name, self.commits.confirm_s,
                         [f"{tp.topic}-{tp.partition}" for tp in tps])
             try:
+                if self.producer is None:  # owning nothing: a commit our id left hanging is still ours to close
+                    self.producer = await self._open_producer()
                 await self._commit_again(tps)
             except Exception:  # noqa: BLE001 - a fence or a dead broker: take everything over again
                 await self._retake_all()

@@ -7,14 +7,22 @@ partitions, the coordinator showing CompleteCommit). To make one on purpose, thi
 ``transaction.partition.verification.enable=false`` (so the partition leader does not ask the coordinator) and
 lets the verifier's producers append scores without ever adding those partitions to the transaction at the
 coordinator. The verifier then has no further input for those partitions, so nothing else would ever close
-them: only ``TransactionalProcessor.confirm_commits`` can.
+them: only ``TransactionalProcessor.confirm_commits`` can (or, once it died, the next process with its
+transactional id).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -22,10 +30,13 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from consumers import testing
 from consumers.runner import System
 from consumers.settings import ServiceSettings
+from schemas import codec
+from schemas.events import Rollout, RolloutScored
 from streams import topics
-from tests.test_eos_pipeline import publish_revision, seed_groups
+from tests.test_eos_pipeline import publish_revision, read_all, seed_groups
 
 pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
 
 
 async def _visible(kw, isolation: str) -> int:
@@ -195,3 +206,88 @@ async def test_a_hanging_commit_is_closed_after_the_processor_drops_its_partitio
 
 async def _owned_again(proc, owned: set[int]) -> bool:
     return not proc.pending and set(proc.tasks) == owned
+
+
+async def _stable_ends(kw, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+    from aiokafka import AIOKafkaConsumer
+
+    c = AIOKafkaConsumer(**kw, group_id=None, isolation_level="read_committed")
+    await c.start()
+    try:
+        return await c.end_offsets(tps)
+    finally:
+        await c.stop()
+
+
+async def test_a_commit_left_hanging_by_a_dead_process_is_closed_by_its_successor(unverified_broker, monkeypatch,
+                                                                                 tmp_path):
+    """Issue 36: what a commit wrote stays in a file per transactional id until a reader could see it
+    (``streams.commits``), so a process that dies with a commit hanging leaves it to the next process with its id
+    (here the next unnamed verifier on the host: it takes the dead one's slot). The dead one hangs its first
+    commit with scores (``tests/_hang_a_commit.py``) and is SIGKILLed. Then:
+
+    * a successor with the same id but without the file (moved away) runs for 15 s: the hang stays, so nothing
+      else it does (starting its producer, taking the partitions over, its own checks) closes it;
+    * a successor with the file closes it at its take-over: the hung scores become readable, each exactly once.
+    """
+    from streams.config import KafkaSettings
+
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", f"h{uuid.uuid4().hex[:8]}.")
+    kw = KafkaSettings().with_bootstrap(unverified_broker.bootstrap).client_kwargs()
+    await topics.create_topics(kw)
+    await publish_revision(kw, 0)
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": unverified_broker.bootstrap, "PYTHONPATH": str(ROOT),
+           "ROLLOUT_CACHE_DIR": str(tmp_path / "cache"),  # the slot and the unconfirmed commits: this test's own
+           "ROLLOUT_CONFIRM_S": "2"}
+    await seed_groups(kw, 8)  # 32 rollouts in one transaction: all there before the verifier starts
+    expected = {codec.decode(r.value, Rollout).rollout_id for r in await read_all(kw, topics.ROLLOUTS.name, idle_s=2)}
+    dead = subprocess.Popen([sys.executable, "tests/_hang_a_commit.py"], cwd=ROOT,
+                            env={**env, "ROLLOUT_CONFIRM_S": "600"},  # it never checks its own commits
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "dead.log", "wb"), text=True)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(dead.stdout.readline), 90)
+    finally:
+        dead.send_signal(signal.SIGKILL)
+        dead.wait()
+    assert line.startswith("HUNG "), f"the harness said {line!r}; see {tmp_path / 'dead.log'}"
+    hung = {TopicPartition(topics.SCORES.name, int(p)): off for p, off in json.loads(line[5:]).items()}
+    files = list((tmp_path / "cache").rglob("*.commits.json"))
+    assert len(files) == 1, files
+    ends = await _stable_ends(kw, list(hung))
+    assert hung and all(ends[tp] <= off for tp, off in hung.items()), f"no hang was made: {hung} {ends}"
+
+    def successor(log: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "consumers", "serve", "verifier"], cwd=ROOT, env=env,
+                                stdout=open(tmp_path / log, "wb"), stderr=subprocess.STDOUT)
+
+    kept = files[0].rename(tmp_path / "kept.json")
+    blind = successor("blind.log")
+    try:
+        await asyncio.sleep(15)  # its take-over, and more than one confirm_s (2 s) of its own checks
+        ends = await _stable_ends(kw, list(hung))
+    finally:
+        blind.send_signal(signal.SIGTERM)
+        assert blind.wait(timeout=30) == 0
+    assert all(ends[tp] <= off for tp, off in hung.items()), "something other than the file closed the hang"
+    assert "took over" in (tmp_path / "blind.log").read_text()
+
+    kept.rename(files[0])
+    t0 = time.monotonic()
+    heir = successor("heir.log")
+    try:
+        while True:
+            ends = await _stable_ends(kw, list(hung))
+            if all(ends[tp] > off for tp, off in hung.items()):
+                closed_s = time.monotonic() - t0
+                break
+            assert time.monotonic() - t0 < 60, f"the hang is still open 60 s after the successor started: {ends}"
+            await asyncio.sleep(0.2)
+        scores = [codec.decode(r.value, RolloutScored) for r in await read_all(kw, topics.SCORES.name, idle_s=3)]
+    finally:
+        heir.send_signal(signal.SIGTERM)
+        assert heir.wait(timeout=30) == 0
+    print(f"hung partitions {sorted(tp.partition for tp in hung)}; closed {closed_s:.1f}s after the successor started")
+    got = [s.rollout_id for s in scores]
+    assert sorted(got) == sorted(set(got)), "a rollout scored twice"
+    assert set(got) == expected
+    assert not files[0].exists(), "the successor saw every commit: the file should be gone"
