@@ -11,6 +11,10 @@
   that never comes must not grow the buffer, and the snapshot of its offsets, without bound).
 * a derived run (``BatchPolicy.history``): records of the fork's family, bounded by ``history_lag``, and at most
   ``HISTORY_AHEAD`` batches ahead of the trainer, since no arena's admissions pace history;
+* admission (``schemas.admission``): while groups the batch for the target owes a place are still coming
+  (``owed``), nothing is emitted for it, partial or full; a batch takes the oldest records first, so those groups'
+  records go into the last batch within their bound; and a partial batch is not flushed while any admitted group
+  is still coming (``coming``): slow generation fills its batch;
 * a record of another family is refused on arrival (``CrossFamilyMixError``); an empty batch is never
   emitted (counted as ``empty_batch``). Batches are built by ``schemas.batch.assemble_batch``.
 """
@@ -121,10 +125,13 @@ class Batcher(Generic[T]):
                 return max(i, 1)
         return len(items)
 
-    def poll(self, target: PolicyRevision | None, now: float, *, flush: bool = False, dropped: int = 0
-             ) -> tuple[list[tuple[TrainerBatch, list[Item[T]]]], list[Refusal[T]]]:
+    def poll(self, target: PolicyRevision | None, now: float, *, flush: bool = False, dropped: int = 0,
+             owed: int = 0, coming: int = 0) -> tuple[list[tuple[TrainerBatch, list[Item[T]]]], list[Refusal[T]]]:
         """Batches ready for ``target`` and records refused as stale. ``flush`` empties what is eligible.
-        ``dropped``: batches the trainer dead-lettered (never to be trained; a derived run's pace counts them)."""
+        ``dropped``: batches the trainer dead-lettered (never to be trained; a derived run's pace counts them).
+        ``owed``: admitted groups whose records the batch for ``target`` must take and that have not come yet;
+        ``coming``: admitted groups whose records have not come, whatever their batch (none: a partial flush).
+        ``flush`` waits for neither."""
         refusals: list[Refusal[T]] = []
         keep: list[Item[T]] = []
         for it in self.items:
@@ -143,7 +150,7 @@ class Batcher(Generic[T]):
             else:
                 keep.append(it)
         self.items = keep
-        if target is None:
+        if target is None or (owed and not flush):
             return [], refusals
         room = len(self.items)  # batches this poll may emit: all there are, but for history...
         if self.policy.history is not None:  # ...no arena paces it: the trainer's steps do
@@ -151,12 +158,13 @@ class Batcher(Generic[T]):
             room = HISTORY_AHEAD - (self.history_batches - trained - dropped)
             if room <= 0:
                 return [], refusals
-        eligible = [it for it in self.items if staleness(it.record, target, self.policy.history) >= 0]
+        eligible = sorted((it for it in self.items if staleness(it.record, target, self.policy.history) >= 0),
+                          key=lambda it: it.record.policy.revision)  # the oldest first: the nearest their bound
         batches: list[tuple[TrainerBatch, list[Item[T]]]] = []
         while eligible and len(batches) < room:
             n = self._full(eligible)
             if n == 0:
-                due = flush or (now - max(it.arrived for it in eligible) >= self.policy.flush_after_s)
+                due = flush or (not coming and now - max(it.arrived for it in eligible) >= self.policy.flush_after_s)
                 if not due:
                     break
                 n = len(eligible)

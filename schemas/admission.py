@@ -28,6 +28,11 @@ costs nothing. A release by anyone but the claimer counts only when its timestam
 after the claim's or its last renewal's: a dead arena's claims block the others for one lease at most, and a
 release written early by a fast clock is ignored, identically by every reader. A claimer whose claim was
 released (it was frozen past its lease) must not emit the group: ``AdmissionPacer.held`` tells it.
+
+The batcher reads the same book (``AdmissionBook.coming``): the batch for target ``T`` is the last that can take a
+group claimed at ``seen_revision <= T - max_off_policy_steps``, so it waits for such groups and takes the oldest
+records first; and it flushes a partial batch only when no admitted group is still coming. Records reach the batcher in completion
+order, not claim order: without the wait a slow group's records landed one batch late and were refused as stale.
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ class ClaimState:
     lease_from: float  # the claim record's log timestamp (seconds), moved on by each renewal
     granted: bool
     done: bool = False
+    done_at: float | None = None  # the Done record's log timestamp
     released: str | None = None  # the reason, once released
 
     def expired(self, now: float) -> bool:
@@ -135,6 +141,7 @@ class AdmissionBook:
     claims: dict[str, ClaimState] = field(default_factory=dict)
     families: dict[str, _Family] = field(default_factory=dict)
     by_group: dict[str, str] = field(default_factory=dict)  # group id -> the id of the claim granted for it
+    unsettled: dict[str, ClaimState] = field(default_factory=dict)  # granted, not given back, maybe still coming
 
     def apply(self, event: Event, at: float) -> None:
         """Fold one record, ``at`` its log timestamp in seconds."""
@@ -150,6 +157,7 @@ class AdmissionBook:
             self.claims[event.claim_id] = ClaimState(event, at, granted)
             if granted:
                 self.by_group[event.group_id] = event.claim_id
+                self.unsettled[event.claim_id] = self.claims[event.claim_id]
             return
         if isinstance(event, AdmissionRefund):
             state = self.claims.get(self.by_group.get(event.group_id, ""))
@@ -160,7 +168,7 @@ class AdmissionBook:
         if state is None or not state.open:
             return
         if isinstance(event, AdmissionDone):
-            state.done = True
+            state.done, state.done_at = True, at
         elif isinstance(event, AdmissionRenew) and event.arena_id == state.claim.arena_id:
             state.lease_from = max(state.lease_from, at)
         elif isinstance(event, AdmissionRelease) and (
@@ -169,6 +177,7 @@ class AdmissionBook:
 
     def _give_back(self, state: ClaimState, reason: str) -> None:
         state.released = reason
+        self.unsettled.pop(state.claim.claim_id, None)
         fam = self.families[state.claim.family]
         fam.admitted -= state.claim.weight
         fam.counted_as_rollouts -= state.claim.rollouts if state.claim.slots is None else 0
@@ -188,6 +197,23 @@ class AdmissionBook:
     def base_revision(self, family: str, default: int) -> int:
         fam = self.families.get(family)
         return fam.base_revision if fam else default
+
+    def coming(self, family: str, now: float, grace_s: float, seen_at_most: int | None = None) -> set[str]:
+        """Admitted groups whose records may still reach the batcher: granted and not given back, and running
+        under a live lease, or done (all emitted) less than ``grace_s`` ago, the time their records take through
+        scoring and credit. A dead arena's claim stops coming when its lease runs out, a group that yields no
+        record when ``grace_s`` has passed (the book then forgets it: one caller, one grace). With
+        ``seen_at_most``, only those claimed having seen that revision or an older one: the batch for target ``T``
+        owes a place to those at ``T - max_off_policy_steps``, no later batch being within their bound. The
+        caller leaves out the groups whose records it already has."""
+        out = set()
+        for cid, s in list(self.unsettled.items()):
+            if s.done and s.done_at is not None and now - s.done_at >= grace_s:
+                del self.unsettled[cid]
+            elif s.claim.family == family and (seen_at_most is None or s.claim.seen_revision <= seen_at_most) \
+                    and (s.done or not s.expired(now)):
+                out.add(s.claim.group_id)
+        return out
 
     def expired(self, family: str, now: float) -> list[AdmissionClaim]:
         """Open claims of ``family`` whose lease ran out by ``now``: anyone may release them."""

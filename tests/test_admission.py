@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from producers.pacer import AdmissionPacer
-from schemas.admission import AdmissionBook, AdmissionClaim, AdmissionDone, AdmissionRefund, AdmissionRelease
+from schemas.admission import (AdmissionBook, AdmissionClaim, AdmissionDone, AdmissionRefund, AdmissionRelease,
+                              AdmissionRenew)
 from streams.admissions import MemoryLedger
 
 B, BOUND, LEASE = 4, 1, 10.0
@@ -63,6 +64,24 @@ def test_release_gives_capacity_back_and_done_closes_a_claim():
     assert book.admitted("f") == 4 and book.grantable("f", 4, 0, B, BOUND)
     book.apply(release("c2", "a"), 5)
     assert book.admitted("f") == 4 and book.claims["c2"].released == "test"
+
+
+def test_the_batch_for_a_target_owes_the_groups_claimed_at_its_bound_while_they_can_still_come():
+    """Target r2 with bound 1: groups claimed having seen r1 or less can be in no later batch. Owed while running
+    under a live lease, or done less than the grace ago (their records still in scoring and credit); not once
+    released, their arena's lease run out, the grace passed, or claimed at r2 (the next batch takes them)."""
+    done = lambda cid, at: (at, AdmissionDone(run_id="r", producer="a", claim_id=cid, arena_id="a"))  # noqa: E731
+    book = fold(*[(95.0, c) for c in (claim("c0", n=1), claim("run", n=1), claim("late", n=1, seen=1),
+                                       claim("gone", n=1), claim("fresh", n=1, seen=2),
+                                       claim("other", n=1, family="g"))],
+                done("c0", 100.0), (96.0, release("gone", "a")))  # leases (10 s) run to 105
+    assert book.coming("f", 102.0, 5.0, seen_at_most=2 - BOUND) == {"c0", "run", "late"}
+    assert book.coming("f", 102.0, 5.0) == {"c0", "run", "late", "fresh"}  # any revision: what a flush waits for
+    assert book.coming("f", 105.0, 5.0, seen_at_most=2 - BOUND) == set()  # grace over; leases (10 s) ran out
+    book.apply(AdmissionRenew(run_id="r", producer="a", claim_id="run", arena_id="a"), 104.0)
+    assert book.coming("f", 105.0, 5.0, seen_at_most=2 - BOUND) == {"run"}  # renewed: its arena is alive
+    assert book.coming("f", 105.0, 5.0, seen_at_most=0) == book.coming("f", 105.0, 5.0) == {"run"}
+    assert book.coming("g", 100.0, 5.0, seen_at_most=2 - BOUND) == {"other"}
 
 
 def test_a_gated_group_gives_its_slots_back_once_and_an_unclaimed_group_is_ignored():

@@ -134,6 +134,7 @@ async def run_fleet(kafka_settings, prefix: str, tmp_path: Path, *, arenas: int,
     return {"records": records, "batches": batches, "letters": letters, "stale": stale, 
             "arena_s": arena_s, "figures": {
                 "arenas": arenas, "records": len(records), "batches": len(batches), "refused": len(stale),
+                "refused_by": dict(Counter(d.service for d in stale)),
                 "refusal_rate": round(len(stale) / max(1, len(records)), 4),
                 "max_staleness_batched": max(batched_lags, default=0),
                 "max_staleness_refused": max(lags, default=0), "arena_s": round(arena_s, 1)}}

@@ -309,6 +309,58 @@ def test_a_partial_batch_waits_while_records_keep_arriving():
     assert [len(x.records) for x, _ in b.poll(testing.revision(0), now=26.0)[0]] == [1]
 
 
+def test_a_batch_waits_for_the_groups_it_owes_and_takes_the_oldest_records_first():
+    """A slow admitted group (``owed``): the batch for its last target inside the bound is neither emitted nor
+    flushed while it runs, then takes its records before newer ones, so they are not a batch late and refused."""
+    b = Batcher(BatchPolicy(family="tiny", batch_records=4, max_off_policy_steps=1, flush_after_s=10))
+    for i in range(3):
+        b.add(testing.training_record(i, revision_=2), now=0.0)  # fast groups, generated at r2
+    assert b.poll(testing.revision(2), now=20.0, owed=1) == ([], [])  # past flush_after_s: held
+    b.add(testing.training_record(3, revision_=2), now=20.0)
+    assert b.poll(testing.revision(2), now=20.0, owed=1) == ([], [])  # full: held
+    for i in range(4, 6):
+        b.add(testing.training_record(i, revision_=1), now=21.0)  # the slow group's, from r1 (1 behind r2)
+    batches, refused = b.poll(testing.revision(2), now=21.0)
+    assert refused == [] and [sorted(r.record_id for r in x.records) for x, _ in batches] == [
+        ["rec-000000", "rec-000001", "rec-000004", "rec-000005"]]
+    assert [it.record.record_id for it in b.items] == ["rec-000002", "rec-000003"]
+    assert b.poll(testing.revision(2), now=40.0, coming=1) == ([], [])  # a partial batch waits for running groups
+    assert b.poll(testing.revision(2), now=21.0, owed=1, flush=True)[0]  # a flush (the run's end) waits for nobody
+
+
+async def test_the_batcher_task_owes_a_place_to_a_running_group_and_none_to_one_whose_records_came():
+    """``BatcherTask`` over the admissions book (here a ``MemoryLedger``'s): a group claimed at r0 and still running
+    holds the batch for r1; its records coming first, before the ledger folds its claim, still count as come."""
+    from types import SimpleNamespace
+
+    from consumers.settings import ServiceSettings
+    from consumers.tasks.batcher import BatcherTask
+    from schemas.admission import AdmissionClaim, AdmissionDone
+    from streams.admissions import MemoryLedger
+
+    ledger = MemoryLedger()
+    cfg = ServiceSettings(family=testing.FAMILY, batch_records=4, flush_after_s=30, max_off_policy_steps=1)
+    task = BatcherTask(0, cfg, SimpleNamespace(latest={testing.FAMILY: testing.revision(1)}), ledger=ledger)
+
+    def claim(group: str) -> AdmissionClaim:
+        return AdmissionClaim(run_id="run", producer="a", claim_id=group, arena_id="a", family=testing.FAMILY,
+                              group_id=group, rollouts=4, seen_revision=0, batch_size=4, max_off_policy_steps=1,
+                              lease_s=60)
+
+    for i in range(3):  # group g-0's records come before the ledger has its claim
+        task._add(SimpleNamespace(offset=i), testing.training_record(i, revision_=1))
+    assert task.tick(0.0) == []  # not a whole batch
+    await ledger.append(claim("g-0"))
+    await ledger.append(claim("g-1"))  # running
+    assert task.tick(0.0) == []
+    await ledger.append(AdmissionDone(run_id="run", producer="a", claim_id="g-1", arena_id="a"))
+    assert task.tick(0.0) == []  # done: its records are in scoring and credit
+    for i in range(4, 8):
+        task._add(SimpleNamespace(offset=i), testing.training_record(i, revision_=0))
+    outs = task.tick(0.0)
+    assert [{r.group_id for r in o.event.records} for o in outs] == [{"g-1"}]  # the oldest first; g-0 owed nothing
+
+
 def test_batcher_token_budget():
     b = Batcher(BatchPolicy(family="tiny", batch_records=None, batch_tokens=20, flush_after_s=100))
     for i in range(5):
