@@ -11,8 +11,9 @@
   that never comes must not grow the buffer, and the snapshot of its offsets, without bound).
 * a derived run (``BatchPolicy.history``): records of the fork's family, bounded by ``history_lag``, and at most
   ``HISTORY_AHEAD`` batches ahead of the trainer, since no arena's admissions pace history;
-* admission (``schemas.admission``): while groups the batch for the target owes a place are still coming
-  (``owed``), nothing is emitted for it, partial or full; a batch takes the oldest records first, so those groups'
+* admission (``schemas.admission``): while groups a batch owes a place are still coming (``owes``, asked with
+  the revision the batch will be trained from: the target plus the batches ``ahead`` of the trainer), it is not
+  emitted, partial or full; a batch takes the oldest records first, so those groups'
   records go into the last batch within their bound; and a partial batch is not flushed while any admitted group
   is still coming (``coming``): slow generation fills its batch;
 * a record of another family is refused on arrival (``CrossFamilyMixError``); an empty batch is never
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 from schemas.batch import assemble_batch, staleness, stale_reason
 from schemas.events import TrainerBatch, TrainingRecord
@@ -78,7 +79,8 @@ class Batcher(Generic[T]):
     items: list[Item[T]] = field(default_factory=list)
     refused: Counter = field(default_factory=Counter)
     emitted_records: int = 0
-    history_batches: int = 0  # a derived run: batches emitted so far (state), so batches ahead of the trainer
+    emitted_batches: int = 0  # since ``base`` (state): with the trainer's revisions, the batches ahead of it
+    base: tuple[int, int] | None = None  # (revision, dropped batches) when counting began (state; a derived run: its fork)
 
     def add(self, record: TrainingRecord, now: float, tag: T = None) -> Refusal[T] | None:
         item = Item(record, now, tag)
@@ -125,11 +127,21 @@ class Batcher(Generic[T]):
                 return max(i, 1)
         return len(items)
 
+    def ahead(self, target: PolicyRevision, dropped: int = 0) -> int:
+        """Batches emitted that the trainer has neither turned into revisions nor dropped yet: the next batch is
+        trained from ``target.revision`` plus this many (pipelined, the batcher runs ahead of the announcements).
+        ``dropped``: batches the trainer dead-lettered so far."""
+        base = (self.policy.history.fork.revision, 0) if self.policy.history is not None else self.base
+        if base is None:
+            return 0
+        return max(0, self.emitted_batches - (target.revision - base[0]) - (dropped - base[1]))
+
     def poll(self, target: PolicyRevision | None, now: float, *, flush: bool = False, dropped: int = 0,
-             owed: int = 0, coming: int = 0) -> tuple[list[tuple[TrainerBatch, list[Item[T]]]], list[Refusal[T]]]:
+             owes: Callable[[int], int] = lambda revision: 0, coming: int = 0
+             ) -> tuple[list[tuple[TrainerBatch, list[Item[T]]]], list[Refusal[T]]]:
         """Batches ready for ``target`` and records refused as stale. ``flush`` empties what is eligible.
-        ``dropped``: batches the trainer dead-lettered (never to be trained; a derived run's pace counts them).
-        ``owed``: admitted groups whose records the batch for ``target`` must take and that have not come yet;
+        ``dropped``: batches the trainer dead-lettered (never to be trained; they count as gone, not ahead).
+        ``owes(revision)``: admitted groups, not come yet, that a batch trained from ``revision`` must take;
         ``coming``: admitted groups whose records have not come, whatever their batch (none: a partial flush).
         ``flush`` waits for neither."""
         refusals: list[Refusal[T]] = []
@@ -150,18 +162,20 @@ class Batcher(Generic[T]):
             else:
                 keep.append(it)
         self.items = keep
-        if target is None or (owed and not flush):
+        if target is None:
             return [], refusals
+        ahead = self.ahead(target, dropped)
         room = len(self.items)  # batches this poll may emit: all there are, but for history...
         if self.policy.history is not None:  # ...no arena paces it: the trainer's steps do
-            trained = target.revision - self.policy.history.fork.revision
-            room = HISTORY_AHEAD - (self.history_batches - trained - dropped)
+            room = HISTORY_AHEAD - ahead
             if room <= 0:
                 return [], refusals
         eligible = sorted((it for it in self.items if staleness(it.record, target, self.policy.history) >= 0),
                           key=lambda it: it.record.policy.revision)  # the oldest first: the nearest their bound
         batches: list[tuple[TrainerBatch, list[Item[T]]]] = []
         while eligible and len(batches) < room:
+            if not flush and owes(target.revision + ahead + len(batches)):
+                break  # a group this batch must take is still coming
             n = self._full(eligible)
             if n == 0:
                 due = flush or (not coming and now - max(it.arrived for it in eligible) >= self.policy.flush_after_s)
@@ -174,7 +188,9 @@ class Batcher(Generic[T]):
             taken = {id(it) for _, its in batches for it in its}
             self.items = [it for it in self.items if id(it) not in taken]
             self.emitted_records += sum(len(its) for _, its in batches)
-            self.history_batches += len(batches) if self.policy.history is not None else 0
+            if self.base is None and self.policy.history is None:
+                self.base = (target.revision, dropped)
+            self.emitted_batches += len(batches)
         elif flush and not self.items:
             self.refused["empty_batch"] += 1
         return batches, refusals

@@ -64,6 +64,9 @@ class TaskDefaults:
     def tick(self, now: float) -> list[Out]:
         return []
 
+    def input_read(self, now: float) -> list[Out]:
+        return []
+
     def buffered(self) -> dict[str, list[int]]:
         return {}
 

@@ -44,6 +44,11 @@ class PartitionTask(Protocol):
     def tick(self, now: float) -> list[Out]:
         """Time-based work (timeouts, partial-batch flushes)."""
 
+    def input_read(self, now: float) -> list[Out]:
+        """The transaction's input for this partition is processed (when ``tick`` is not called after it): work
+        that waits for all of it, as an upstream transaction's records arrive together (a batch whose groups came
+        in one credit transaction)."""
+
     def buffered(self) -> dict[str, list[int]]:
         """Input offsets still held in memory, by topic name."""
 

@@ -449,8 +449,7 @@ class TransactionalProcessor:
             if p not in txn.left:
                 for t, o in txn.positions[p].items():  # past any transaction markers after the last record
                     nxt[t] = max(nxt[t], o)
-            if tick:
-                out.extend(task.tick(txn.started))
+            out.extend(task.tick(txn.started) if tick else task.input_read(txn.started))
             snap = encode_snapshot(task.buffered(), task.state())
             if snap != self.snap_written.get(p):
                 txn.snapshots[p] = snap

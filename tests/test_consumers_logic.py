@@ -315,9 +315,9 @@ def test_a_batch_waits_for_the_groups_it_owes_and_takes_the_oldest_records_first
     b = Batcher(BatchPolicy(family="tiny", batch_records=4, max_off_policy_steps=1, flush_after_s=10))
     for i in range(3):
         b.add(testing.training_record(i, revision_=2), now=0.0)  # fast groups, generated at r2
-    assert b.poll(testing.revision(2), now=20.0, owed=1) == ([], [])  # past flush_after_s: held
+    assert b.poll(testing.revision(2), now=20.0, owes=lambda r: 1) == ([], [])  # past flush_after_s: held
     b.add(testing.training_record(3, revision_=2), now=20.0)
-    assert b.poll(testing.revision(2), now=20.0, owed=1) == ([], [])  # full: held
+    assert b.poll(testing.revision(2), now=20.0, owes=lambda r: 1) == ([], [])  # full: held
     for i in range(4, 6):
         b.add(testing.training_record(i, revision_=1), now=21.0)  # the slow group's, from r1 (1 behind r2)
     batches, refused = b.poll(testing.revision(2), now=21.0)
@@ -325,7 +325,30 @@ def test_a_batch_waits_for_the_groups_it_owes_and_takes_the_oldest_records_first
         ["rec-000000", "rec-000001", "rec-000004", "rec-000005"]]
     assert [it.record.record_id for it in b.items] == ["rec-000002", "rec-000003"]
     assert b.poll(testing.revision(2), now=40.0, coming=1) == ([], [])  # a partial batch waits for running groups
-    assert b.poll(testing.revision(2), now=21.0, owed=1, flush=True)[0]  # a flush (the run's end) waits for nobody
+    assert b.poll(testing.revision(2), now=21.0, owes=lambda r: 1, flush=True)[0]  # a flush (the run's end) waits for nobody
+
+
+def test_a_batch_ahead_of_the_trainer_is_held_for_what_its_own_revision_owes():
+    """Pipelined, the batcher emits batches before the revision they are trained from is announced: each one asks
+    ``owes`` with that revision (the target plus the batches ahead), else a second batch for target r1, trained
+    from r2, would go out without the groups claimed at r1 and they would land in the third, past their bound. A
+    batch the trainer dead-lettered is not ahead of it."""
+    b = Batcher(BatchPolicy(family="tiny", batch_records=2, max_off_policy_steps=1, flush_after_s=100))
+    asked: list[int] = []
+
+    def owes(revision: int) -> int:
+        asked.append(revision)
+        return 0
+
+    for i in range(4):
+        b.add(testing.training_record(i, revision_=1), now=0.0)
+    assert len(b.poll(testing.revision(1), now=0.0, owes=owes)[0]) == 2 and asked == [1, 2]
+    for i in range(4, 6):
+        b.add(testing.training_record(i, revision_=1), now=0.0)
+    asked.clear()
+    b.poll(testing.revision(2), now=0.0, owes=owes)  # r2 announced: one of the two trained, the other ahead
+    assert asked[0] == 3 and b.ahead(testing.revision(2)) == 2
+    assert b.ahead(testing.revision(2), dropped=1) == 1 and b.ahead(testing.revision(4)) == 0
 
 
 async def test_the_batcher_task_owes_a_place_to_a_running_group_and_none_to_one_whose_records_came():
@@ -340,7 +363,8 @@ async def test_the_batcher_task_owes_a_place_to_a_running_group_and_none_to_one_
 
     ledger = MemoryLedger()
     cfg = ServiceSettings(family=testing.FAMILY, batch_records=4, flush_after_s=30, max_off_policy_steps=1)
-    task = BatcherTask(0, cfg, SimpleNamespace(latest={testing.FAMILY: testing.revision(1)}), ledger=ledger)
+    task = BatcherTask(0, cfg, SimpleNamespace(latest={testing.FAMILY: testing.revision(1)}),
+                       SimpleNamespace(count=0), ledger=ledger)
 
     def claim(group: str) -> AdmissionClaim:
         return AdmissionClaim(run_id="run", producer="a", claim_id=group, arena_id="a", family=testing.FAMILY,

@@ -52,7 +52,7 @@ def test_the_derived_batcher_stays_at_most_HISTORY_AHEAD_batches_ahead_of_the_tr
         assert b.add(testing.training_record(i, revision_=3, family="tiny"), 0.0) is None
     assert b.add(testing.training_record(99, family="other"), 0.0).error_type == "CrossFamilyMixError"
     batches, refused = b.poll(_target(3), 1.0)  # at the fork: more batches' worth waiting than may go
-    assert len(batches) == HISTORY_AHEAD and not refused and b.history_batches == HISTORY_AHEAD
+    assert len(batches) == HISTORY_AHEAD and not refused and b.emitted_batches == HISTORY_AHEAD
     assert b.poll(_target(3), 2.0) == ([], [])  # the trainer has not published from them yet
     assert len(b.poll(_target(4), 3.0)[0]) == 1  # one trained: one more
     batches, refused = b.poll(_target(6), 4.0)  # r6 is 3 from the records' r3: past the bound of 2
@@ -68,7 +68,7 @@ def test_batches_the_trainer_dead_lettered_give_the_derived_batcher_its_room_bac
     assert len(b.poll(_target(3), 1.0)[0]) == HISTORY_AHEAD
     assert b.poll(_target(3), 2.0) == ([], [])  # every one dead-lettered, but not known so: no room
     batches, refused = b.poll(_target(3), 3.0, dropped=HISTORY_AHEAD)
-    assert len(batches) == HISTORY_AHEAD and not refused and b.history_batches == 2 * HISTORY_AHEAD
+    assert len(batches) == HISTORY_AHEAD and not refused and b.emitted_batches == 2 * HISTORY_AHEAD
 
 
 def test_the_range_a_derived_run_takes():

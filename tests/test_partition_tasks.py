@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -72,7 +73,7 @@ def _factories(tmp: Path) -> dict[str, tuple]:
         "verifier": (base, lambda s: lambda p: VerifierTask(p, s), verifier_inputs),
         "credit": (base, lambda s: lambda p: CreditTask(p, s), scored_inputs),
         "batcher": (base.model_copy(update={"batch_records": 1000, "flush_after_s": 3600}),
-                    lambda s: lambda p: BatcherTask(p, s, NoRevisions()),
+                    lambda s: lambda p: BatcherTask(p, s, NoRevisions(), SimpleNamespace(count=0)),
                     lambda: [(topics.TRAINING_RECORDS.name, testing.training_record(i)) for i in range(10)]),
         "trainer": (base, lambda s: lambda p: TrainerTask(p, s.family, s.checkpoint_dir,
                                                           target_checkpoint=lambda target: rev0.checkpoint),

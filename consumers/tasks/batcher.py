@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from consumers.batching import BatchPolicy, Batcher
 from consumers.service import TaskDefaults, TaskFactory, dead_letter, decode
@@ -28,13 +28,13 @@ NAME = "batcher"
 UNCLAIMED_KEEP_S = 60.0
 
 
-class BatcherTask(TaskDefaults):  # no state beyond the buffered records, and a derived run's pace
-    def __init__(self, partition: int, cfg: ServiceSettings, revisions: RevisionWatcher,
-                 dropped: DroppedBatches | None = None, ledger: KafkaLedger | None = None) -> None:
+class BatcherTask(TaskDefaults):  # no state beyond the buffered records and the count of batches emitted
+    def __init__(self, partition: int, cfg: ServiceSettings, revisions: RevisionWatcher, dropped: DroppedBatches,
+                 ledger: KafkaLedger | None = None) -> None:
         self.p = partition
         self.family = cfg.family
         self.revisions = revisions
-        self.dropped = dropped  # a derived run's: the batches its trainer dead-lettered
+        self.dropped = dropped  # the batches the trainer dead-lettered: never revisions, not ahead of it
         self.ledger = ledger  # a live run's admissions, folded as the arenas fold them
         self.arrived: dict[str, float] = {}  # group -> when its records came, while the ledger may still owe it
         self.batcher: Batcher[Any] = Batcher(BatchPolicy(
@@ -49,23 +49,25 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records, and a 
         self.arrived[record.group_id] = time.monotonic()  # a sub-episode's records name its own group: not owed
         return self.batcher.add(record, time.monotonic(), rec)
 
-    def _coming(self, target: Any) -> tuple[int, int]:
-        """(owed, coming): admitted groups whose records have not come, that the batch for ``target`` must take,
-        and of any batch. A group stays in ``arrived`` until the ledger can no longer count it (given back, or done
-        ``flush_after_s`` ago), or, no claim naming it, for ``UNCLAIMED_KEEP_S`` (the ledger is folded a moment
-        behind the log)."""
-        if self.ledger is None or target is None:
-            return 0, 0
+    def _ledger_view(self) -> tuple[Callable[[int], int], int]:
+        """(owes, coming) for ``Batcher.poll``: admitted groups whose records have not come, that a batch trained
+        from a given revision must take, and of any batch. A group stays in ``arrived`` until the ledger can no
+        longer count it (given back, or done ``flush_after_s`` ago), or, no claim naming it, for
+        ``UNCLAIMED_KEEP_S`` (the ledger is folded a moment behind the log)."""
+        if self.ledger is None:
+            return (lambda revision: 0), 0
         book, now, grace = self.ledger.book, self.ledger.now(), self.batcher.policy.flush_after_s
         for g, came in list(self.arrived.items()):
             state = book.claims.get(book.by_group.get(g, ""))
             if (state is None and time.monotonic() - came > UNCLAIMED_KEEP_S) or (state is not None and (
                     state.released or (state.done_at is not None and now - state.done_at >= grace))):
                 del self.arrived[g]
-        coming = book.coming(self.family, now, grace) - self.arrived.keys()
-        bound = target.revision - self.batcher.policy.max_off_policy_steps
-        owed = book.coming(self.family, now, grace, seen_at_most=bound)
-        return len(owed - self.arrived.keys()), len(coming)
+        bound = self.batcher.policy.max_off_policy_steps
+
+        def owes(revision: int) -> int:
+            return len(book.coming(self.family, now, grace, seen_at_most=revision - bound) - self.arrived.keys())
+
+        return owes, len(book.coming(self.family, now, grace) - self.arrived.keys())
 
     async def process(self, rec: Any) -> list[Out]:
         try:
@@ -73,18 +75,21 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records, and a 
         except EventDecodeError as e:
             return [dead_letter(rec, NAME, type(e).__name__, str(e))]
         refusal = self._add(rec, record)
-        outs = [dead_letter(rec, NAME, refusal.error_type, refusal.reason, record.run_id)] if refusal else []
-        # a whole batch goes out at once; partial flushes and stale refusals wait for the processor's tick
-        return outs + self.tick(time.monotonic()) if self.batcher.full() else outs
+        return [dead_letter(rec, NAME, refusal.error_type, refusal.reason, record.run_id)] if refusal else []
+
+    def input_read(self, now: float) -> list[Out]:
+        """A whole batch goes out once the input read with it is processed, not at the record that fills it: a
+        group's records come in one credit transaction, and the rest of the group is owed the same batch.
+        Partial flushes and stale refusals wait for the processor's tick."""
+        return self.tick(now) if self.batcher.full() else []
 
     def restore(self, rec: Any) -> None:
         self._add(rec, decode(rec, TrainingRecord))
 
     def tick(self, now: float) -> list[Out]:
-        target = self.revisions.latest.get(self.family)
-        owed, coming = self._coming(target)
-        batches, refusals = self.batcher.poll(target, now, dropped=self.dropped.count if self.dropped else 0,
-                                              owed=owed, coming=coming)
+        owes, coming = self._ledger_view()
+        batches, refusals = self.batcher.poll(self.revisions.latest.get(self.family), now, dropped=self.dropped.count,
+                                              owes=owes, coming=coming)
         outs = [Out(topics.TRAINER_BATCHES.name, b) for b, _ in batches]
         outs += [dead_letter(r.item.tag, NAME, r.error_type, r.reason, r.item.record.run_id) for r in refusals]
         return outs
@@ -93,24 +98,27 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records, and a 
         return {topics.TRAINING_RECORDS.name: [it.tag.offset for it in self.batcher.items]}
 
     def state(self) -> dict[str, Any]:
-        return {"history_batches": self.batcher.history_batches} if self.batcher.history_batches else {}
+        b = self.batcher
+        return {"emitted_batches": b.emitted_batches, "base": b.base} if b.emitted_batches else {}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.batcher.history_batches = int(state.get("history_batches", 0))
+        # "history_batches": a derived run's count, before live runs counted theirs (its base is its fork)
+        self.batcher.emitted_batches = int(state.get("emitted_batches", state.get("history_batches", 0)))
+        base = state.get("base")
+        self.batcher.base = (int(base[0]), int(base[1])) if base else None
 
 
 
 @asynccontextmanager
 async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIterator[TaskFactory]:
     revisions = RevisionWatcher(client_kwargs)
+    dropped = DroppedBatches(client_kwargs)
     # a derived run is paced by its trainer's revisions; a live one by the arenas' admissions
-    dropped = DroppedBatches(client_kwargs) if cfg.derivation else None
     ledger = None if cfg.derivation else KafkaLedger(client_kwargs)
     folding: asyncio.Task | None = None
     await revisions.start()
     try:
-        if dropped is not None:
-            await dropped.start()
+        await dropped.start()
         if ledger is not None:
             await ledger.start()
             folding = asyncio.create_task(_fold(ledger), name="admissions-ledger")
@@ -119,9 +127,9 @@ async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIt
         if folding is not None:
             folding.cancel()
             await asyncio.gather(folding, return_exceptions=True)
-        for side in (ledger, dropped):
-            if side is not None:
-                await side.stop()
+        if ledger is not None:
+            await ledger.stop()
+        await dropped.stop()
         await revisions.stop()
 
 
