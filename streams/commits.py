@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from streams import group_offsets
+from streams.instances import write_for_successor
 
 log = logging.getLogger("rollout.eos")
 
@@ -97,8 +97,11 @@ class CommitWatch:
         self._offsets_behind = Lasting()
         self._last_check = time.monotonic()
         self.path = path  # where what is not yet seen outlives the process (the module's docstring)
-        self.inherited = self._load()  # what a predecessor with this id left unseen: due at once
-        self.unconfirmed.update({tp: (off, self._last_check - confirm_s) for tp, off in self.inherited.items()})
+        inherited = self._load()  # what a predecessor with this id left unseen: due at once
+        if inherited:
+            log.info("commits a predecessor left unconfirmed on %s: checked at once",
+                     sorted(f"{tp.topic}-{tp.partition}" for tp in inherited))
+        self.unconfirmed.update({tp: (off, self._last_check - confirm_s) for tp, off in inherited.items()})
 
     def _load(self) -> dict[TopicPartition, int]:
         try:
@@ -109,17 +112,15 @@ class CommitWatch:
             return {}
 
     def _save(self) -> None:
-        """Not fsynced: a process's death keeps the page cache, which is what this is for; a file that names a
-        partition already visible costs its reader one look. Removed once nothing is unconfirmed."""
+        """A file that names a partition already visible costs its reader one look; removed once nothing is
+        unconfirmed."""
         if self.path is None:
             return
         if not self.unconfirmed:
             self.path.unlink(missing_ok=True)
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps([[tp.topic, tp.partition, off] for tp, (off, _) in self.unconfirmed.items()]))
-        os.replace(tmp, self.path)
+        write_for_successor(self.path, json.dumps([[tp.topic, tp.partition, off]
+                                                   for tp, (off, _) in self.unconfirmed.items()]))
 
     def time_to_check(self) -> bool:
         """True once per ``confirm_s``: checking asks the brokers, so it is not done every step."""

@@ -16,6 +16,7 @@ instances (``--instance``, a StatefulSet's pod name) to be independent of the ho
 from __future__ import annotations
 
 import fcntl
+import os
 import re
 import socket
 from pathlib import Path
@@ -30,6 +31,16 @@ _HELD: dict[str, tuple[str, IO[str]]] = {}  # group -> (slot name, its open lock
 def slots_dir() -> Path:
     """Where this host's slots are held, and what lives as long as a slot (``streams.poison``)."""
     return cache_dir() / "instances"
+
+
+def write_for_successor(path: Path, text: str) -> None:
+    """A small file the next process with this instance's id reads (``streams.poison``, ``streams.commits``):
+    written whole (a temporary named by this process, then renamed), not fsynced: a process's death, however it
+    dies, keeps the page cache, which is what these files are for."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def slot_name(group: str, folder: Path | None = None) -> str:

@@ -18,8 +18,9 @@ tries made against a broken group would count against a record that did nothing 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from streams.instances import write_for_successor
 
 Key = tuple[str, int, int]  # (topic, partition, offset)
 DIED = "the process died while processing it"
@@ -84,6 +85,4 @@ class PoisonCounts:
     def _save(self) -> None:
         if self.path is None:
             return
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps([[*k, *v] for k, v in self.counts.items()]))
-        os.replace(tmp, self.path)  # not fsynced: a process's death keeps the page cache, which is what counts
+        write_for_successor(self.path, json.dumps([[*k, *v] for k, v in self.counts.items()]))
