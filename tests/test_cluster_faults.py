@@ -37,7 +37,7 @@ from schemas.policy import PolicyRevision
 from consumers.registry import SERVICES
 from streams import security, topics
 from streams.config import KafkaSettings
-from streams.docker_cluster import LABEL, ClusterError, DockerCluster, docker
+from streams.docker_cluster import LABEL, ClusterError, DockerCluster, ScramTls, docker
 from streams.revisions import publish
 from tests.test_eos_kill import Fleet
 from tests.test_eos_pipeline import group_record_ids, read_all, seed_groups
@@ -60,24 +60,32 @@ def _remove_orphans() -> None:
             DockerCluster(name).down()
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def running_cluster(security: ScramTls | None = None):
+    """A fresh three-broker cluster for a module (named for this process, so a later run removes it if this one
+    dies), removed at the end with the figures the module's runs printed."""
     _remove_orphans()
-    name = f"rl-faults-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-    c = DockerCluster(name, image=os.environ.get("ROLLOUT_KAFKA_IMAGE") or "rollout-log/kafka:local")
+    name = f"rl-faults-{os.getpid()}-{'s' if security else ''}{uuid.uuid4().hex[:4]}"
+    c = DockerCluster(name, image=os.environ.get("ROLLOUT_KAFKA_IMAGE") or "rollout-log/kafka:local",
+                      security=security)
     try:
         t0 = time.monotonic()
         c.up(timeout_s=240)
     except ClusterError as e:
         c.down()
         pytest.fail(f"the three-broker cluster did not start: {e}", pytrace=False)
-    print(f"\n[cluster] {c.bootstrap} ready in {time.monotonic() - t0:.0f}s; active controller: node {c.quorum_leader()}")
+    print(f"\n[cluster] {c.bootstrap}{' (SASL_SSL)' if security else ''} ready in {time.monotonic() - t0:.0f}s; "
+          f"active controller: node {c.quorum_leader()}")
     try:
         yield c
     finally:
         c.down()
         if RESULTS:
             print("\n" + "\n".join(RESULTS))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from running_cluster()
 
 
 @dataclass

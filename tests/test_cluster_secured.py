@@ -8,17 +8,13 @@ this one starts."""
 
 from __future__ import annotations
 
-import os
-import time
-import uuid
-
 import pytest
 
 from consumers.registry import SERVICES
 from streams import security
-from streams.docker_cluster import ClusterError, DockerCluster, ScramTls
+from streams.docker_cluster import ScramTls
 from tests._certs import make_ca, make_keystore
-from tests.test_cluster_faults import RESULTS, _kill_and_restart, _leaders, _remove_orphans, _run
+from tests.test_cluster_faults import _kill_and_restart, _leaders, _run, running_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -27,29 +23,13 @@ USERS = {"admin": "admin-secret", **{n: f"{n}-secret" for n in (*SERVICES, secur
 
 @pytest.fixture(scope="module")
 def secured_cluster(tmp_path_factory):
-    _remove_orphans()
     tls = tmp_path_factory.mktemp("cluster-tls")
     tls.chmod(0o755)  # the brokers run as uid 1000
     ca = make_ca(tls, "ca")
     make_keystore(tls, ca, ["localhost", "127.0.0.1"], "keystore-secret")
     for f in tls.iterdir():
         f.chmod(0o644)
-    c = DockerCluster(f"rl-faults-{os.getpid()}-s{uuid.uuid4().hex[:4]}",
-                      image=os.environ.get("ROLLOUT_KAFKA_IMAGE") or "rollout-log/kafka:local",
-                      security=ScramTls(tls, "keystore-secret", USERS))
-    try:
-        t0 = time.monotonic()
-        c.up(timeout_s=240)
-    except ClusterError as e:
-        c.down()
-        pytest.fail(f"the secured three-broker cluster did not start: {e}", pytrace=False)
-    print(f"\n[secured cluster] {c.bootstrap} (SASL_SSL) ready in {time.monotonic() - t0:.0f}s")
-    try:
-        yield c
-    finally:
-        c.down()
-        if RESULTS:
-            print("\n" + "\n".join(RESULTS))
+    yield from running_cluster(ScramTls(tls, "keystore-secret", USERS))
 
 
 async def test_secured_cluster_refuses_a_plaintext_client_and_a_wrong_password(secured_cluster):

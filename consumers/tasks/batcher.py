@@ -57,17 +57,17 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records and the
         if self.ledger is None:
             return (lambda revision: 0), 0
         book, now, grace = self.ledger.book, self.ledger.now(), self.batcher.policy.flush_after_s
+        coming = book.coming(self.family, now, grace)  # (which settles what can no longer come)
         for g, came in list(self.arrived.items()):
-            state = book.claims.get(book.by_group.get(g, ""))
-            if (state is None and time.monotonic() - came > UNCLAIMED_KEEP_S) or (state is not None and (
-                    state.released or (state.done_at is not None and now - state.done_at >= grace))):
+            claim_id = book.by_group.get(g)
+            if claim_id not in book.unsettled and (claim_id is not None or time.monotonic() - came > UNCLAIMED_KEEP_S):
                 del self.arrived[g]
         bound = self.batcher.policy.max_off_policy_steps
 
         def owes(revision: int) -> int:
             return len(book.coming(self.family, now, grace, seen_at_most=revision - bound) - self.arrived.keys())
 
-        return owes, len(book.coming(self.family, now, grace) - self.arrived.keys())
+        return owes, len(coming - self.arrived.keys())
 
     async def process(self, rec: Any) -> list[Out]:
         try:
