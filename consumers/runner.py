@@ -59,8 +59,9 @@ def processor(service: Service, factory: Any, settings: ServiceSettings, client_
               processing: ProcessingSettings) -> TransactionalProcessor:
     """The service's transactional processor: ``factory`` its partition tasks, ``settings`` the service's own
     (the instance, a derived run's topics), ``processing`` the process's stream-processing settings."""
-    config = ProcessorConfig(service.name, tuple(settings.reads(t) for t in service.inputs), service.partitions,
-                             instance=settings.instance, settings=processing, max_process_s=service.max_process_s)
+    inputs = tuple(name for t in service.inputs for name in settings.reads(t))
+    config = ProcessorConfig(service.name, inputs, service.partitions, instance=settings.instance,
+                             settings=processing, max_process_s=service.max_process_s)
     return TransactionalProcessor(config, factory, client_kwargs, poison_dir=_poison_dir(service))
 
 

@@ -86,12 +86,13 @@ class ServiceSettings(BaseSettings):
     derivation: Derivation | None = Field(None, description="a derived run (rollout derive): the source run whose "
                                           "Steps and Rollouts it reads, its range, re-scoring and fork revision")
 
-    def reads(self, topic: topics.Topic) -> str:
-        """The name a service reads ``topic`` under: a derived run reads what arenas wrote from its source run's
-        topics (it never writes there), everything else under its own prefix."""
+    def reads(self, topic: topics.Topic) -> tuple[str, ...]:
+        """The names a service reads ``topic`` under: a derived run reads what arenas wrote from its source run's
+        topics (it never writes there) and from its own (its evaluation's rollouts), everything else under its
+        own prefix."""
         if self.derivation is not None and topic in topics.ARENA_WRITES:
-            return self.derivation.source_prefix + topic.key
-        return topic.name
+            return self.derivation.source_prefix + topic.key, topic.name
+        return (topic.name,)
 
     @property
     def strategy_params(self) -> dict[str, Any]:

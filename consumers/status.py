@@ -31,9 +31,9 @@ async def service_lag(client_kwargs: dict[str, Any], *, sample_s: float = 1.0, s
             out = {}
             for svc, service in SERVICES.items():
                 group = service.group_id
-                names = [settings.reads(t) if settings is not None else t.name for t in service.inputs]
-                tps = [TopicPartition(n, p) for n, t in zip(names, service.inputs) for p in range(t.partitions)
-                       if n in existing]
+                names = [(n, t) for t in service.inputs
+                         for n in (settings.reads(t) if settings is not None else (t.name,))]
+                tps = [TopicPartition(n, p) for n, t in names for p in range(t.partitions) if n in existing]
                 if not tps:
                     continue
                 ends = await cons.end_offsets(tps)

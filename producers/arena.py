@@ -285,6 +285,7 @@ class Arena:
         self._stop_by: float | None = None  # loop time the stop's grace ends
         self._fatal: BaseException | None = None
         self._revision_seen = asyncio.Event()
+        self._evaluating = asyncio.Lock()  # one evaluation at a time: a revision is answered once
         self.revision_log: list[tuple[float, int]] = []
 
     # lifecycle --------------------------------------------------------------------------------------
@@ -376,7 +377,7 @@ class Arena:
             await self.pacer.on_revision(rev.revision)
             self._revision_seen.set()
             if self.evaluate:
-                await self.run_evaluation()
+                await self._evaluate_current()
             return
         await self.pacer.on_revision(rev.revision)
         self._revision_seen.set()
@@ -416,6 +417,26 @@ class Arena:
             self.stats.eval_s += time.monotonic() - t0
             self.stats.evaluated_revisions.append(self.current_policy.revision)
         return len(reqs)
+
+    async def _evaluate_current(self) -> int:
+        """``run_evaluation``, once per revision: the revision feed and ``evaluate_last`` may both come to it."""
+        async with self._evaluating:
+            if self.current_policy.revision in self.stats.evaluated_revisions:
+                return 0
+            return await self.run_evaluation()
+
+    async def evaluate_last(self, revision: int, timeout_s: float) -> bool:
+        """Evaluate ``revision`` as the run's last, whatever the cadence, for a run that learns which is its last
+        only once it was trained (``rollout derive``): it may be current already, passed over as not due. False
+        when it was not current within ``timeout_s``."""
+        self.last_revision = revision
+        deadline = time.monotonic() + timeout_s
+        while self.current_policy.revision < revision:
+            if time.monotonic() > deadline or self._fatal is not None:
+                return False
+            await asyncio.sleep(0.2)
+        await self._evaluate_current()
+        return True
 
     async def wait_for_revision(self, revision: int, timeout_s: float, idle_s: float = 300.0) -> bool:
         """Wait until ``revision`` is current (and evaluated, when evaluation is due at it); False after

@@ -353,6 +353,8 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
     t0 = time.monotonic()
     kw = settings.client_kwargs()
     plan, served = await asyncio.to_thread(load_plan, args)
+    if args.eval_interval:  # the command line's cadence over the recipe's (the arena is told the same)
+        plan = plan.model_copy(update={"eval_interval": args.eval_interval})
     family = plan.family
     rundir = RUNS_DIR / run
     _retain_runs(RUNS_DIR, args.keep_runs - 1)
@@ -360,7 +362,7 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
     print(f"run {run}: topics {prefix}*, checkpoints {ckdir}, plan {args.plan} (family {family}, "
           f"group_size {plan.group_size}, batch_size {plan.batch_size}, max_off_policy_steps "
           f"{plan.max_off_policy_steps}, advantage {plan.advantage.type}, eval every "
-          f"{args.eval_interval or plan.eval_interval} revisions), policy {args.policy}", flush=True)
+          f"{plan.eval_interval} revisions), policy {args.policy}", flush=True)
     if plan.served_model:
         print(f"model: {plan.served_model} (every revision says so)", flush=True)
     progress = Progress()
@@ -483,7 +485,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
 
     progress.phase = "creating topics"
     await topics.create_topics(kw)
-    await publish(kw, rev0)
+    await publish(kw, rev0.model_copy(update={"plan": plan.model_dump(mode="json")}))  # what a derived run evaluates by
 
     # the plan's settings (its algorithm refused if nothing here runs it), with the demo's own pacing
     cfg = service_settings.build(plan=plan, credit=True, checkpoint_dir=str(ckdir), epochs=args.epochs,

@@ -18,6 +18,8 @@ record whose generating revision's number is more than ``--max-off-policy-steps`
 derived chain numbered on from the fork) is refused with its reason (a dead letter).
 Every derived score and record names its source Rollout (run, topic, partition, offset, digest); replay the
 derived run and its source is replayed into the same database (``rollout replay --run <derived run>``).
+The derived revisions answer the source run's held-out questions at its evaluation cadence
+(``rollout.derived_evaluation``), so both runs compare in ``v_eval_accuracy_by_revision``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import sys
 import time
 import uuid
+from contextlib import AsyncExitStack
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -78,6 +81,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"run stopped mid-group): its records go to the dead letters as GroupTimeout, and the run "
                         f"finishes (default {GROUP_TIMEOUT_S:g})")
     p.add_argument("--checkpoint-dir", help="where the derived checkpoints go (default .state/derived/<run id>)")
+    p.add_argument("--plan", metavar="RECIPE",
+                   help="evaluate the derived revisions on this recipe's held-out questions at its cadence (default: "
+                        "the plan the source run recorded, so its questions and cadence; a run `rollout rl` or "
+                        "`rollout demo` did not start records none)")
+    p.add_argument("--no-evaluate", action="store_true",
+                   help="do not evaluate the derived revisions (no inference server is started)")
     p.add_argument("--follow", action="store_true", help="keep running for a source run still being written")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_derive)
@@ -152,16 +161,21 @@ async def find_source(settings: Any, run_id: str) -> str:
     return runs[0].prefix
 
 
-async def fork_revision(kw: dict[str, Any], prefix: str, run_id: str, revision: int, weights: str | None = None):
+async def source_revisions(kw: dict[str, Any], prefix: str, run_id: str) -> list[tuple[Any, Any]]:
+    """The source run's PolicyRevisions, with their records."""
+    from streams.revisions import RevisionFollower
+
+    async with RevisionFollower(kw, topic=prefix + "policy-revisions") as follower:
+        return [(rec, rev) for rec, rev in await follower.read_to_end() if rev.run_id == run_id]
+
+
+def fork_revision(pairs: list[tuple[Any, Any]], run_id: str, revision: int, weights: str | None = None):
     """(the source run's revision, its SourceEvent, the checkpoint to start from): the revision's own, present and
     matching its digest, or ``weights`` for a revision with none on record (an imported run)."""
     from policy.checkpoint import checkpoint_path, file_sha256
     from schemas.envelope import SourceEvent
     from schemas.policy import CheckpointRef
-    from streams.revisions import RevisionFollower
 
-    async with RevisionFollower(kw, topic=prefix + "policy-revisions") as follower:
-        pairs = [(rec, rev) for rec, rev in await follower.read_to_end() if rev.run_id == run_id]
     found = next(((rec, rev) for rec, rev in pairs if rev.revision == revision), None)
     if found is None:
         have = sorted({rev.revision for _, rev in pairs})
@@ -191,8 +205,23 @@ def _span(revs: list[int]) -> str:
     return "none" if not revs else f"r{revs[0]}" if len(revs) == 1 else f"r{revs[0]}..r{revs[-1]}"
 
 
+def evaluation_plan(revisions: list[Any], recipe: str | None):
+    """The plan the derived run is evaluated by (``rollout.derived_evaluation.plan_for``); None, said in one line,
+    when there is none."""
+    from rollout.derived_evaluation import NoPlan, plan_for
+    from schemas.plan import PlanError
+
+    try:
+        return plan_for(revisions, recipe)
+    except NoPlan as e:
+        print(f"not evaluated: {e}; give --plan RECIPE to evaluate on its held-out questions", file=sys.stderr)
+    except PlanError as e:
+        raise DeriveError(f"--plan: {e}") from None
+    return None
+
+
 async def publish_fork(kw: dict[str, Any], family: str, derivation, source, where, checkpoint,
-                       flags: dict[str, Any]) -> None:
+                       flags: dict[str, Any]) -> bool:
     """The derived chain's first revision, with the derivation's settings and the flags that shape its training
     (``flags``: credit, batch, lr, bound, flush). Idempotent: a resumed run finds it, and is refused unless they are
     the ones the run started with (other settings would mix two runs). A run started before its flags were
@@ -211,10 +240,11 @@ async def publish_fork(kw: dict[str, Any], family: str, derivation, source, wher
         if changed:
             raise DeriveError(f"derived run {derivation.run_id} was started with other settings ({', '.join(changed)}"
                               f" differ): resume it with its first flags, or start a new run without --run-id")
-        return
+        return True
     await publish(kw, PolicyRevision(run_id=derivation.run_id, producer="derive", family=family,
                                      revision=source.revision, checkpoint=checkpoint, served_model=source.served_model,
                                      fork=source.ref(), source=where, derivation=settings))
+    return False
 
 
 async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
@@ -236,7 +266,9 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
     run_id = args.run_id or f"derive-{uuid.uuid4().hex[:8]}"
     kw = kafka.client_kwargs()
     source_prefix = await find_source(kafka, args.source)
-    source, where, checkpoint = await fork_revision(kw, source_prefix, args.source, args.fork, args.fork_checkpoint)
+    pairs = await source_revisions(kw, source_prefix, args.source)
+    source, where, checkpoint = fork_revision(pairs, args.source, args.fork, args.fork_checkpoint)
+    plan = None if args.no_evaluate else evaluation_plan([rev for _, rev in pairs], args.plan)
     family = f"{source.family}.{run_id}"
     derivation = Derivation(run_id=run_id, source_run_id=args.source, source_prefix=source_prefix, fork=source.ref(),
                             from_revision=lo, to_revision=hi, since=args.since, until=args.until, rescore=rescore)
@@ -245,7 +277,7 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
     shaping = {"credit": args.credit, "batch_records": args.batch_records, "lr": args.lr,
                "max_off_policy_steps": args.max_off_policy_steps, "flush_after_s": args.flush_after_s,
                **({"gates": [[g.reject_min, g.reject_max] for g in gates]} if gates else {})}
-    await publish_fork(kw, family, derivation, source, where, checkpoint, shaping)
+    resumed = await publish_fork(kw, family, derivation, source, where, checkpoint, shaping)
     flags = {k: v for k, v in (("credit", args.credit), ("batch_records", args.batch_records), ("lr", args.lr))
              if v is not None}
     cfg = service_settings.build(flags, family=family, derivation=derivation, flush_after_s=args.flush_after_s,
@@ -260,7 +292,17 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
           file=sys.stderr)
     t0 = time.monotonic()
     quiet_s = 2 * cfg.flush_after_s + 4
-    async with System(SERVICES, cfg, kw) as system:
+    async with System(SERVICES, cfg, kw) as system, AsyncExitStack() as stack:
+        arena = None
+        if plan is not None:
+            from rollout.derived_evaluation import evaluating
+
+            # resumed: from the newest revision on (those before were answered in an earlier life)
+            first = await newest_revision(kw, family) if resumed else source.revision
+            arena = await stack.enter_async_context(evaluating(
+                plan, family, first, [rev for _, rev in pairs], kw, run_id, Path(cfg.checkpoint_dir)))
+            print(f"evaluation: {plan.source}'s held-out questions, revision {first} and every "
+                  f"{plan.eval_interval} after, and the last", file=sys.stderr)
         last, still = None, time.monotonic()
         while True:
             await asyncio.sleep(1.0)
@@ -280,10 +322,27 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
                       f" (incomplete groups go to the dead letters after {args.group_timeout_s:g}s)", end="",
                       file=sys.stderr, flush=True)
             if caught_up and not held and not args.follow and time.monotonic() - still >= quiet_s:
+                if arena is not None and arena.last_revision is None:  # the last, then its answers scored
+                    from rollout.derived_evaluation import LAST_REVISION_TIMEOUT_S
+
+                    final = await newest_revision(kw, family)
+                    if not await arena.evaluate_last(final, LAST_REVISION_TIMEOUT_S):
+                        raise DeriveError(f"the last revision r{final} was not evaluated within "
+                                          f"{LAST_REVISION_TIMEOUT_S:g}s ({arena.follow_error or 'not loaded'})")
+                    still = time.monotonic()
+                    continue
                 break
     if not args.no_progress:
         print(file=sys.stderr)
-    return {"run_id": run_id, "family": family, "seconds": time.monotonic() - t0 - quiet_s, "prefix": f"{run_id}."}
+    return {"run_id": run_id, "family": family, "seconds": time.monotonic() - t0 - quiet_s, "prefix": f"{run_id}.",
+            "evaluated": arena.stats.evaluated_revisions if arena is not None else []}
+
+
+async def newest_revision(kw: dict[str, Any], family: str) -> int:
+    from streams.revisions import RevisionFollower
+
+    async with RevisionFollower(kw, family) as follower:
+        return max(rev.revision for _, rev in await follower.read_to_end())
 
 
 def held_input(system: Any) -> dict[str, int]:
@@ -304,6 +363,9 @@ def cmd_derive(args: argparse.Namespace) -> int:
     except DeriveError as e:
         print(f"rollout derive: error: {e}", file=sys.stderr)
         return 2
+    if out["evaluated"]:
+        print(f"evaluated revisions {', '.join(f'r{r}' for r in out['evaluated'])} on the held-out questions "
+              f"(v_eval_accuracy_by_revision, family {out['family']})")
     print(f"derived run {out['run_id']} caught up in {out['seconds']:.1f}s; replay both runs into one database "
           f"with: rollout replay --db {out['run_id']}.duckdb --run {out['run_id']}")
     return 0

@@ -87,6 +87,10 @@ class PolicyRevision(Event):
     derivation: dict[str, JsonValue] | None = Field(default=None, description=(
         "a derived run's first revision: the run's settings (schemas.history.Derivation), so that a resume with "
         "other settings is refused"))
+    plan: dict[str, JsonValue] | None = Field(default=None, description=(
+        "revision 0 of a run `rollout rl` or `rollout demo` started: the GenerationPlan it runs, as compiled (with "
+        "the command line's cadence), so that a derived run answers the same held-out questions at the same "
+        "evaluation cadence (rollout derive)"))
     metrics: dict[str, float] = Field(default_factory=dict, description=(
         "the training step that made this revision: loss, clip fraction, step seconds, and the trainer-inference "
         "logprob mismatch (mean/max |logprob(trainer) - logprob(inference)| over the batch's tokens, each "

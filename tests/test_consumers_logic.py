@@ -565,3 +565,50 @@ async def test_verifier_task_scores_parent_after_children_and_dead_letters_bad_i
     assert [(o.event.EVENT_TYPE, o.event.error_type) for o in outs] == [("dead_letter", "Timeout")]
     assert "1 children unscored" in outs[0].event.error_message
     assert task.state() == {} and task.buffered() == {topics.STEPS.name: [], topics.ROLLOUTS.name: []}
+
+
+async def test_a_derived_verifier_scores_its_own_held_out_answers_and_not_its_sources():
+    """A derived run's verifier reads its source's topics and its own: the source's training rollouts are
+    re-scored (and name their source), the source's held-out answers are left to the source run, and the derived
+    run's own held-out answers are scored as the environment scores them (not re-scored)."""
+    from consumers.settings import ServiceSettings
+    from consumers.tasks.verifier import VerifierTask
+    from schemas import codec
+    from schemas.history import Derivation, Rescore
+    from schemas.scoring import WeightedFunc
+    from streams import topics
+
+    pol = PolicyRef(family="tiny", revision=0)
+    derivation = Derivation(run_id="b", source_run_id="a", source_prefix="src.", fork=pol,
+                            rescore=Rescore(kind="rubric", funcs=[WeightedFunc(fn="tests._rewards:buggy_sum")]))
+    task = VerifierTask(0, ServiceSettings(derivation=derivation))
+    src_steps, src_rollouts = "src." + topics.STEPS.key, "src." + topics.ROLLOUTS.key
+    assert task.steps_topics == (src_steps, topics.STEPS.name)
+
+    def rollout(rid: str, run: str, evaluation: bool) -> tuple[Step, Rollout]:
+        st = testing.step(rid, rid, 0, "solver", "2", policy=pol, run_id=run, prompt_text="1+1=")
+        return st, Rollout(run_id=run, producer="t", rollout_id=rid, episode_type="single", environment="e@1",
+                           example_id="x", seed={}, step_ids=[st.step_id], members={"solver": True},
+                           artifacts={"scoring": {"kind": "exact_match", "answer": "2"}}, group_id=rid,
+                           root_group_id=rid, group_size=1, policy=pol, status="completed", evaluation=evaluation)
+
+    class Rec:
+        def __init__(self, topic, offset, value):
+            self.topic, self.partition, self.offset, self.value, self.key, self.headers = topic, 0, offset, value, b"g", []
+
+    cases = [(src_steps, src_rollouts, rollout("train", "a", False)), (src_steps, src_rollouts, rollout("held", "a", True)),
+             (topics.STEPS.name, topics.ROLLOUTS.name, rollout("own", "b", True)),
+             (topics.STEPS.name, topics.ROLLOUTS.name, rollout("other", "c", True))]
+    outs = []
+    for off, (steps_topic, rollouts_topic, (st, ro)) in enumerate(cases):
+        outs += await task.process(Rec(steps_topic, off, codec.encode(st)))
+        outs += await task.process(Rec(rollouts_topic, off, codec.encode(ro)))
+    assert [o.event.EVENT_TYPE for o in outs] == ["rollout_scored"] * 2, [getattr(o.event, "error_message", "")
+                                                                         for o in outs]
+    scored = {o.event.rollout_id: o.event for o in outs}
+    assert set(scored) == {"train", "own"}  # the source's held-out answer and another run's are not taken
+    assert scored["train"].source is not None and scored["train"].source.topic == src_rollouts
+    assert scored["own"].source is None and scored["own"].run_id == "b" and scored["own"].evaluation
+    assert scored["train"].rewards == {"solver": 0.0}  # re-scored (the buggy sum never rewards the sum)
+    assert scored["own"].rewards == {"solver": 1.0}  # the environment's exact match, not the re-scoring
+    assert all(not offsets for offsets in task.buffered().values())

@@ -5,6 +5,7 @@ refusals a user meets first. The pure parts (the rule, the range, the re-scoring
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -287,7 +288,10 @@ async def test_a_prime_rl_trace_stream_imported_then_derived_from(kafka_settings
                                   "--checkpoint-dir", str(tmp_path / "b")), kafka_settings)
     prefix_b = out["prefix"]
     scores = await _events(kw, prefix_b + "scores", RolloutScored)
-    assert {s.rollout_id: s.rewards for s in scores} == {r: s.rewards for r, s in source_scores.items()}  # as recorded
+    # as recorded; its held-out answers are the source run's, not re-scored
+    assert any(s.evaluation for s in source_scores.values())
+    assert {s.rollout_id: s.rewards for s in scores} == {r: s.rewards for r, s in source_scores.items()
+                                                         if not s.evaluation}
     batches = await _events(kw, prefix_b + "trainer-batches", TrainerBatch)
     assert Counter(r.rollout_id for b in batches for r in b.records) == trainable  # one record per trainable step
     revs = await _events(kw, prefix_b + "policy-revisions", PolicyRevision)
@@ -301,3 +305,64 @@ async def test_a_prime_rl_trace_stream_imported_then_derived_from(kafka_settings
         assert con.execute("SELECT count(DISTINCT run_id) FROM rollouts").fetchone()[0] == 1  # the source's
         assert con.execute("SELECT count(*) FROM training_records WHERE source_run_id = ?",
                            [imp.run_id]).fetchone()[0] == sum(len(b.records) for b in batches)
+
+
+TINY_EVAL_RECIPE = """
+[model]
+name = "tiny-byte-lm"
+
+[orchestrator]
+batch_size = 16
+group_size = 8
+max_off_policy_steps = 2
+max_steps = 3
+
+[orchestrator.train.sampling]
+temperature = 1.0
+max_tokens = 16
+
+[[orchestrator.train.env]]
+id = "arithmetic"
+name = "arithmetic"
+args = { reward = "shaped", eval_examples = 16 }
+
+[orchestrator.advantage]
+type = "grpo"
+
+[orchestrator.eval]
+interval = 2
+"""
+
+
+def test_a_derived_run_is_evaluated_on_its_sources_questions_at_its_cadence(kafka_settings, kafka_bootstrap, tmp_path):
+    """Issue 35: a derived run answers the held-out questions its source run answered, at the source's cadence
+    (the plan `rollout rl` recorded on revision 0), so both runs compare by held-out accuracy in one query."""
+    recipe = tmp_path / "tiny-eval.toml"
+    recipe.write_text(TINY_EVAL_RECIPE)
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap, "PYTHONPATH": str(ROOT)}
+    env.pop("ROLLOUT_TOPIC_PREFIX", None)
+    rl = subprocess.run([sys.executable, "-m", "rollout.cli", "rl", str(recipe), "--no-progress"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert rl.returncode == 0, rl.stdout[-2000:] + rl.stderr[-2000:]
+    source = json.loads(rl.stdout.strip().splitlines()[-1])
+    assert source["eval_questions_by_revision"] == {"0": 16, "2": 16, "3": 16}  # r0, every 2, and the last
+    derived = f"derive-{uuid.uuid4().hex[:8]}"
+    out = subprocess.run([sys.executable, "-m", "rollout.cli", "derive", source["run"], "--run-id", derived,
+                          "--batch-records", "16", "--flush-after-s", "1", "--checkpoint-dir", str(tmp_path / "b"),
+                          "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "evaluated revisions r0, r2, r3" in out.stdout, out.stdout + out.stderr[-2000:]
+
+    db = str(tmp_path / "both.duckdb")
+    asyncio.run(Replayer(db, kafka_settings, run_id=derived, prefix=f"{derived}.").run())
+    with duckdb.connect(db, read_only=True) as con:
+        rows = con.execute("SELECT policy_family, policy_revision, answers FROM v_eval_accuracy_by_revision").fetchall()
+        same = con.execute("""
+            SELECT count(*), count(*) FILTER (WHERE a.reward = b.reward) FROM v_eval_answers a JOIN v_eval_answers b
+            ON b.example_id = a.example_id AND b.policy_revision = a.policy_revision
+            WHERE a.policy_family = 'tiny-byte-lm' AND b.policy_family = ? AND a.policy_revision = 0""",
+                           [f"tiny-byte-lm.{derived}"]).fetchone()
+    print(rows)
+    assert sorted(rows) == sorted((family, r, 16) for family in ("tiny-byte-lm", f"tiny-byte-lm.{derived}")
+                                  for r in (0, 2, 3))
+    assert same == (16, 16)  # the same 16 questions; at the fork (the same weights, greedy) the same answers

@@ -5,6 +5,8 @@ waits for their scores; they share its root group, so they arrive on this partit
 
 In a derived run (``ServiceSettings.derivation``) it reads the source run's Steps and Rollouts, skips those of
 other runs and outside the range, scores with the derivation's re-scoring, and names each score's source Rollout.
+It also reads its own run's: the held-out answers its evaluation generated (``rollout derive``), scored as the
+environment scores them, as the source run's were, so both runs' held-out accuracy is measured alike.
 """
 
 from __future__ import annotations
@@ -38,20 +40,34 @@ class VerifierTask(TaskDefaults):
         self.scored = 0
         self.derivation = cfg.derivation
         self.own_run = cfg.derivation.run_id if cfg.derivation else None  # a derived run's dead letters are its own
-        self.steps_topic, self.rollouts_topic = cfg.reads(topics.STEPS), cfg.reads(topics.ROLLOUTS)
+        self.steps_topics, self.rollouts_topics = cfg.reads(topics.STEPS), cfg.reads(topics.ROLLOUTS)
         self.skipped: dict[str, float] = {}  # a derived run's rollouts out of range -> when (their late steps go too)
+
+    def _own(self, rec: Any) -> bool:
+        """Whether ``rec`` is on the service's own topics (a derived run's: its evaluation's; every record of a
+        live run is), not a source run's."""
+        return rec.topic in (self.steps_topics[-1], self.rollouts_topics[-1])
+
+    def _takes(self, ro: Rollout, *, own: bool) -> bool:
+        """Whether a derived run scores ``ro``: its own run's (held-out answers), and its source run's in range,
+        but not the source's held-out answers (scored by the source run; the derived run's are its own)."""
+        d = self.derivation
+        if own:
+            return ro.run_id == d.run_id
+        return not ro.evaluation and d.takes(ro.run_id, ro.policy.revision if ro.policy else None, ro.created_at)
 
     def _buffer(self, rec: Any) -> str | None:
         """The rollout the record belongs to, buffered; None when a derived run does not take it."""
         d = self.derivation
-        if rec.topic == self.steps_topic:
+        if rec.topic in self.steps_topics:
             step = decode(rec, Step)
-            if d is not None and (step.run_id != d.source_run_id or step.rollout_id in self.skipped):
+            if d is not None and (step.run_id != (d.run_id if self._own(rec) else d.source_run_id)
+                                  or step.rollout_id in self.skipped):
                 return None
             self.steps[step.step_id] = (rec, step, time.monotonic())
             return step.rollout_id
         ro = decode(rec, Rollout)
-        if d is not None and not d.takes(ro.run_id, ro.policy.revision if ro.policy else None, ro.created_at):
+        if d is not None and not self._takes(ro, own=self._own(rec)):
             self.skipped[ro.rollout_id] = time.monotonic()
             for s in ro.step_ids:
                 self.steps.pop(s, None)
@@ -86,7 +102,7 @@ class VerifierTask(TaskDefaults):
         outs: list[Out] = []
         scored = None
         try:
-            d = self.derivation
+            d = None if self._own(rec) else self.derivation  # a derived run's own answers: the env's scoring
             verdict = await scoring.score(ro, steps, judge=self.judge, child_outcomes=outcomes,
                                           rescore=d.rescore if d else None)
             derived = (d.run_id, SourceEvent.of(ro.run_id, rec.topic, rec.partition, rec.offset, rec.value),
@@ -148,8 +164,10 @@ class VerifierTask(TaskDefaults):
         return outs
 
     def buffered(self) -> dict[str, list[int]]:
-        return {self.steps_topic: [r.offset for r, _, _ in self.steps.values()],
-                self.rollouts_topic: [r.offset for r, _, _ in self.rollouts.values()]}
+        out: dict[str, list[int]] = {name: [] for name in self.steps_topics + self.rollouts_topics}
+        for rec, _, _ in (*self.steps.values(), *self.rollouts.values()):
+            out[rec.topic].append(rec.offset)
+        return out
 
     def state(self) -> dict[str, Any]:
         return {"children": self.children} if self.children else {}
