@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -121,6 +122,11 @@ async def test_recipe_runs_through_the_arena(kafka_settings, prefix, name, group
     (quiz(taskset="someone/rlt-hub-env@1.2"),
      ["'someone/rlt-hub-env@1.2'", "prime env install someone/rlt-hub-env@1.2"]),
     (quiz(harness="codex", runtime="prime"), ["seat 'agent' uses harness 'codex'", "runtime 'prime'"]),
+    (quiz(harness="codex", runtime="docker"), ["seat 'agent' uses harness 'codex' in runtime 'docker' (image "
+                                               "'rollout-log/vf-harness:local')", "installs its agent"]),
+    (quiz(harness="bash", runtime="docker", extra='allow = ["example.com"]'),
+     ["seat 'agent' uses harness 'bash' in runtime 'docker'", "network policy (allow=['example.com']",
+      "docker.io/library/alpine"]),
     (quiz(args='split = "nope"'), ["taskset 'rlt-sum-quiz' failed while loading",
                                    "no dataset split 'nope' (data/nope.jsonl)"]),
     (quiz(extra="[trainer.optim]\ntype = \"sgd\"\n"), ["trainer.optim.type: optimizer 'sgd'"]),
@@ -132,6 +138,26 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, text, says):
     err = _arena_error(capsys, _recipe(tmp_path, "bad", text))
     for s in says:
         assert s in err, err
+
+
+def test_a_docker_seat_whose_image_is_not_here_is_one_line(tmp_path, monkeypatch, capsys):
+    """No registry can be reached: a docker seat's image must be in the local engine, or the start is refused
+    naming the seat, the harness, the runtime and the image (and the docker CLI, where there is none)."""
+    monkeypatch.delenv("ROLLOUT_BOOTSTRAP_SERVERS", raising=False)
+    text = quiz(harness="bash", runtime="docker", extra='image = "rlt-no-such-image:0"')
+    err = _arena_error(capsys, _recipe(tmp_path, "absent", text))
+    assert "seat 'agent' uses harness 'bash' in runtime 'docker' (image 'rlt-no-such-image:0'), which cannot run " \
+           "here" in err, err
+    if shutil.which("docker") is None:
+        assert "the docker CLI is not installed" in err, err
+    else:
+        assert "the image is not in the local Docker engine and no registry can be reached" in err, err
+    # without the docker CLI, verifiers' default image (the local harness image in its place) is refused the same way
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "docker" else which(name, *a, **k))
+    err = _arena_error(capsys, _recipe(tmp_path, "no-docker", quiz(harness="bash", runtime="docker")))
+    assert "seat 'agent' uses harness 'bash' in runtime 'docker' (image 'rollout-log/vf-harness:local'), which " \
+           "cannot run here: the docker CLI is not installed" in err, err
 
 
 def _arena_error(capsys, recipe: Path, *args: str) -> str:
