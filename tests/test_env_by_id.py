@@ -12,6 +12,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -207,6 +208,51 @@ async def test_older_env_form_keeps_its_harness(kafka_settings, prefix, tmp_path
     assert out.returncode == 0, out.stderr[-3000:]
     stats = json.loads(out.stdout.strip().splitlines()[-1])
     assert stats["rollouts"] == 2 and stats["failed"] == 0 and stats["steps"] == 2
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("runtime", [
+    pytest.param("docker", marks=pytest.mark.skipif(shutil.which("docker") is None,
+                                                    reason="no docker CLI: verifiers' docker runtime drives one")),
+    "subprocess",
+])
+async def test_bash_harness_runs_in_its_runtime(kafka_settings, prefix, tmp_path, runtime):  # noqa: F811
+    """rlt-sum-quiz with verifiers' `bash` harness, through `rollout arena` with the local policy: its chat program
+    runs in the seat's runtime and streams its model calls through verifiers' interception server to the capture
+    endpoint; they are the rollouts' Steps. In `docker` on verifiers' default image, which runs as the locally
+    built rollout-log/vf-harness:local (harness-image/build-image.sh), each episode in its own container; in
+    `subprocess` under uv on this machine. The tiny local policy makes no tool call, so each episode is one model
+    call (the bash harness's system prompt, its tools offered), then its reward."""
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix,
+           "ROLLOUT_LOG_LEVEL": "WARNING"}
+    since = time.time() - 1
+    started = time.monotonic()
+    out = await asyncio.to_thread(_cli, "arena", str(_recipe(tmp_path, runtime, quiz(harness="bash",
+                                  runtime=runtime))), "--groups", "1", "--policy", "local", "--policy-port",
+                                  str(free_port()), "--no-progress", env=env)
+    wall = time.monotonic() - started
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    stats = json.loads(out.stdout.strip().splitlines()[-1])
+    assert stats["rollouts"] == 2 and stats["failed"] == 0, stats
+    kw = kafka_settings.client_kwargs()
+    rollouts = [codec.decode(r.value) for r in await read_all(kw, topics.ROLLOUTS.name, idle_s=2, timeout_s=30)]
+    assert len(rollouts) == 2 and all(r.status == "completed" for r in rollouts)
+    steps = [codec.decode(s.value) for s in await read_all(kw, topics.STEPS.name, idle_s=2, timeout_s=30)]
+    assert len(steps) == sum(len(r.step_ids) for r in rollouts) >= 2
+    for s in steps:  # the bash harness's program made the call: its system prompt
+        assert s.member_id == "policy" and s.trainable and len(s.completion_token_ids)
+        assert "You are a coding agent. You have access to a bash tool" in s.prompt[0].content, s.prompt[0]
+    print(f"runtime {runtime}: 2 episodes, `rollout arena` wall time {wall:.1f} s")
+    if runtime != "docker":
+        return
+    assert "runs 'rollout-log/vf-harness:local' in place of verifiers' default image 'python:3.11-slim'" in out.stderr
+    # the engine's record: the episodes' containers (vf-<uuid>, one each) started from the local image during the run
+    events = subprocess.run(["docker", "events", "--since", f"{since:.0f}", "--until", f"{time.time() + 1:.0f}",
+                             "--filter", "type=container", "--filter", "event=start", "--filter",
+                             "image=rollout-log/vf-harness:local", "--filter", "label=verifiers.run",
+                             "--format", "{{.Actor.Attributes.name}}"], capture_output=True, text=True, timeout=60)
+    episodes = [n for n in events.stdout.split() if n.startswith("vf-")]
+    assert len(episodes) >= 2, events.stdout + events.stderr  # (>=: another run on this engine may overlap)
 
 
 def test_endless_eval_source_needs_a_bound(tmp_path, capsys):
