@@ -6,7 +6,8 @@
 #      rollout-log/vf-harness:local: python3, the host's CA bundle, the venv's uv, verifiers' chat program with its
 #      dependencies synced (from PyPI, through uv, at build time only).
 # A seat whose runtime is `docker` with verifiers' default image runs in rollout-log/vf-harness:local
-# (producers/verifiers_loader.py). Skips the build when an image with the same inputs exists.
+# (producers/verifiers_loader.py, which checks the image's rollout-log.chat-program label against the chat program
+# of the verifiers it runs). Skips the build when an image with the same inputs exists.
 # Env: ROLLOUT_PYTHON (default .venv/bin/python: the verifiers and uv the pipeline runs), ROLLOUT_IMAGE_REBUILD=1,
 # and those of scripts/debian-base-image.sh.
 set -euo pipefail
@@ -39,7 +40,7 @@ chat_sources=$(cat "$vf_dir"/v1/harnesses/utils/*.py | sha256sum | cut -d' ' -f1
 base_id=$(docker image inspect -f '{{.Id}}' "$base_tag")
 uv_version=$("$uv" --version)
 inputs_hash=$( { echo "$base_id"; echo "verifiers $vf_version"; echo "$uv_version"; echo "chat sources $chat_sources";
-                 cat "$here/Dockerfile"; sha256sum <"$ca"; } | sha256sum | cut -c1-12)
+                 cat "$here/Dockerfile" "$here/build-image.sh"; sha256sum <"$ca"; } | sha256sum | cut -c1-12)
 tag="$image:$vf_version-$inputs_hash"
 
 if [[ -z ${ROLLOUT_IMAGE_REBUILD:-} ]] && docker image inspect "$tag" >/dev/null 2>&1; then
@@ -60,5 +61,6 @@ log "docker build $tag (verifiers $vf_version, $uv_version, chat program ${chat_
 # The classic builder uses the local base image as-is (no registry lookups).
 DOCKER_BUILDKIT=0 docker build -q --build-arg BASE="$base_tag" --build-arg CHAT_DIGEST="$chat_digest" \
   --label "rollout-log.inputs-hash=$inputs_hash" --label "rollout-log.verifiers=$vf_version" \
+  --label "rollout-log.chat-program=$chat_digest" \
   -t "$tag" -t "$image:local" "$ctx" >/dev/null
 log "built $tag (= $image:local)"

@@ -24,7 +24,8 @@ Harnesses (who plays a seat), decided at start-up, per seat:
   seat's image is in the local engine (no registry can be reached). verifiers' default image
   (``python:3.11-slim``) is replaced by ``HARNESS_IMAGE``, built locally by ``harness-image/build-image.sh``
   (python3, uv, the chat program's dependencies locked and synced: an episode needs no package index), with a
-  log line; another image must have python3 (verifiers runs it in the image to reach the host). Refused in
+  log line (the image's label names the chat program it carries: one of another verifiers is refused, to be
+  rebuilt); another image must have python3 (verifiers runs it in the image to reach the host). Refused in
   ``docker``: a restricted network policy (``allow``/``block``: verifiers builds its firewall helper FROM
   alpine on Docker Hub), and the other built-in harnesses (codex, claude_code, ...: they install their agent
   into the container at setup). A task's own image or network policy (``TaskData``) is applied by verifiers per
@@ -234,7 +235,7 @@ def _image_refusal(image: str) -> str | None:
             return f"the Docker engine cannot be asked about it: {detail[:300]}"
         return f"the image is not in the local Docker engine and no registry can be reached: {build}"
     if image == HARNESS_IMAGE:
-        return None
+        return _stale_harness_image()
     # verifiers runs python3 in the seat's image to reach the host's endpoints, else PROXY_FALLBACK_IMAGE
     try:
         probe = subprocess.run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "python3", image,
@@ -245,6 +246,23 @@ def _image_refusal(image: str) -> str | None:
                                                 capture_output=True, timeout=30).returncode != 0:
         return ("the image has no python3, which verifiers' docker runtime runs in it to reach the host (else it "
                 f"pulls {PROXY_FALLBACK_IMAGE} from a registry); build it FROM {HARNESS_IMAGE} ({BUILD_HARNESS_IMAGE})")
+    return None
+
+
+def _stale_harness_image() -> str | None:
+    """Why ``HARNESS_IMAGE`` does not carry the chat program of the verifiers installed here, or None when it does
+    (an older image would sync the program's dependencies from a package index in every episode)."""
+    import hashlib
+
+    from verifiers import __version__
+    from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+
+    label = subprocess.run(["docker", "image", "inspect", "--format",
+                            '{{index .Config.Labels "rollout-log.chat-program"}}', HARNESS_IMAGE],
+                           capture_output=True, text=True, timeout=30).stdout.strip()
+    if label != hashlib.sha256(CHAT_PROGRAM_SOURCE.encode()).hexdigest():
+        return (f"the image does not carry the chat program of the verifiers {__version__} installed here (its label "
+                f"rollout-log.chat-program: {label[:12] or 'missing'}): rebuild it with `{BUILD_HARNESS_IMAGE}`")
     return None
 
 
