@@ -2,8 +2,8 @@
 # Builds the Kafka container image used by the test suite (testcontainers) and compose.yaml,
 # without pulling anything from a container registry:
 #   1. Kafka jars: mvn -f kafka/pom.xml package  -> $CACHE/kafka-<version>/libs
-#   2. base image: debootstrap --variant=minbase bookworm + openjdk-17-jre-headless into $CACHE,
-#      then `docker import` as rollout-log/debian-jre17:bookworm
+#   2. base image: scripts/debian-base-image.sh (debootstrap --variant=minbase bookworm + openjdk-17-jre-headless
+#      into $CACHE, then `docker import` as rollout-log/debian-jre17:bookworm)
 #   3. docker build kafka/Dockerfile -> rollout-log/kafka:<version>-<inputs hash> and rollout-log/kafka:local
 # Skips every step whose output already exists. Env: ROLLOUT_CACHE_DIR (default ~/.cache/rollout-log),
 # ROLLOUT_DEBIAN_MIRROR (default: the Debian mirror this machine's apt uses), ROLLOUT_IMAGE_REBUILD=1.
@@ -28,39 +28,8 @@ if [[ ! -f $libs/kafka_2.13-$kafka_version.jar ]]; then
   mvn -q -B -f "$here/pom.xml" package -Dlibs.dir="$libs"
 fi
 
-# 2. base image
-debian_mirror() {
-  if [[ -n ${ROLLOUT_DEBIAN_MIRROR:-} ]]; then echo "$ROLLOUT_DEBIAN_MIRROR"; return; fi
-  # The first non-security Debian URI apt is configured with (deb822 or one-line format).
-  local m
-  m=$( { grep -hE '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | awk '{print $2}';
-         grep -hE '^deb ' /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null | awk '{print $2}'; } \
-       | grep -v -- '-security' | head -n1 || true)
-  echo "$m"   # empty: debootstrap's built-in default
-}
-
-if ! docker image inspect "$base_tag" >/dev/null 2>&1; then
-  tarball="$cache/rootfs/bookworm-minbase-jre17.tar"
-  if [[ ! -f $tarball ]]; then
-    command -v debootstrap >/dev/null || die "debootstrap not found (apt-get install debootstrap)"
-    [[ $(id -u) == 0 ]] || die "debootstrap needs root"
-    rootfs="$cache/rootfs/bookworm-minbase-jre17.d"
-    rm -rf "$rootfs"; mkdir -p "$rootfs"
-    log "debootstrap bookworm (minbase + openjdk-17-jre-headless) into $rootfs"
-    mirror=$(debian_mirror)
-    debootstrap --variant=minbase --include=openjdk-17-jre-headless bookworm "$rootfs" ${mirror:+"$mirror"} >"$cache/rootfs/debootstrap.log" 2>&1 \
-      || die "debootstrap failed, see $cache/rootfs/debootstrap.log"
-    # Trim: apt lists, caches, docs; nothing in the image needs them.
-    rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin "$rootfs"/var/cache/apt/archives/*.deb \
-           "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/* "$rootfs"/usr/share/locale/*
-    tar --numeric-owner -C "$rootfs" -cf "$tarball.tmp" .
-    mv "$tarball.tmp" "$tarball"
-    rm -rf "$rootfs"
-  fi
-  log "docker import $tarball as $base_tag"
-  docker import -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' -c 'CMD ["/bin/bash"]' \
-    "$tarball" "$base_tag" >/dev/null
-fi
+# 2. base image (shared with the harness image: scripts/debian-base-image.sh)
+bash "$here/../scripts/debian-base-image.sh"
 
 # 3. kafka image, tagged with a hash of its inputs
 base_id=$(docker image inspect -f '{{.Id}}' "$base_tag")

@@ -18,8 +18,21 @@ Harnesses (who plays a seat), decided at start-up, per seat:
   recipe writes it, is not used (nothing is launched). A taskset that gives its agents tools is the exception:
   the in-process harness has no tools, so such a seat needs the real program (below);
 * any other harness runs as verifiers runs it, in the local ``subprocess`` runtime, when that harness can run
-  here: verifiers' bundled programs need ``uv`` on PATH. A remote runtime (prime, modal, e2b, docker images
-  from a registry) is refused, naming the seat, the harness and the runtime.
+  here: verifiers' bundled programs need ``uv`` on PATH;
+* or in verifiers' ``docker`` runtime (``runtime = {type = "docker", image = ...}``), for the harnesses whose
+  program is verifiers' chat program (``null`` with tools, ``bash``), when the ``docker`` CLI answers and the
+  seat's image is in the local engine (no registry can be reached). verifiers' default image
+  (``python:3.11-slim``) is replaced by ``HARNESS_IMAGE``, built locally by ``harness-image/build-image.sh``
+  (python3, uv, the chat program's dependencies locked and synced: an episode needs no package index), with a
+  log line (the image's label names the chat program it carries: one of another verifiers is refused, to be
+  rebuilt); another image must have python3 (verifiers runs it in the image to reach the host). Refused in
+  ``docker``: a restricted network policy (``allow``/``block``: verifiers builds its firewall helper FROM
+  alpine on Docker Hub), and the other built-in harnesses (codex, claude_code, ...: they install their agent
+  into the container at setup). A task's own image or network policy (``TaskData``) is applied by verifiers per
+  episode: an image that is not here fails that rollout with docker's reason.
+
+Every other runtime (prime, modal, e2b, podman, apptainer) is refused. A refusal is one line naming the seat,
+the harness and the runtime (and the image, for ``docker``).
 
 Every failure is one ``EnvironmentUnavailable`` line: the id no installed package provides (and how to
 install it), a harness that cannot run, a taskset that raises while loading (a hub dataset that cannot be
@@ -31,8 +44,10 @@ from __future__ import annotations
 import copy
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import shutil
+import subprocess
 from typing import Any
 
 from producers.environment_types import Environment, EnvironmentUnavailable
@@ -41,6 +56,16 @@ from producers.verifiers_v1 import CHAT_HARNESS_ID, register_chat_harness, verif
 # verifiers' tool-less chat harnesses: run in-process by the capture harness
 IN_PROCESS_HARNESSES = frozenset({"null", CHAT_HARNESS_ID})
 LOCAL_RUNTIME = "subprocess"
+DOCKER_RUNTIME = "docker"
+# verifiers' harnesses whose program is its bundled chat program, which HARNESS_IMAGE carries ready to run
+DOCKER_HARNESSES = frozenset({"null", "bash"})
+# built by harness-image/build-image.sh (.ci/setup runs it), from the project's own base image
+HARNESS_IMAGE = "rollout-log/vf-harness:local"
+BUILD_HARNESS_IMAGE = "bash harness-image/build-image.sh"
+# what verifiers' docker runtime runs its host-callback helper in when the seat's image has no python3
+PROXY_FALLBACK_IMAGE = "docker.io/library/python:3.11-alpine"
+
+log = logging.getLogger("rollout.verifiers")
 
 
 def _what(spec: Any) -> str:
@@ -128,6 +153,7 @@ def _seat_harnesses(config: Any, what: str) -> Any:
     tools = bool(ts_cls.toolsets(config.taskset)) or bool(ts_cls.task_type().toolsets(config.taskset.task))
     defaults = config.agent_harnesses()
     in_process = _harness_classes_config()
+    images: dict[str, str | None] = {}  # image -> why it cannot run (None: it can), asked once per image
     update: dict[str, Any] = {}
     for seat, agent in agent_config_fields(config).items():
         # the plan routes every seat (a pinned model/client is a fixed target there): verifiers must send each
@@ -138,20 +164,106 @@ def _seat_harnesses(config: Any, what: str) -> Any:
         if harness.id in IN_PROCESS_HARNESSES and not tools:
             update[seat] = agent.model_copy(update={"harness": in_process, "runtime": SubprocessConfig()})
             continue
-        why = None
-        if runtime != LOCAL_RUNTIME:
-            why = (f"its runtime {runtime!r} is not available here (only the local {LOCAL_RUNTIME!r} runtime "
-                   "runs: no remote sandbox, login or registry can be reached)")
+        why, where = None, f"runtime {runtime!r}"
+        if runtime == DOCKER_RUNTIME:
+            image = _docker_image(agent.runtime)
+            why = _docker_refusal(agent.runtime, image, harness.id, builtin_harness_ids(), images)
+            if why is None:
+                if image != agent.runtime.image:
+                    log.warning("%s: seat %r: runtime 'docker' runs %r in place of verifiers' default image %r "
+                                "(built locally: %s; no registry can be reached)", what, seat, image,
+                                agent.runtime.image, BUILD_HARNESS_IMAGE)
+                    update[seat] = agent.model_copy(
+                        update={"runtime": agent.runtime.model_copy(update={"image": image})})
+                continue
+            where = f"runtime {runtime!r} (image {image!r})"
+        elif runtime != LOCAL_RUNTIME:
+            why = (f"its runtime {runtime!r} is not available here (only the local {LOCAL_RUNTIME!r} and "
+                   f"{DOCKER_RUNTIME!r} runtimes run: no remote sandbox, login or registry can be reached)")
         elif harness.id in builtin_harness_ids() and shutil.which("uv") is None:
             why = "verifiers runs that harness as a program under uv, and uv is not installed here"
         if why:
             tool_note = " (the taskset gives its agents tools, so the tool-less in-process chat harness cannot " \
                         "stand in for it)" if harness.id in IN_PROCESS_HARNESSES else ""
             raise EnvironmentUnavailable(
-                f"{what}: seat {seat!r} uses harness {harness.id!r}, which cannot run here: {why}{tool_note}. "
-                f"Harnesses that run here: {', '.join(sorted(IN_PROCESS_HARNESSES - {CHAT_HARNESS_ID}))} "
-                "(tool-less chat, in-process); others in runtime 'subprocess' with uv installed")
+                f"{what}: seat {seat!r} uses harness {harness.id!r} in {where}, which cannot run here: {why}"
+                f"{tool_note}. Harnesses that run here: "
+                f"{', '.join(sorted(IN_PROCESS_HARNESSES - {CHAT_HARNESS_ID}))} (tool-less chat, in-process); "
+                f"others in runtime {LOCAL_RUNTIME!r} with uv installed; bash, and null with tools, in runtime "
+                f"{DOCKER_RUNTIME!r} with its image in the local Docker engine")
     return config.model_copy(update=update)
+
+
+def _docker_image(runtime: Any) -> str:
+    """The image a docker seat runs in: as written, or ``HARNESS_IMAGE`` in place of verifiers' default."""
+    from verifiers.v1.runtimes import DockerConfig
+
+    return HARNESS_IMAGE if runtime.image == DockerConfig.model_fields["image"].default else runtime.image
+
+
+def _docker_refusal(runtime: Any, image: str, harness_id: str, builtin: list[str],
+                    images: dict[str, str | None]) -> str | None:
+    """Why a seat cannot run in verifiers' docker runtime with ``image`` here, or None when it can."""
+    if harness_id in builtin and harness_id not in DOCKER_HARNESSES:
+        return (f"verifiers' {harness_id!r} harness installs its agent into the container at setup (Node.js, npm or "
+                "PyPI packages, a git checkout) from sources this machine may not reach; in the docker runtime only "
+                f"verifiers' chat program (harnesses {', '.join(sorted(DOCKER_HARNESSES))}), which the harness image "
+                "carries ready, runs here")
+    if runtime.network_restricted:
+        return (f"its network policy (allow={runtime.allow}, block={runtime.block}) needs verifiers' firewall "
+                "helper image, which verifiers builds FROM docker.io/library/alpine (no registry can be reached); "
+                "leave allow and block unset")
+    if image not in images:
+        images[image] = _image_refusal(image)
+    return images[image]
+
+
+def _image_refusal(image: str) -> str | None:
+    """Why ``image`` cannot serve verifiers' docker runtime here (absent, or without python3), or None."""
+    if shutil.which("docker") is None:
+        return "the docker CLI is not installed (apt-get install docker.io, then start dockerd)"
+    build = (f"build it with `{BUILD_HARNESS_IMAGE}`" if image == HARNESS_IMAGE else
+             "build or load it into the local engine (docker build / docker load)")
+    try:
+        found = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", image],
+                               capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "the Docker engine did not answer within 30 s"
+    if found.returncode != 0:
+        detail = " ".join(found.stderr.split())
+        if "no such image" not in detail.lower():
+            return f"the Docker engine cannot be asked about it: {detail[:300]}"
+        return f"the image is not in the local Docker engine and no registry can be reached: {build}"
+    if image == HARNESS_IMAGE:
+        return _stale_harness_image()
+    # verifiers runs python3 in the seat's image to reach the host's endpoints, else PROXY_FALLBACK_IMAGE
+    try:
+        probe = subprocess.run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "python3", image,
+                                "-c", ""], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "a container of the image did not start within 120 s"
+    if probe.returncode != 0 and subprocess.run(["docker", "image", "inspect", PROXY_FALLBACK_IMAGE],
+                                                capture_output=True, timeout=30).returncode != 0:
+        return ("the image has no python3, which verifiers' docker runtime runs in it to reach the host (else it "
+                f"pulls {PROXY_FALLBACK_IMAGE} from a registry); build it FROM {HARNESS_IMAGE} ({BUILD_HARNESS_IMAGE})")
+    return None
+
+
+def _stale_harness_image() -> str | None:
+    """Why ``HARNESS_IMAGE`` does not carry the chat program of the verifiers installed here, or None when it does
+    (an older image would sync the program's dependencies from a package index in every episode)."""
+    import hashlib
+
+    from verifiers import __version__
+    from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+
+    label = subprocess.run(["docker", "image", "inspect", "--format",
+                            '{{index .Config.Labels "rollout-log.chat-program"}}', HARNESS_IMAGE],
+                           capture_output=True, text=True, timeout=30).stdout.strip()
+    if label != hashlib.sha256(CHAT_PROGRAM_SOURCE.encode()).hexdigest():
+        return (f"the image does not carry the chat program of the verifiers {__version__} installed here (its label "
+                f"rollout-log.chat-program: {label[:12] or 'missing'}): rebuild it with `{BUILD_HARNESS_IMAGE}`")
+    return None
 
 
 def _harness_classes_config() -> Any:

@@ -9,8 +9,10 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -121,6 +123,11 @@ async def test_recipe_runs_through_the_arena(kafka_settings, prefix, name, group
     (quiz(taskset="someone/rlt-hub-env@1.2"),
      ["'someone/rlt-hub-env@1.2'", "prime env install someone/rlt-hub-env@1.2"]),
     (quiz(harness="codex", runtime="prime"), ["seat 'agent' uses harness 'codex'", "runtime 'prime'"]),
+    (quiz(harness="codex", runtime="docker"), ["seat 'agent' uses harness 'codex' in runtime 'docker' (image "
+                                               "'rollout-log/vf-harness:local')", "installs its agent"]),
+    (quiz(harness="bash", runtime="docker", extra='allow = ["example.com"]'),
+     ["seat 'agent' uses harness 'bash' in runtime 'docker'", "network policy (allow=['example.com']",
+      "docker.io/library/alpine"]),
     (quiz(args='split = "nope"'), ["taskset 'rlt-sum-quiz' failed while loading",
                                    "no dataset split 'nope' (data/nope.jsonl)"]),
     (quiz(extra="[trainer.optim]\ntype = \"sgd\"\n"), ["trainer.optim.type: optimizer 'sgd'"]),
@@ -132,6 +139,26 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, text, says):
     err = _arena_error(capsys, _recipe(tmp_path, "bad", text))
     for s in says:
         assert s in err, err
+
+
+def test_a_docker_seat_whose_image_is_not_here_is_one_line(tmp_path, monkeypatch, capsys):
+    """No registry can be reached: a docker seat's image must be in the local engine, or the start is refused
+    naming the seat, the harness, the runtime and the image (and the docker CLI, where there is none)."""
+    monkeypatch.delenv("ROLLOUT_BOOTSTRAP_SERVERS", raising=False)
+    text = quiz(harness="bash", runtime="docker", extra='image = "rlt-no-such-image:0"')
+    err = _arena_error(capsys, _recipe(tmp_path, "absent", text))
+    assert "seat 'agent' uses harness 'bash' in runtime 'docker' (image 'rlt-no-such-image:0'), which cannot run " \
+           "here" in err, err
+    if shutil.which("docker") is None:
+        assert "the docker CLI is not installed" in err, err
+    else:
+        assert "the image is not in the local Docker engine and no registry can be reached" in err, err
+    # without the docker CLI, verifiers' default image (the local harness image in its place) is refused the same way
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "docker" else which(name, *a, **k))
+    err = _arena_error(capsys, _recipe(tmp_path, "no-docker", quiz(harness="bash", runtime="docker")))
+    assert "seat 'agent' uses harness 'bash' in runtime 'docker' (image 'rollout-log/vf-harness:local'), which " \
+           "cannot run here: the docker CLI is not installed" in err, err
 
 
 def _arena_error(capsys, recipe: Path, *args: str) -> str:
@@ -181,6 +208,51 @@ async def test_older_env_form_keeps_its_harness(kafka_settings, prefix, tmp_path
     assert out.returncode == 0, out.stderr[-3000:]
     stats = json.loads(out.stdout.strip().splitlines()[-1])
     assert stats["rollouts"] == 2 and stats["failed"] == 0 and stats["steps"] == 2
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("runtime", [
+    pytest.param("docker", marks=pytest.mark.skipif(shutil.which("docker") is None,
+                                                    reason="no docker CLI: verifiers' docker runtime drives one")),
+    "subprocess",
+])
+async def test_bash_harness_runs_in_its_runtime(kafka_settings, prefix, tmp_path, runtime):  # noqa: F811
+    """rlt-sum-quiz with verifiers' `bash` harness, through `rollout arena` with the local policy: its chat program
+    runs in the seat's runtime and streams its model calls through verifiers' interception server to the capture
+    endpoint; they are the rollouts' Steps. In `docker` on verifiers' default image, which runs as the locally
+    built rollout-log/vf-harness:local (harness-image/build-image.sh), each episode in its own container; in
+    `subprocess` under uv on this machine. The tiny local policy makes no tool call, so each episode is one model
+    call (the bash harness's system prompt, its tools offered), then its reward."""
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix,
+           "ROLLOUT_LOG_LEVEL": "WARNING"}
+    since = time.time() - 1
+    started = time.monotonic()
+    out = await asyncio.to_thread(_cli, "arena", str(_recipe(tmp_path, runtime, quiz(harness="bash",
+                                  runtime=runtime))), "--groups", "1", "--policy", "local", "--policy-port",
+                                  str(free_port()), "--no-progress", env=env)
+    wall = time.monotonic() - started
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    stats = json.loads(out.stdout.strip().splitlines()[-1])
+    assert stats["rollouts"] == 2 and stats["failed"] == 0, stats
+    kw = kafka_settings.client_kwargs()
+    rollouts = [codec.decode(r.value) for r in await read_all(kw, topics.ROLLOUTS.name, idle_s=2, timeout_s=30)]
+    assert len(rollouts) == 2 and all(r.status == "completed" for r in rollouts)
+    steps = [codec.decode(s.value) for s in await read_all(kw, topics.STEPS.name, idle_s=2, timeout_s=30)]
+    assert len(steps) == sum(len(r.step_ids) for r in rollouts) >= 2
+    for s in steps:  # the bash harness's program made the call: its system prompt
+        assert s.member_id == "policy" and s.trainable and len(s.completion_token_ids)
+        assert "You are a coding agent. You have access to a bash tool" in s.prompt[0].content, s.prompt[0]
+    print(f"runtime {runtime}: 2 episodes, `rollout arena` wall time {wall:.1f} s")
+    if runtime != "docker":
+        return
+    assert "runs 'rollout-log/vf-harness:local' in place of verifiers' default image 'python:3.11-slim'" in out.stderr
+    # the engine's record: the episodes' containers (vf-<uuid>, one each) started from the local image during the run
+    events = subprocess.run(["docker", "events", "--since", f"{since:.0f}", "--until", f"{time.time() + 1:.0f}",
+                             "--filter", "type=container", "--filter", "event=start", "--filter",
+                             "image=rollout-log/vf-harness:local", "--filter", "label=verifiers.run",
+                             "--format", "{{.Actor.Attributes.name}}"], capture_output=True, text=True, timeout=60)
+    episodes = [n for n in events.stdout.split() if n.startswith("vf-")]
+    assert len(episodes) >= 2, events.stdout + events.stderr  # (>=: another run on this engine may overlap)
 
 
 def test_endless_eval_source_needs_a_bound(tmp_path, capsys):
