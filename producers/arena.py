@@ -320,7 +320,8 @@ class Arena:
         await self.pool.aclose()
         if self._http is not None:
             await self._http.aclose()
-        for env in self.environments.values():  # episodes holding serving resources (verifiers.v1 envs)
+        # episodes holding serving resources (verifiers.v1 envs), evaluation sources' too
+        for env in [*self.environments.values(), *(env for _, env in self.eval_environments)]:
             close = getattr(env.episode, "aclose", None)
             if close is not None:
                 await close()

@@ -485,12 +485,13 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
 
     progress.phase = "creating topics"
     await topics.create_topics(kw)
-    await publish(kw, rev0.model_copy(update={"plan": plan.model_dump(mode="json")}))  # what a derived run evaluates by
-
     # the plan's settings (its algorithm refused if nothing here runs it), with the demo's own pacing
     cfg = service_settings.build(plan=plan, credit=True, checkpoint_dir=str(ckdir), epochs=args.epochs,
                                  group_timeout_s=60, keep_checkpoints=DEMO_KEEP_CHECKPOINTS,
                                  **({"lr": args.lr} if args.lr is not None else {}))
+    # the plan on revision 0, with the learning rate it trains at: what a derived run evaluates and trains by
+    ran = plan.model_copy(update={"trainer": {**plan.trainer, "lr": cfg.lr}})
+    await publish(kw, rev0.model_copy(update={"plan": ran.model_dump(mode="json")}))
     async with System(SERVICES, cfg, kw):
         stop_tail = asyncio.Event()
         tail = asyncio.create_task(_tail(kw, progress, stop_tail))

@@ -69,7 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-off-policy-steps", type=at_least(0), default=DEFAULT_MAX_LAG,
                    help=f"refuse records whose generating revision is further than this from the target revision "
                         f"(default {DEFAULT_MAX_LAG})")
-    p.add_argument("--lr", type=float, help="learning rate (default: the trainer's)")
+    p.add_argument("--lr", type=float, help="learning rate (default: the source run's, when its plan is recorded; "
+                                            "else the trainer's)")
     p.add_argument("--gate", action="append", metavar="MIN:MAX",
                    help="an admission gate, prime-rl's advantage_range: a group whose every advantage lies in "
                         "[MIN, MAX] is not trained on (0:0 drops the groups every rollout of which was rewarded "
@@ -205,6 +206,12 @@ def _span(revs: list[int]) -> str:
     return "none" if not revs else f"r{revs[0]}" if len(revs) == 1 else f"r{revs[0]}..r{revs[-1]}"
 
 
+def recorded_lr(revisions: list[Any]) -> float | None:
+    """The learning rate the source run trained at, as its revision 0's plan records it (None: not recorded)."""
+    plan = next((rev.plan for rev in revisions if rev.revision == 0 and rev.plan), None)
+    return ((plan or {}).get("trainer") or {}).get("lr")
+
+
 def evaluation_plan(revisions: list[Any], recipe: str | None):
     """The plan the derived run is evaluated by (``rollout.derived_evaluation.plan_for``); None, said in one line,
     when there is none."""
@@ -278,14 +285,16 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
                "max_off_policy_steps": args.max_off_policy_steps, "flush_after_s": args.flush_after_s,
                **({"gates": [[g.reject_min, g.reject_max] for g in gates]} if gates else {})}
     resumed = await publish_fork(kw, family, derivation, source, where, checkpoint, shaping)
-    flags = {k: v for k, v in (("credit", args.credit), ("batch_records", args.batch_records), ("lr", args.lr))
+    # the learning rate: the flag, else the source run's (its recorded plan's), else the trainer's
+    lr = args.lr if args.lr is not None else recorded_lr([rev for _, rev in pairs])
+    flags = {k: v for k, v in (("credit", args.credit), ("batch_records", args.batch_records), ("lr", lr))
              if v is not None}
     cfg = service_settings.build(flags, family=family, derivation=derivation, flush_after_s=args.flush_after_s,
                                  max_off_policy_steps=args.max_off_policy_steps, group_timeout_s=args.group_timeout_s,
                                  admission_gates=gates,
                                  checkpoint_dir=args.checkpoint_dir or str(Path(".state/derived") / run_id))
     print(f"derived run {run_id}: from run {args.source} (topics {source_prefix}*), training {family} from "
-          f"{source.family}@r{source.revision}", file=sys.stderr)
+          f"{source.family}@r{source.revision} at lr {cfg.lr:g}", file=sys.stderr)
     print(f"history rule: {derivation.rule().importance} (clip {derivation.rule().clip:g}) against the recorded "
           f"logprobs; at most {HISTORY_AHEAD} batches ahead of the trainer; records more than {cfg.max_off_policy_steps} revisions from the "
           f"target refused",

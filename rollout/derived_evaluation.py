@@ -66,12 +66,12 @@ async def evaluating(plan: GenerationPlan, family: str, fork: int, source_revisi
     from streams.revisions import RevisionFollower
 
     require_runnable(plan)
-    tiny = plan.family == TINY_FAMILY
+    served = plan  # the server answers to the source's model name, as its requests name it
     plan = plan.model_copy(update={"family": family})  # the derived chain's revisions, under the learner's name
     environments = {s.display_name: environment_from_spec(s) for s in plan.environments}
     eval_environments = [(s, environment_from_spec(s)) for s in plan.eval_environments]
     async with AsyncExitStack() as stack:
-        if tiny:
+        if served.family == TINY_FAMILY:
             from policy import PolicyModel
             from producers.policy_server import PolicyServer
 
@@ -86,8 +86,8 @@ async def evaluating(plan: GenerationPlan, family: str, fork: int, source_revisi
 
             folder = served_folder(source_revisions)
             log_dir.mkdir(parents=True, exist_ok=True)
-            vllm = VllmServer.for_plan(plan, folder, port=free_port(), log_path=log_dir / "vllm.log",
-                                       max_model_len=context_length(plan, folder))
+            vllm = VllmServer.for_plan(served, folder, port=free_port(), log_path=log_dir / "vllm.log",
+                                       max_model_len=context_length(served, folder))
             t0 = time.monotonic()
             await vllm.start()
             stack.push_async_callback(vllm.stop)

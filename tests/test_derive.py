@@ -25,6 +25,7 @@ from replay.audit import run_audit
 from replay.ingest import Replayer
 from rollout.cli import build_parser
 from rollout.derive_cmd import DeriveError, run_derived
+from rollout.rl_cmd import DEFAULT_LR
 from schemas import codec
 from schemas.events import DeadLetter, Rollout, RolloutScored, Step, TrainerBatch
 from schemas.policy import PolicyRevision
@@ -352,6 +353,7 @@ def test_a_derived_run_is_evaluated_on_its_sources_questions_at_its_cadence(kafk
                           "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "evaluated revisions r0, r2, r3" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert f"at lr {DEFAULT_LR:g}" in out.stderr  # the source's (rl's default: the recipe sets none), as recorded
 
     db = str(tmp_path / "both.duckdb")
     asyncio.run(Replayer(db, kafka_settings, run_id=derived, prefix=f"{derived}.").run())
