@@ -649,7 +649,7 @@ async def test_nothing_is_trained_past_the_runs_max_steps(tmp_path):
     assert all(o.event.error_type == "RunComplete" and "max_steps 2" in o.event.error_message for o in outs)
 
 
-def _tiny_llama(seed: int = 0):
+def _lora_llama(seed: int = 0):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
@@ -672,7 +672,7 @@ def test_a_lora_recipe_trains_the_adapters_only_and_serves_each_revision_as_its_
 
     fam = "org/tiny-llama"
     ck = tmp_path / "checkpoints"
-    ref0 = hf.save_checkpoint(_tiny_llama(), ck, fam, 0)
+    ref0 = hf.save_checkpoint(_lora_llama(), ck, fam, 0)
     rev0 = testing.revision(0, family=fam).model_copy(update={"checkpoint": ref0})
     spec = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "experts"], serving=serving)  # no experts
     trainer = ReferenceTrainer(HFPolicy.load(ref0), fam, 0, ck, lr=5e-2, kind=HFPolicy, lora=spec, state_every=2,
@@ -735,7 +735,7 @@ def test_a_take_over_that_did_not_reproduce_an_adapter_takes_the_served_one(tmp_
 
     fam = "org/tiny-llama"
     ck = tmp_path / "checkpoints"
-    ref0 = hf.save_checkpoint(_tiny_llama(), ck, fam, 0)
+    ref0 = hf.save_checkpoint(_lora_llama(), ck, fam, 0)
     spec = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
     trainer = ReferenceTrainer(HFPolicy.load(ref0), fam, 0, ck, lr=5e-2, kind=HFPolicy, lora=spec, ref=ref0)
     rev = testing.revision(0, family=fam).model_copy(update={"checkpoint": ref0})
@@ -754,5 +754,6 @@ def test_a_take_over_that_did_not_reproduce_an_adapter_takes_the_served_one(tmp_
     old = to_tensors(b)
     figures = trainer.mismatch(old, b, torch.zeros_like(old.old_logprobs[:, 1:]))
     with torch.no_grad():
-        expected = (HFPolicy.logprobs(HFPolicy.load(ref0), old) - old.old_logprobs[:, 1:]).abs()[old.loss_mask[:, 1:] > 0]
+        expected = (HFPolicy.logprobs(HFPolicy.load(ref0), old) - old.old_logprobs[:, 1:]).abs()
+    expected = expected[old.loss_mask[:, 1:] > 0]
     assert figures["mismatch_mean"] == pytest.approx(float(expected.mean()), abs=1e-6)
