@@ -177,7 +177,7 @@ class LoraSpec(Record):
     name: str | None = Field(None, min_length=1, description="the adapter's name in vLLM ([orchestrator.model.lora] "
                                                              "name); None: prime-rl's r<rank>-a<alpha>")
     serving: Literal[LORA_SERVING] = Field(  # type: ignore[valid-type]
-        "merged", description="how each revision reaches vLLM (``LORA_SERVING``)")
+        "adapter", description="how each revision reaches vLLM (``LORA_SERVING``)")
 
     @property
     def adapter_name(self) -> str:

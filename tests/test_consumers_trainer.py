@@ -757,3 +757,53 @@ def test_a_take_over_that_did_not_reproduce_an_adapter_takes_the_served_one(tmp_
         expected = (HFPolicy.logprobs(HFPolicy.load(ref0), old) - old.old_logprobs[:, 1:]).abs()
     expected = expected[old.loss_mask[:, 1:] > 0]
     assert figures["mismatch_mean"] == pytest.approx(float(expected.mean()), abs=1e-6)
+
+
+async def test_a_lora_trainer_taken_over_between_training_states_resumes_its_adapter_exactly(tmp_path):
+    """A LoRA run publishing adapters, training states every 3 revisions: the trainer stops after r5; its successor
+    opens the committed r5 (its adapter over the base it names), loads r3's state, trains r4's and r5's batches
+    again, settles on r5's adapter and trains r6: the same adapter revision, adapters and moments, bit for bit, as
+    a trainer that never stopped, and still an adapter naming revision 0."""
+    from policy import hf, lora
+    from schemas import codec
+    from schemas.plan import LoraSpec
+    from schemas.policy import CheckpointRef
+
+    fam = "org/tiny-llama"
+    ref0 = hf.save_checkpoint(_lora_llama(), tmp_path / "r0", fam, 0)
+    spec = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    log: dict[int, bytes] = {}
+
+    async def read_records(topic, partition, offsets):
+        return [_Rec(o, log[o]) for o in offsets if o in log]
+
+    def batch(k):
+        recs = [testing.training_record(10 * k + i, family=fam, revision_=k, reward=float((i + k) % 2))
+                for i in range(4)]
+        return batch_of(recs, testing.revision(k, family=fam).model_copy(update={"checkpoint": ref0}))
+
+    async def feed(task, k):
+        log[k] = codec.encode(batch(k))
+        outs = await task.process(_Rec(k, log[k]))
+        task.committed()
+        return outs[-1].event
+
+    options = dict(state_every=3, lora=spec, lr=5e-2)
+    straight = TrainerTask(0, fam, tmp_path / "ck", target_checkpoint=lambda t: ref0, **options)
+    for k in range(5):
+        await feed(straight, k)
+    assert straight.base["revision"] == 3 and [o for _, o in straight.since] == [3, 4]
+    successor = TrainerTask(0, fam, tmp_path / "ck", read_records=read_records, **options)
+    successor.load_state(json_roundtrip(straight.state()))
+    r6 = await feed(successor, 5)
+    await feed(straight, 5)
+    assert r6.revision == 6 and r6.checkpoint.adapter and lora.base_of(r6.checkpoint) == ref0
+    # the same tensors (not the same digest: safetensors 0.8 writes its metadata in a random order)
+    mine, theirs = hf.load_weights(r6.checkpoint), hf.load_weights(CheckpointRef(**straight.current["checkpoint"]))
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    a, b = straight.trainer, successor.trainer
+    for k, v in a.model.state_dict().items():
+        assert torch.equal(b.model.state_dict()[k], v), k
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        sa, sb = a.opt.state.get(pa, {}), b.opt.state.get(pb, {})
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[key], sb[key]) for key in sa)

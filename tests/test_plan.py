@@ -721,7 +721,7 @@ def test_a_lora_recipe_compiles_its_adapter_with_prime_rls_defaults_and_the_runs
     plan = compile_plan_dict(_src(extra="[trainer.model.lora]\nrank = 32\nalpha = 64\n"), "p.toml")
     assert plan.lora is not None and (plan.lora.rank, plan.lora.alpha, plan.lora.dropout) == (32, 64.0, 0.0)
     assert plan.lora.target_modules == list(LORA_TARGETS) and not plan.refused
-    assert plan.lora.adapter_name == "r32-a64.0" and plan.lora.serving == "merged"  # prime-rl's default name
+    assert plan.lora.adapter_name == "r32-a64.0" and plan.lora.serving == "adapter"  # prime-rl's default name
     plan = compile_plan_dict(_src(extra="[trainer.model.lora]\nrank = 8\ntarget_modules = ['q_proj']\n"
                                         "[orchestrator.model.lora]\nname = 'r4'\nrank = 4\n"), "p.toml")
     assert (plan.lora.rank, plan.lora.alpha, plan.lora.target_modules) == (4, 32.0, ["q_proj"])
