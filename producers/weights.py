@@ -146,7 +146,8 @@ class VllmWeights:
                                   f"{type(e).__name__}: {e}") from None
         if r.status_code == 404 and "lora" in path:
             raise WeightLoadError(f"vLLM at {self.root} has no {path}: start it with --enable-lora --max-lora-rank "
-                                  "RANK and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (a run starts it so for a LoRA plan)")
+                                  "RANK and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (rollout serve vllm --lora-rank RANK "
+                                  "does, and a run starts it so for a LoRA plan)")
         if r.status_code == 404:
             raise WeightLoadError(f"vLLM at {self.root} has no {path}: start it with VLLM_SERVER_DEV_MODE=1 "
                                   "(rollout serve vllm does)")
