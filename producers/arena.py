@@ -22,7 +22,9 @@ current. When the arena owns the learner's weights (``weights``: a ``producers.w
 server; by default the local policy server's loader when the learner is the arena's own endpoint) it loads the
 checkpoint into every server of its learner pool (``producers.pool``: one or several servers, each call to the
 least busy) under the ``RevisionGate``: calls in flight finish first, new calls wait, so each Step is stamped
-with exactly the revision whose weights produced all of its tokens, whichever server answered. A server that
+with exactly the revision whose weights produced all of its tokens, whichever server answered. A LoRA run's
+revision that is its adapter alone is served under the adapter's name (``LoraSpec.adapter_name``): from the swap
+that loads it on, learner calls name that model (revision 0, the base, is served as the family). A server that
 fails is out of the pool until it answers again and has loaded the current revision (``PoolWeights``). A
 revision the serving endpoint reports in its response wins (it is the one that produced the tokens). When nothing
 proves the revision (an endpoint the arena does not load and that does not report it), Steps carry the
@@ -159,7 +161,8 @@ class _Context:
             async with self.arena.gate.call() if gated else _no_gate():
                 held = self.arena.current_policy  # no swap can start before this call ends
                 comp = await client.chat(list(messages), sampling=samp, tools=tools,
-                                         seed=self.sample_seed * 1000 + index, require_tokens=trainable)
+                                         seed=self.sample_seed * 1000 + index, require_tokens=trainable,
+                                         model=self.arena.learner_model if gated else None)
         except WeightLoadError as e:
             raise InferenceError(str(e)) from None
         latency = time.perf_counter() - t0
@@ -254,6 +257,7 @@ class Arena:
             weights = LocalPolicyWeights if self.policy_base_urls and not plan.learner.base_urls else None
         self.weights = PoolWeights(self.pool, weights) if callable(weights) else None
         self.gate = RevisionGate()
+        self.learner_model: str | None = None  # what learner calls name instead of the family: a LoRA adapter's name
         self.reload_s: list[float] = []
         # evaluation: every environment's eval_dataset answered once by each revision made current that is due
         # (greedy by default); the next swap waits for it, so the revision is scored on the whole held-out set
@@ -363,6 +367,9 @@ class Arena:
                     async with self.gate.swap():  # a failed load leaves the gate shut: nothing is stamped with it
                         figures = await self.weights.load(self._http, rev)
                         self.current_policy = rev.ref()
+                        # an adapter revision is served under its adapter's name (prime-rl's model name switch)
+                        lora = getattr(self.plan, "lora", None)
+                        self.learner_model = lora.adapter_name if lora is not None and rev.checkpoint.adapter else None
                 except WeightLoadError as e:
                     # a trainer keeping only its newest checkpoints may have pruned this one while the arena was
                     # behind (evaluating): a newer revision replaces it; with none, the arena stops, loudly

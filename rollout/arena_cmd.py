@@ -165,7 +165,7 @@ async def _main(args: argparse.Namespace) -> int:
             await vllm.start()
             urls = [vllm.base_url]
             print(f"vLLM: {vllm.base_url} serving {plan.family}", flush=True)
-        weights = VllmWeights  # one per server of the learner's pool
+        weights = VllmWeights.for_plan(plan)  # one per server of the learner's pool
         if args.cpu_vllm:
             from producers.vllm_server import CPU_CLIENT_OPTIONS
 

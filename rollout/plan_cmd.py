@@ -101,7 +101,9 @@ def render(plan, rollout: str | None = None, seed: int = 0, members: list[str] |
     if plan.lora:
         out.append(f"  lora                  rank {plan.lora.rank}, alpha {plan.lora.alpha:g}, dropout "
                    f"{plan.lora.dropout:g}, on {', '.join(plan.lora.target_modules)} (those the model has): only the "
-                   "adapters train; each revision is served merged")
+                   + ("adapters train; vLLM loads each revision's adapter, requests name it "
+                      f"{plan.lora.adapter_name!r}" if plan.lora.serving == "adapter" else
+                      "adapters train; each revision is served merged"))
     if plan.served_model:
         out.append(f"  served model          {plan.served_model}  (stands in for {plan.family})")
     out += ["", "environments (training)"]

@@ -73,6 +73,9 @@ def _register_vllm(ssub: argparse._SubParsersAction) -> None:
                    help="let vLLM torch.compile the model (faster decoding, 90-130 s start on 2 cores)")
     p.add_argument("--metrics-port", type=int, default=None, help=METRICS_HELP + "; vLLM's own metrics are on "
                    "its API port at /metrics")
+    p.add_argument("--lora-rank", type=int, default=None, metavar="RANK",
+                   help="serve LoRA adapters up to this rank, loaded at run time (what a LoRA recipe's arena loads "
+                        "each revision's adapter with)")
     p.set_defaults(func=cmd_vllm)
 
 
@@ -88,7 +91,7 @@ def cmd_vllm(args: argparse.Namespace) -> int:
         try:
             model = args.model or prepare_model(log=lambda s: print(s, file=sys.stderr)).path
             server = VllmServer(model, host=args.host, port=args.port, kv_cache_gb=args.kv_cache_gb,
-                                max_model_len=args.max_model_len, compile=args.compile)
+                                max_model_len=args.max_model_len, compile=args.compile, lora_rank=args.lora_rank)
             print(f"starting vLLM on {model} (log follows)", file=sys.stderr)
             await server.start(progress=lambda line: print(line, file=sys.stderr))
         except (VllmStartError, ModelUnavailable) as e:

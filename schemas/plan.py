@@ -161,6 +161,11 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
                 "fc1_latent_proj", "fc2_latent_proj")
 
 
+LORA_SERVING = ("adapter", "merged")
+"""How each revision of a LoRA run reaches vLLM: its adapter alone (prime-rl's way: a PEFT folder loaded with
+``/v1/load_lora_adapter``, requests naming the adapter), or merged into the base and reloaded as whole weights."""
+
+
 class LoraSpec(Record):
     """LoRA training of the learner: adapters of this rank on the target modules, every other weight frozen."""
 
@@ -169,6 +174,16 @@ class LoraSpec(Record):
     dropout: float = Field(0.0, ge=0, le=1)
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS),
                                       description="module names; those a model lacks are left out")
+    name: str | None = Field(None, min_length=1, description="the adapter's name in vLLM ([orchestrator.model.lora] "
+                                                             "name); None: prime-rl's r<rank>-a<alpha>")
+    serving: Literal[LORA_SERVING] = Field(  # type: ignore[valid-type]
+        "adapter", description="how each revision reaches vLLM (``LORA_SERVING``)")
+
+    @property
+    def adapter_name(self) -> str:
+        """What vLLM serves the adapter as, and what requests name once a revision is an adapter (prime-rl's
+        default: ``f"r{rank}-a{alpha}"``, alpha a float)."""
+        return self.name or f"r{self.rank}-a{float(self.alpha)}"
 
 
 OPTIMIZERS = ("adamw", "muon", "sign_sgd")

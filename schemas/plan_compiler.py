@@ -799,7 +799,7 @@ class _Compiler:
 
     def _lora(self, data: dict) -> LoraSpec | None:
         """``[trainer.model.lora]`` (prime-rl's defaults for what it leaves out), with ``[orchestrator.model.lora]``'s
-        rank and alpha over it where set (the per-run adapter; its name is the server's business)."""
+        rank and alpha over it where set, and its name (the adapter's in vLLM; prime-rl's default otherwise)."""
         table = ((data.get("trainer") or {}).get("model") or {}).get("lora")
         run = ((data.get("orchestrator") or {}).get("model") or {}).get("lora")
         if table is None:
@@ -810,7 +810,7 @@ class _Compiler:
         if not isinstance(table, dict) or (run is not None and not isinstance(run, dict)):
             raise self.fail("trainer.model.lora", "must be a table")
         fields = {k: table[k] for k in ("rank", "alpha", "dropout", "target_modules") if k in table}
-        fields.update({k: run[k] for k in ("rank", "alpha") if run and run.get(k) is not None})
+        fields.update({k: run[k] for k in ("rank", "alpha", "name") if run and run.get(k) is not None})
         try:
             spec = LoraSpec(**fields)
         except ValueError as e:

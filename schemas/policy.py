@@ -46,11 +46,21 @@ def family_slug(family: str) -> str:
     return f"{base}-{hashlib.sha256(family.encode()).hexdigest()[:10]}"
 
 
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""The weights file of a LoRA adapter checkpoint (a PEFT folder, ``policy.lora``): a revision whose checkpoint is one
+is served as an adapter over its base model, not as whole weights."""
+
+
 class CheckpointRef(Record):
     """Where a revision's weights live, and the SHA-256 of their bytes."""
 
     uri: str = Field(min_length=1)
     digest: str = Field(pattern=SHA256_HEX.pattern, description="sha256 hex of the checkpoint file")
+
+    @property
+    def adapter(self) -> bool:
+        """A LoRA adapter alone (``ADAPTER_WEIGHTS``), to be served over the base model its file names."""
+        return self.uri.endswith("/" + ADAPTER_WEIGHTS)
 
 
 class PolicyRef(Record):

@@ -714,16 +714,19 @@ def test_credit_and_trainer_services_refuse_an_algorithm_they_cannot_run() -> No
 
 def test_a_lora_recipe_compiles_its_adapter_with_prime_rls_defaults_and_the_runs_override() -> None:
     """``[trainer.model.lora]`` is applied (not refused): what the recipe sets, prime-rl's defaults for the rest,
-    ``[orchestrator.model.lora]``'s rank and alpha over it; ``modules_to_save`` (not applied here) is refused."""
+    ``[orchestrator.model.lora]``'s rank, alpha and adapter name over it; ``modules_to_save`` (not applied here) is
+    refused."""
     from schemas.plan import LORA_TARGETS
 
     plan = compile_plan_dict(_src(extra="[trainer.model.lora]\nrank = 32\nalpha = 64\n"), "p.toml")
     assert plan.lora is not None and (plan.lora.rank, plan.lora.alpha, plan.lora.dropout) == (32, 64.0, 0.0)
     assert plan.lora.target_modules == list(LORA_TARGETS) and not plan.refused
+    assert plan.lora.adapter_name == "r32-a64.0" and plan.lora.serving == "adapter"  # prime-rl's default name
     plan = compile_plan_dict(_src(extra="[trainer.model.lora]\nrank = 8\ntarget_modules = ['q_proj']\n"
                                         "[orchestrator.model.lora]\nname = 'r4'\nrank = 4\n"), "p.toml")
     assert (plan.lora.rank, plan.lora.alpha, plan.lora.target_modules) == (4, 32.0, ["q_proj"])
     assert plan.provenance["lora.rank"] == "orchestrator.model.lora.rank" and not plan.refused
+    assert plan.lora.adapter_name == "r4"  # [orchestrator.model.lora] name: what vLLM serves the adapter as
     plan = compile_plan_dict(_src(extra="[trainer.model.lora]\nmodules_to_save = ['lm_head']\n"), "p.toml")
     assert [r.split(":")[0] for r in plan.refused] == ["trainer.model.lora.modules_to_save"]
     assert compile_plan_dict(_src(), "p.toml").lora is None

@@ -151,6 +151,67 @@ async def test_revision_swapped_mid_run_stamps_every_step_exactly(vllm_server, k
         assert sum(close) / len(close) < 0.1 < sum(far) / len(far)
 
 
+def _adapter_revision(tmp_path: Path, spec) -> PolicyRevision:
+    """Revision 1 of a LoRA run as the trainer publishes it: its adapter alone (a PEFT folder over the packaged
+    weights), with B far from zero so that its tokens are plainly not the base's."""
+    from policy import lora
+
+    model = lora.inject(load_model(prepare_model().checkpoint), spec)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    ref = save_checkpoint(model, tmp_path, FAMILY, 1, base=prepare_model().checkpoint)
+    return PolicyRevision(run_id="t", producer="test", family=FAMILY, revision=1, checkpoint=ref, parent_revision=0)
+
+
+async def test_an_adapter_revision_is_loaded_as_prime_rl_loads_it_and_every_step_is_stamped_exactly(
+        kafka_settings, pipeline_topics, make_topic, tmp_path):
+    """A LoRA plan's vLLM (``VllmServer.for_plan``: ``--enable-lora``), revision 0 the base model and revision 1 an
+    adapter swapped in mid-run (``VllmWeights.for_plan``: ``/v1/load_lora_adapter`` under the plan's adapter name,
+    the learner's calls naming it from that swap on): every Step is explained by the revision it is stamped with
+    (the base, or the base with the adapter, recomputed by the trainer's model) and not by the other."""
+    from producers.vllm_server import VllmServer
+
+    kw = kafka_settings.client_kwargs()
+    revisions = await make_topic(1, "revisions")
+    lora_plan = compile_plan(ROOT / "examples/plans/arithmetic-smollm2-lora.toml")
+    server = VllmServer.for_plan(lora_plan, prepare_model().path, port=free_port(), max_model_len=512,
+                                 log_path=tmp_path / "vllm.log")
+    rev0 = PolicyRevision(run_id="t", producer="test", family=FAMILY, revision=0,
+                          checkpoint=prepare_model().checkpoint)
+    rev1 = _adapter_revision(tmp_path, lora_plan.lora)
+    await _publish_revision(kw, revisions, rev0)
+    async with server:
+        plan = _plan(server.base_url, batch_size=1000, lora=lora_plan.lora)
+        arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics), policy_base_url=server.base_url,
+                      revisions=RevisionFollower(kw, FAMILY, topic=revisions), weights=VllmWeights.for_plan(plan),
+                      concurrency=16, client_options=CPU_CLIENT_OPTIONS)
+        async with arena:
+            await _wait_for(lambda: arena.current_policy.checkpoint_digest == rev0.checkpoint.digest, 60)
+            assert arena.learner_model is None  # revision 0: the base, under the family's name
+            run = asyncio.create_task(arena.run(num_groups=6))
+            await _wait_for(lambda: arena.stats.rollouts >= 16, 180)
+            await _publish_revision(kw, revisions, rev1)  # swapped while calls are in flight
+            stats = await asyncio.wait_for(run, 400)
+        assert arena.learner_model == "r16-a32.0"  # prime-rl's name: rank 16, alpha 32
+    assert stats.failed == 0 and arena.current_policy.revision == 1 and len(arena.reload_s) == 2
+    assert "Loaded new LoRA adapter: name 'r16-a32.0'" in (tmp_path / "vllm.log").read_text()
+    steps = [e for *_, e in await read_all(kw, pipeline_topics[0], expect=48)]
+    assert len(steps) == 48 and all(s.policy_exact for s in steps)
+    by_rev = {r: [s for s in steps if s.policy.revision == r] for r in (0, 1)}
+    assert by_rev[0] and by_rev[1], {r: len(v) for r, v in by_rev.items()}
+    models = {0: load_model(rev0.checkpoint), 1: load_model(rev1.checkpoint)}  # r1: the base with the adapter
+    for stamped, other in ((0, 1), (1, 0)):
+        close = _step_deltas(models[stamped], by_rev[stamped])
+        far = _step_deltas(models[other], by_rev[stamped])
+        print(f"steps stamped r{stamped}: mean |dlogp| under r{stamped} {sum(close) / len(close):.4f}, "
+              f"under r{other} {sum(far) / len(far):.4f}")
+        assert all(c < f for c, f in zip(close, far)), list(zip(close, far))
+        assert sum(close) / len(close) < 0.1 < sum(far) / len(far)
+
+
 async def test_vllm_unreachable_rollouts_fail_with_the_reason_nothing_lost(kafka_settings, pipeline_topics):
     dead = f"http://127.0.0.1:{free_port()}/v1"
     plan = _plan(dead, group_size=2)

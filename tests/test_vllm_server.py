@@ -77,6 +77,30 @@ def test_a_recipes_server_settings_become_vllms_arguments_as_prime_rl_passes_the
         "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1"]
 
 
+def test_a_lora_plan_serving_adapters_starts_vllm_with_lora_as_prime_rl_does(llama, monkeypatch):
+    """``[trainer.model.lora]`` served as adapters: ``--enable-lora``, ``--max-lora-rank`` the rank rounded up to one
+    vLLM accepts, runtime adapter loading allowed (the arena's ``/v1/load_lora_adapter``); served merged, or without
+    LoRA, none of it."""
+    from producers.vllm_server import lora_server_args
+    from schemas.plan import LoraSpec
+    from schemas.plan_compiler import compile_plan
+
+    assert lora_server_args(16) == ["--enable-lora", "--max-lora-rank", "16"]
+    assert [lora_server_args(r)[-1] for r in (1, 2, 9, 33, 300, 512)] == ["1", "8", "16", "64", "320", "512"]
+    with pytest.raises(ValueError, match="above the largest"):
+        lora_server_args(1024)
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    plan = compile_plan("examples/plans/arithmetic-smollm2-lora.toml")
+    server = VllmServer.for_plan(plan, llama)
+    cmd = server.command()
+    assert cmd[cmd.index("--enable-lora"):cmd.index("--enable-lora") + 3] == ["--enable-lora", "--max-lora-rank", "16"]
+    assert server.environment()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    for other in (plan.model_copy(update={"lora": LoraSpec(serving="merged")}), plan.model_copy(update={"lora": None})):
+        server = VllmServer.for_plan(other, llama)
+        assert "--enable-lora" not in server.command()
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in server.environment()
+
+
 def test_the_plan_reads_the_server_settings_of_either_inference_table_and_lists_the_rest(tmp_path):
     from schemas.plan import PlanError
     from schemas.plan_compiler import compile_plan
