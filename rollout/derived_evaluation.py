@@ -66,8 +66,10 @@ async def evaluating(plan: GenerationPlan, family: str, fork: int, source_revisi
     from streams.revisions import RevisionFollower
 
     require_runnable(plan)
-    served = plan  # the server answers to the source's model name, as its requests name it
-    plan = plan.model_copy(update={"family": family})  # the derived chain's revisions, under the learner's name
+    # the server answers to the source's model name, as its requests name it; a derived run trains every weight
+    # (its revisions are whole checkpoints, never adapters), so its server serves no LoRA adapter
+    served = plan.model_copy(update={"lora": None})
+    plan = served.model_copy(update={"family": family})  # the derived chain's revisions, under the learner's name
     environments = {s.display_name: environment_from_spec(s) for s in plan.environments}
     eval_environments = [(s, environment_from_spec(s)) for s in plan.eval_environments]
     async with AsyncExitStack() as stack:
