@@ -140,13 +140,16 @@ async def test_revision_swapped_mid_run_stamps_every_step_exactly(vllm_server, k
     by_rev = {r: [s for s in steps if s.policy.revision == r] for r in (0, 1)}
     assert by_rev[0] and by_rev[1], {r: len(v) for r, v in by_rev.items()}
     assert all(s.policy.checkpoint_digest == (rev0, rev1)[s.policy.revision].checkpoint.digest for s in steps)
-    models = {0: load_model(rev0.checkpoint), 1: load_model(rev1.checkpoint)}
+    _explained_by_their_revision({0: load_model(rev0.checkpoint), 1: load_model(rev1.checkpoint)}, by_rev)
+
+
+def _explained_by_their_revision(models: dict, by_rev: dict) -> None:
+    """Every step is explained by the revision it names (its logprobs recomputed under it), not by the other."""
     for stamped, other in ((0, 1), (1, 0)):
         close = _step_deltas(models[stamped], by_rev[stamped])
         far = _step_deltas(models[other], by_rev[stamped])
         print(f"steps stamped r{stamped}: mean |dlogp| under r{stamped} {sum(close) / len(close):.4f}, "
               f"under r{other} {sum(far) / len(far):.4f}")
-        # every step is explained by the revision it names, and not by the other one
         assert all(c < f for c, f in zip(close, far)), list(zip(close, far))
         assert sum(close) / len(close) < 0.1 < sum(far) / len(far)
 
@@ -202,14 +205,8 @@ async def test_an_adapter_revision_is_loaded_as_prime_rl_loads_it_and_every_step
     assert len(steps) == 48 and all(s.policy_exact for s in steps)
     by_rev = {r: [s for s in steps if s.policy.revision == r] for r in (0, 1)}
     assert by_rev[0] and by_rev[1], {r: len(v) for r, v in by_rev.items()}
-    models = {0: load_model(rev0.checkpoint), 1: load_model(rev1.checkpoint)}  # r1: the base with the adapter
-    for stamped, other in ((0, 1), (1, 0)):
-        close = _step_deltas(models[stamped], by_rev[stamped])
-        far = _step_deltas(models[other], by_rev[stamped])
-        print(f"steps stamped r{stamped}: mean |dlogp| under r{stamped} {sum(close) / len(close):.4f}, "
-              f"under r{other} {sum(far) / len(far):.4f}")
-        assert all(c < f for c, f in zip(close, far)), list(zip(close, far))
-        assert sum(close) / len(close) < 0.1 < sum(far) / len(far)
+    # r1: the base with the adapter
+    _explained_by_their_revision({0: load_model(rev0.checkpoint), 1: load_model(rev1.checkpoint)}, by_rev)
 
 
 async def test_vllm_unreachable_rollouts_fail_with_the_reason_nothing_lost(kafka_settings, pipeline_topics):
