@@ -43,11 +43,9 @@ inputs_hash=$( { echo "$base_id"; echo "verifiers $vf_version"; echo "$uv_versio
                  cat "$here/Dockerfile" "$here/build-image.sh"; sha256sum <"$ca"; } | sha256sum | cut -c1-12)
 tag="$image:$vf_version-$inputs_hash"
 
-if [[ -z ${ROLLOUT_IMAGE_REBUILD:-} ]] && docker image inspect "$tag" >/dev/null 2>&1; then
-  docker tag "$tag" "$image:local"
-  log "up to date: $tag (= $image:local)"
-  exit 0
-fi
+# shellcheck source=../scripts/image-lib.sh
+source "$here/../scripts/image-lib.sh"
+reuse_if_built "$tag" "$image"
 
 ctx=$(mktemp -d)
 trap 'rm -rf "$ctx"' EXIT
