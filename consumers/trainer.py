@@ -135,9 +135,13 @@ class TinyPolicy:
         TinyPolicy.location(ref).unlink(missing_ok=True)
 
     @staticmethod
-    def logprobs(model: Any, t: TrainerTensors) -> torch.Tensor:
+    def logprobs(model: Any, t: TrainerTensors, max_width: int | None = None) -> torch.Tensor:
         logits, _ = model(t.input_ids[:, :-1])  # a 256-token vocabulary: whole logits are small
         return torch.log_softmax(logits.float(), dim=-1).gather(2, t.input_ids[:, 1:].unsqueeze(2)).squeeze(2)
+
+    @staticmethod
+    def micro_batches(model: Any, t: TrainerTensors, budget: int) -> list[tuple[list[int], int]]:
+        return padded_micro_batches(t, budget)
 
 
 class HFPolicy:
@@ -180,11 +184,31 @@ class HFPolicy:
         shutil.rmtree(HFPolicy.location(ref), ignore_errors=True)  # the revision's folder
 
     @staticmethod
-    def logprobs(model: Any, t: TrainerTensors) -> torch.Tensor:
-        """At the trained positions only (``policy.hf.token_logprobs``: no whole-vocabulary tensor per token)."""
+    def logprobs(model: Any, t: TrainerTensors, max_width: int | None = None) -> torch.Tensor:
+        """At the trained positions only (``policy.hf.token_logprobs``: no whole-vocabulary tensor per token), a
+        prompt shared by several rows run once (in packed rows of at most ``max_width`` tokens)."""
         from policy.hf import token_logprobs
 
-        return token_logprobs(model, t.input_ids, t.attention_mask.long(), wanted=t.loss_mask[:, 1:] > 0)
+        return token_logprobs(model, t.input_ids, t.attention_mask.long(), wanted=t.loss_mask[:, 1:] > 0,
+                              prompt_lens=t.prompt_lens, seq_lens=t.seq_lens, max_width=max_width)
+
+    @staticmethod
+    def micro_batches(model: Any, t: TrainerTensors, budget: int) -> list[tuple[list[int], int]]:
+        """A group's rows in one micro-batch, where its prompt runs once (``policy.shared_prefix``)."""
+        from policy import shared_prefix
+
+        if not shared_prefix.packable(model):
+            return padded_micro_batches(t, budget)
+        return shared_prefix.micro_batches(t.input_ids.cpu(), (t.loss_mask[:, 1:] > 0).cpu(), t.prompt_lens.cpu(),
+                                           t.seq_lens.cpu(), budget)
+
+
+def padded_micro_batches(t: TrainerTensors, budget: int) -> list[tuple[list[int], int]]:
+    """Consecutive rows, as many as fit ``budget`` tokens at the batch's padded width (at least one); with that
+    width."""
+    n, width = t.input_ids.shape
+    size = max(1, min(n, budget // max(width, 1)))
+    return [(list(range(lo, min(n, lo + size))), width) for lo in range(0, n, size)]
 
 
 def policy_kind(ref: CheckpointRef | str | Path) -> type[TinyPolicy] | type[HFPolicy]:
@@ -315,7 +339,7 @@ class ReferenceTrainer:
     def loss(self, t: TrainerTensors, denom: torch.Tensor | None = None, clip: float | None = None
              ) -> tuple[torch.Tensor, dict[str, Any]]:
         clip = self.clip if clip is None else clip
-        new_lp = self.kind.logprobs(self.model, t)  # logp of token t+1
+        new_lp = self.kind.logprobs(self.model, t, self.micro_batch_tokens)  # logp of token t+1
         mask = t.loss_mask[:, 1:]
         old_lp = t.old_logprobs[:, 1:]
         adv = t.advantages[:, 1:]
@@ -340,31 +364,35 @@ class ReferenceTrainer:
                 self.model.gradient_checkpointing_disable()
 
     def _epoch(self, t: TrainerTensors, clip: float) -> tuple[dict[str, float], torch.Tensor]:
-        """One optimizer step over the batch: micro-batches of ``micro_batch_tokens`` (rows x the batch's width)
+        """One optimizer step over the batch: micro-batches of ``micro_batch_tokens`` (rows x their padded width; a
+        group's rows, whose prompt runs once, count as the one packed row they run as: ``kind.micro_batches``)
         accumulate into it. In a group each rank takes its share of the rows; every rank runs the same number of
         micro-batches (one past its share runs with no weight) so that FSDP2's collectives line up, and its
         gradients are reduced on the last one only."""
         g = self.group
         self.opt.zero_grad()
         n, width = t.input_ids.shape
-        mine, share = (g.rows(n), -(-n // g.world)) if g else (slice(0, n), n)
-        size = max(1, min(share, self.micro_batch_tokens // max(width, 1)))
+        if g:
+            mine, share = g.rows(n), -(-n // g.world)
+            size = max(1, min(share, self.micro_batch_tokens // max(width, 1)))
+            parts = [list(range(lo, min(mine.stop, lo + size))) for lo in
+                     range(mine.start, mine.start + max(1, -(-share // size)) * size, size)]
+        else:  # alone: the policy's own (a group's rows together where their prompt runs once)
+            planned = self.kind.micro_batches(self.model, t, self.micro_batch_tokens)
+            parts, width = [rows for rows, _ in planned], max(w for _, w in planned)
         self._recompute_layers(width > self.micro_batch_tokens)
-        steps = max(1, -(-share // size))
         denom = t.loss_mask[:, 1:].sum().clamp(min=1.0)  # the whole batch's tokens, on every rank
         scale = g.world if g else 1  # FSDP2 averages the ranks' gradients; the batch's gradient is their sum
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         new_lp = torch.zeros_like(t.old_logprobs[:, 1:])
-        for k in range(steps):
-            lo = mine.start + k * size
-            hi = min(mine.stop, lo + size)
+        for k, rows in enumerate(parts):
             if g:
-                self.model.set_requires_gradient_sync(k == steps - 1)
-            part = _rows(t, slice(lo, hi) if lo < hi else slice(0, 1))
+                self.model.set_requires_gradient_sync(k == len(parts) - 1)
+            part = _rows(t, torch.tensor(rows or [0]))
             loss, st = self.loss(part, denom, clip)
-            (loss * (scale if lo < hi else 0.0)).backward()
-            if lo < hi:
-                new_lp[lo:hi, :part.input_ids.shape[1] - 1] = st["new_lp"]
+            (loss * (scale if rows else 0.0)).backward()
+            if rows:
+                new_lp[rows, :part.input_ids.shape[1] - 1] = st["new_lp"]
                 totals += torch.tensor([st["loss"], st["clip_frac"], st["approx_kl"]], dtype=torch.float64)
             del loss, st  # not trimmed here: the next micro-batch reuses these pages (``_release_freed_memory``)
         if g:
@@ -540,7 +568,7 @@ class ReferenceTrainer:
             for chunk in rows.split(per_pass):
                 with torch.no_grad():
                     part = _rows(t, chunk)
-                    lp = self.kind.logprobs(probe.eval(), part)
+                    lp = self.kind.logprobs(probe.eval(), part, self.micro_batch_tokens)
                 diffs.append((lp - part.old_logprobs[:, 1:]).abs()[part.loss_mask[:, 1:] > 0])
         del probe  # not kept between steps: it would sit on the next backward pass's peak
         _release_freed_memory()

@@ -233,7 +233,8 @@ LOGIT_CHUNK = 1024
 
 
 def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, *, wanted: Any = None,
-                   autocast: bool = True) -> Any:
+                   autocast: bool = True, prompt_lens: Any = None, seq_lens: Any = None,
+                   max_width: int | None = None) -> Any:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]): a [B, T-1] float32 tensor, computed where ``wanted`` ([B, T-1]
     bool; default everywhere) is true and 0 elsewhere. ``autocast``: bf16 matmuls on a GPU, and on a CPU with fast
     bf16 kernels (``cpu_bf16``); float32 elsewhere.
@@ -242,7 +243,11 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, *, wanted: A
     log-softmax for the backward pass (1.6 GB each for 8 rows of 1024 tokens). Here the head runs on the wanted
     positions only (a prompt, another seat's turn or a tool's output has no logprob to train), ``LOGIT_CHUNK``
     positions at a time, each chunk recomputed in the backward pass (``torch.utils.checkpoint``) instead of kept:
-    what stays is one float per position."""
+    what stays is one float per position.
+
+    Given each row's ``prompt_lens`` and ``seq_lens``, rows with the same prompt run it once
+    (``policy.shared_prefix``, in packed rows of at most ``max_width`` tokens): a group's prompt is not recomputed
+    for each of its completions."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -254,10 +259,17 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, *, wanted: A
             logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1]).logits.float()
             lp = logits.log_softmax(-1).gather(2, targets.unsqueeze(2)).squeeze(2)
             return torch.where(wanted, lp, torch.zeros_like(lp))
+        from policy import shared_prefix
+
         head = model.get_output_embeddings()
         body = getattr(model, model.base_model_prefix)
-        hidden = body(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1]).last_hidden_state
-        picked, tokens = hidden[wanted], targets[wanted]
+        if prompt_lens is not None and shared_prefix.packable(model):
+            picked = shared_prefix.hidden_at(body, input_ids, attention_mask, wanted, prompt_lens, seq_lens,
+                                             max_width)
+        else:
+            picked = body(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                          use_cache=False).last_hidden_state[wanted]
+        tokens = targets[wanted]
         parts = [checkpoint(_chunk_logprobs, head, picked[lo:lo + LOGIT_CHUNK], tokens[lo:lo + LOGIT_CHUNK],
                             use_reentrant=False) for lo in range(0, len(tokens), LOGIT_CHUNK)]
     out = torch.zeros(targets.shape, dtype=torch.float32, device=input_ids.device)

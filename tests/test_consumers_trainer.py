@@ -506,7 +506,9 @@ def _saved_bytes_per_micro_batch(trainer, batch) -> list[int]:
     return peaks
 
 
-def _activation_peaks(tmp_path, rows: int) -> list[int]:
+def _activation_peaks(tmp_path, rows: int, shared: bool = False, half: int = 64) -> list[int]:
+    """Rows of ``half`` prompt and ``half`` completion tokens, each with its own prompt (a game's seats, turns) or,
+    ``shared``, all one prompt (a group's)."""
     from consumers.trainer import HFPolicy
     from policy import hf
 
@@ -515,9 +517,9 @@ def _activation_peaks(tmp_path, rows: int) -> list[int]:
     ref0 = hf.save_checkpoint(model, tmp_path, fam, 0)
     trainer = ReferenceTrainer(model, fam, 0, tmp_path, kind=HFPolicy, micro_batch_tokens=256, ref=ref0)
     recs = [testing.training_record(i, family=fam, reward=float(i % 2)).model_copy(update={
-        "prompt_token_ids": np.arange(3, 67, dtype=np.int32),
-        "completion_token_ids": np.arange(67, 131, dtype=np.int32),
-        "completion_logprobs": np.full(64, -6.0, np.float32), "loss_mask": np.ones(64, np.uint8)})
+        "prompt_token_ids": np.arange(3, 3 + half, dtype=np.int32) + (0 if shared else half * i),
+        "completion_token_ids": np.arange(3 + half, 3 + 2 * half, dtype=np.int32),
+        "completion_logprobs": np.full(half, -6.0, np.float32), "loss_mask": np.ones(half, np.uint8)})
         for i in range(rows)]
     b = batch_of(recs, testing.revision(0, family=fam).model_copy(update={"checkpoint": ref0}))
     return _saved_bytes_per_micro_batch(trainer, b)
@@ -530,6 +532,12 @@ def test_activation_memory_follows_the_token_budget_not_the_batch(tmp_path):
     small, large = _activation_peaks(tmp_path / "a", 4), _activation_peaks(tmp_path / "b", 16)
     assert (len(small), len(large)) == (2, 8)
     assert max(large) == max(small) < 256 * 4096 * 4, (small, large)
+    # one prompt for all (policy.shared_prefix): packs of 3 rows, 64 + 3 x 63 = 253 tokens, as many micro-batches of
+    # one pack whatever the batch; a pack keeps its attention mask besides (the boolean W x W, and the float32 copy
+    # SDPA's kernel keeps in each layer: for SmolLM2 at W = 1,024, 120 MB beside the row's ~1.2 GB of activations)
+    shared, more = _activation_peaks(tmp_path / "c", 16, shared=True), _activation_peaks(tmp_path / "d", 32, shared=True)
+    assert (len(shared), len(more)) == (6, 11)
+    assert max(shared) == max(more) < 256 * 4096 * 4, (shared, more)
 
 
 async def test_a_take_over_between_training_states_trains_the_committed_batches_again_to_the_same_state(tmp_path):
