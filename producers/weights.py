@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from contextlib import asynccontextmanager
 from collections.abc import Awaitable, Callable
 from typing import Any, AsyncIterator, Protocol
@@ -40,6 +41,10 @@ import httpx
 
 from producers.pool import InferencePool, Server, server_root
 from schemas.policy import CheckpointRef, PolicyRevision
+
+
+#: the weight version vLLM reports before anything set one (``GET /weight_info``)
+STARTED_VERSION = "default"
 
 
 class WeightLoadError(RuntimeError):
@@ -131,6 +136,7 @@ class VllmWeights:
         self.adapter = adapter
         self.timeout_s = timeout_s
         self.base: str | None = None  # the digest of the whole weights the server holds (what an adapter goes over)
+        self.first = True  # no load yet: the server may still hold the weights it started on (``_started_on``)
 
     @classmethod
     def for_plan(cls, plan: Any) -> Callable[[str], VllmWeights]:
@@ -178,13 +184,34 @@ class VllmWeights:
         return {"reload_s": reload_s}
 
     async def _whole(self, http: httpx.AsyncClient, rev: PolicyRevision, ck: CheckpointRef) -> None:
-        """The server's weights replaced by ``ck``'s whole weights (a revision's, or an adapter's base)."""
+        """The server's weights replaced by ``ck``'s whole weights (a revision's, or an adapter's base); not read
+        again by a server that still holds the folder it started on, when that is ``ck``'s (``_started_on``)."""
         from policy.hf import checkpoint_folder
 
+        folder = checkpoint_folder(ck)
+        first, self.first = self.first, False
         self.base = None  # unknown until the reload succeeds
-        await self._checked(rev, ck, lambda: self._post(http, "/collective_rpc", rev, json={
-            "method": "reload_weights", "kwargs": {"weights_path": str(checkpoint_folder(ck))}}))
+        if first and await self._started_on(http) == folder.resolve():
+            await self._checked(rev, ck, lambda: asyncio.sleep(0))
+        else:
+            await self._checked(rev, ck, lambda: self._post(http, "/collective_rpc", rev, json={
+                "method": "reload_weights", "kwargs": {"weights_path": str(folder)}}))
         self.base = ck.digest
+
+    async def _started_on(self, http: httpx.AsyncClient) -> Path | None:
+        """The model folder the server started on, while it still holds those weights: its weight version is still
+        vLLM's initial one (every load here sets it; ``load``). Then its first revision, when it is that folder
+        (revision 0 of a run on the model as served, the common start), is checked by its digest, not reloaded:
+        2 s of the start on 2 cores."""
+        try:
+            version = (await http.get(self.root + "/weight_info", timeout=10.0)).json().get("weight_version")
+            models = (await http.get(self.root + "/v1/models", timeout=10.0)).json()["data"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        roots = {m.get("root") for m in models if isinstance(m, dict)}
+        if version != STARTED_VERSION or len(roots) != 1 or None in roots:
+            return None
+        return Path(roots.pop()).resolve()
 
     async def _checked(self, rev: PolicyRevision, ck: CheckpointRef, loading: Callable[[], Awaitable[Any]]) -> None:
         """``loading()`` (the server reading ``ck``'s folder) while its file is hashed (0.45 s a SmolLM2 revision):
