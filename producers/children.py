@@ -2,7 +2,7 @@
 
 A server or an arena started for a run is that run's: when the run's process dies (SIGKILL, the OOM killer), the
 kernel sends each such child SIGTERM (``PR_SET_PDEATHSIG``), so nothing is left holding a port, cores and
-gigabytes after it. The signal follows the thread that started the child: start them from the event loop's
+gigabytes after it; a child that does not stop on it is killed with its process group (``end_group_after_parent``). The signal follows the thread that started the child: start them from the event loop's
 thread, which lives as long as the process.
 """
 
@@ -14,6 +14,7 @@ import signal
 from typing import Callable
 
 PR_SET_PDEATHSIG = 1
+ORPHAN_GRACE_S = 10.0  # what a child whose parent died gets to stop by itself (``end_group_after_parent``)
 
 
 def die_with_parent() -> None:
@@ -34,3 +35,25 @@ def die_with_parent_at(nice: int) -> Callable[[], None]:
             os.nice(nice)
 
     return setup
+
+
+def end_group_after_parent(grace_s: float = ORPHAN_GRACE_S, every_s: float = 0.5) -> None:
+    """In a child that leads its own process group (started with ``start_new_session``): once its parent is gone,
+    give it ``grace_s`` to stop on the SIGTERM ``die_with_parent`` sent, then SIGKILL the whole group. A vLLM API
+    server killed mid-reload waits for ever on its engine core's reply, which never comes; SIGKILL as the death
+    signal itself would leave that engine core, in a process of its own, behind. Nothing where it leads no group
+    (a server started by hand from a shell)."""
+    import threading
+    import time
+
+    if os.getpgid(0) != os.getpid():
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        time.sleep(grace_s)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="end-group-after-parent", daemon=True).start()

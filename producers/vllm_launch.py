@@ -24,6 +24,8 @@ import runpy
 import sys
 from importlib.util import find_spec
 
+from producers.children import end_group_after_parent
+
 #: what an engine core's process runs, imported in the fork server ahead of time
 PRELOAD = ["vllm.entrypoints.openai.api_server", "vllm.v1.engine.core"]
 
@@ -64,6 +66,7 @@ def main(argv: list[str]) -> None:
     if gomp and not any(lib in preload for lib in ("libgomp", "libiomp", "libomp")):
         os.environ["LD_PRELOAD"] = f"{preload}:{gomp}" if preload else gomp
         os.execv(sys.executable, [sys.executable, "-m", "producers.vllm_launch", *argv])  # loaded from the start
+    end_group_after_parent()  # a run killed mid-reload leaves no server waiting for ever on its engine core
     multiprocessing.set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()  # imports PRELOAD now, beside this process's own import
 

@@ -162,3 +162,88 @@ async def test_a_recipe_naming_a_tool_call_parser_starts_a_vllm_that_accepts_too
         assert len(engine) == 1, [p.cmdline() for p in engine]
     finally:
         await server.stop()
+
+
+@pytest.mark.integration
+def test_a_server_a_killed_run_left_waiting_on_its_engine_core_is_killed_with_its_process_group(tmp_path):
+    """The run that started vLLM is SIGKILLed while a weight reload waits on the engine core (held here with SIGSTOP,
+    so the reload never answers): the SIGTERM the kernel sends the server cannot stop it (its HTTP server waits for
+    the reload's reply first), so ``ORPHAN_GRACE_S`` after the run died its whole process group is killed
+    (``producers.children.end_group_after_parent``): no process of the server is alive 5 s after that."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    from streams.local_broker import free_port
+
+    port = free_port()
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio
+        from policy.hf import prepare_model
+        from producers.vllm_server import VllmServer
+
+        async def main():
+            server = VllmServer(prepare_model().path, port={port}, max_model_len=256, log_path={str(tmp_path / 'v.log')!r})
+            await server.start()
+            print(server.proc.pid, flush=True)
+            await asyncio.sleep(600)
+
+        asyncio.run(main())
+        """))
+    run = subprocess.Popen([sys.executable, str(script)], cwd=Path(__file__).resolve().parents[1],
+                           stdout=subprocess.PIPE)
+    leaders: list[int] = []
+    try:
+        _kill_a_run_mid_reload(run, port, leaders)
+    finally:  # whatever failed, nothing of it is left running
+        run.kill()
+        for pid in leaders:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _kill_a_run_mid_reload(run, port: int, leaders: list[int]) -> None:
+    import signal
+    import threading
+    import time
+
+    import httpx
+    import psutil
+
+    from producers.children import ORPHAN_GRACE_S
+    from producers.pool import server_root
+
+    server = psutil.Process(int(run.stdout.readline()))
+    leaders.append(server.pid)
+    tree = [server, *server.children(recursive=True)]
+    engine = [p for p in tree[1:] if p.ppid() != server.pid]  # the fork server's child
+    assert len(engine) == 1, [p.cmdline() for p in tree]
+    engine[0].send_signal(signal.SIGSTOP)
+    url = server_root(f"http://127.0.0.1:{port}/v1")
+    reload = threading.Thread(target=lambda: httpx.post(url + "/collective_rpc", json={"method": "reload_weights"},
+                                                        timeout=120), daemon=True)
+    reload.start()
+    time.sleep(1.0)
+    run.kill()
+    run.wait()
+    died = time.monotonic()
+
+    def alive() -> list[int]:  # a zombie is gone (whoever reaps it here)
+        found = []
+        for p in tree:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p.pid)
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    while alive() and time.monotonic() - died < ORPHAN_GRACE_S + 5:
+        time.sleep(0.2)
+    assert not alive(), alive()
