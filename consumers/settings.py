@@ -81,8 +81,9 @@ class ServiceSettings(BaseSettings):
                              "weights, optimizer moments) every N revisions; a take-over loads the last one and trains "
                              "the batches the log committed after it again (the served weights are written every "
                              "revision)")
-    micro_batch_tokens: int = Field(MICRO_BATCH_TOKENS, ge=1, description="trainer: tokens (rows x padded width) of "
-                                    "one forward/backward: activation memory grows with it, not with the batch")
+    micro_batch_tokens: int = Field(MICRO_BATCH_TOKENS, ge=1, description="trainer: tokens (rows x padded width; a "
+                                    "group's rows, packed to run their prompt once, count as one row) of one "
+                                    "forward/backward: activation memory grows with it, not with the batch")
     derivation: Derivation | None = Field(None, description="a derived run (rollout derive): the source run whose "
                                           "Steps and Rollouts it reads, its range, re-scoring and fork revision")
 

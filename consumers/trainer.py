@@ -196,8 +196,9 @@ class HFPolicy:
     def micro_batches(model: Any, t: TrainerTensors, budget: int) -> list[tuple[list[int], int]]:
         """A group's rows in one micro-batch, where its prompt runs once (``policy.shared_prefix``)."""
         from policy import shared_prefix
+        from policy.hf import shares_prompts
 
-        if not shared_prefix.packable(model):
+        if not shares_prompts(model):
             return padded_micro_batches(t, budget)
         return shared_prefix.micro_batches(t.input_ids.cpu(), (t.loss_mask[:, 1:] > 0).cpu(), t.prompt_lens.cpu(),
                                            t.seq_lens.cpu(), budget)

@@ -263,7 +263,7 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, *, wanted: A
 
         head = model.get_output_embeddings()
         body = getattr(model, model.base_model_prefix)
-        if prompt_lens is not None and shared_prefix.packable(model):
+        if prompt_lens is not None and shares_prompts(model):
             picked = shared_prefix.hidden_at(body, input_ids, attention_mask, wanted, prompt_lens, seq_lens,
                                              max_width)
         else:
@@ -279,6 +279,14 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, *, wanted: A
 def _chunk_logprobs(head: Any, hidden: Any, tokens: Any) -> Any:
     logits = head(hidden).float()
     return logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(-1)
+
+
+def shares_prompts(model: Any) -> bool:
+    """Whether ``token_logprobs`` runs a prompt shared by several rows once for ``model``: its own body and head, and
+    attention that takes the packed rows' mask (``policy.shared_prefix``)."""
+    from policy import shared_prefix
+
+    return plain_head(model) and not _sharded(model) and shared_prefix.packable(model)
 
 
 def _sharded(model: Any) -> bool:

@@ -100,7 +100,7 @@ def hidden_at(body: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     parts, base = [], 0
     if plan.singles:
         rows = torch.tensor(plan.singles, device=device)
-        width = int(seq_lens[plan.singles].max()) - 1
+        width = max(1, int(seq_lens[plan.singles].max()) - 1)
         h = body(input_ids=input_ids[rows, :width], attention_mask=attention_mask[rows, :width],
                  use_cache=False).last_hidden_state
         for a, i in enumerate(plan.singles):
