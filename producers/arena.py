@@ -85,6 +85,7 @@ log = logging.getLogger("rollout.arena")
 # a stopped arena (SIGTERM, Ctrl-C) lets its episodes in flight finish and be emitted for this long, then cuts the
 # rest short, so that a command stops within 10 s of SIGTERM whatever its episodes wait on
 STOP_GRACE_S = 5.0
+KEEPALIVE_S = 2.0  # an idle connection to a server kept this long, under its own keep-alive (``Arena.start``)
 
 
 async def _acquired(sem: asyncio.Semaphore, stop: asyncio.Event | None, grace_until: Callable[[], float]) -> bool:
@@ -295,8 +296,11 @@ class Arena:
     # lifecycle --------------------------------------------------------------------------------------
 
     async def start(self) -> Arena:
+        # an idle connection is dropped here before the server drops it (uvicorn's, vLLM's, after 5 s: httpx's
+        # default is 5 s too, and a request sent on a connection the server was closing failed with a ReadError)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0),
-                                       limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
+                                       limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024,
+                                                           keepalive_expiry=KEEPALIVE_S))
         if self.manage_emitter:
             await self.emitter.start()
         await self.pacer.start()

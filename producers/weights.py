@@ -145,11 +145,19 @@ class VllmWeights:
         return lambda url: cls(url, adapter=adapter)
 
     async def _post(self, http: httpx.AsyncClient, path: str, rev: PolicyRevision, **kw: Any) -> Any:
-        try:
-            r = await http.post(self.root + path, timeout=self.timeout_s, **kw)
-        except httpx.HTTPError as e:
-            raise WeightLoadError(f"vLLM at {self.root}: {path} for {rev.family}@r{rev.revision} failed: "
-                                  f"{type(e).__name__}: {e}") from None
+        """Sent again once when the connection broke with no answer (a kept-alive connection the server closed as
+        it was reused): every call here can be made twice."""
+        for attempt in (1, 2):
+            try:
+                r = await http.post(self.root + path, timeout=self.timeout_s, **kw)
+                break
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as e:
+                if attempt == 2:
+                    raise WeightLoadError(f"vLLM at {self.root}: {path} for {rev.family}@r{rev.revision} failed "
+                                          f"twice: {type(e).__name__}: {e}") from None
+            except httpx.HTTPError as e:
+                raise WeightLoadError(f"vLLM at {self.root}: {path} for {rev.family}@r{rev.revision} failed: "
+                                      f"{type(e).__name__}: {e}") from None
         if r.status_code == 404 and "lora" in path:
             raise WeightLoadError(f"vLLM at {self.root} has no {path}: start it with --enable-lora --max-lora-rank "
                                   "RANK and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (rollout serve vllm --lora-rank RANK "

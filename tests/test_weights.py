@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from policy.checkpoint import file_sha256
-from producers.weights import RevisionRefused, VllmWeights
+from producers.weights import RevisionRefused, VllmWeights, WeightLoadError
 from schemas.policy import CheckpointRef, PolicyRevision
 
 
@@ -39,9 +39,15 @@ class _Vllm(BaseHTTPRequestHandler):
         else:  # /v1/models
             self._answer({"data": [{"id": "m", "root": str(self.started_on)}]})
 
+    drops = 0  # requests answered by closing the connection (a kept-alive one closed by the server as it was reused)
+
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"] or 0)) or b"{}")
         type(self).posted.append(self.path)
+        if type(self).drops:
+            type(self).drops -= 1
+            self.close_connection = True
+            return
         if self.path == "/update_weight_version":
             type(self).version = body["new_version"]
         self._answer({})
@@ -96,3 +102,21 @@ async def test_bytes_that_are_not_the_digest_are_refused_even_unreloaded(vllm, t
         with pytest.raises(RevisionRefused, match="has sha256"):
             await VllmWeights(url).load(http, r0)
     assert "/update_weight_version" not in handler.posted
+
+
+@pytest.mark.parametrize("drops", [1, 2])
+async def test_a_connection_dropped_with_no_answer_is_tried_once_more(vllm, tmp_path, drops):
+    """The arena's swap after a trainer step of ~5 s met vLLM closing the idle kept-alive connection it reused (a
+    ReadError; the newcomer check's demo stopped at r17): it is sent again once; twice dropped is the server's
+    failure."""
+    handler, url = vllm
+    handler.version = "r3"  # a reload, not the started-on check
+    handler.drops = drops
+    r0 = _revision(tmp_path / "model", 0)
+    async with httpx.AsyncClient() as http:
+        if drops == 1:
+            await VllmWeights(url).load(http, r0)
+            assert handler.posted.count("/collective_rpc") == 2 and handler.version == "r0"
+        else:
+            with pytest.raises(WeightLoadError, match="failed twice"):
+                await VllmWeights(url).load(http, r0)
