@@ -28,6 +28,15 @@ def packable(model: Any) -> bool:
     return getattr(config, "_attn_implementation", None) in ("sdpa", "eager") and not windowed
 
 
+def _inputs(seq_lens: torch.Tensor, i: int, p: int) -> int:
+    """A row's completion tokens that are inputs of a packed row: all but its last (which is only predicted)."""
+    return int(seq_lens[i]) - p - 1
+
+
+def _packed_width(rows: list[int], p: int, seq_lens: torch.Tensor) -> int:
+    return p + sum(_inputs(seq_lens, i, p) for i in rows)
+
+
 @dataclass
 class Layout:
     """Which rows run padded (``singles``) and which share their prompt (``groups``: rows, each group's prompt
@@ -54,7 +63,7 @@ def layout(input_ids: torch.Tensor, wanted: torch.Tensor, prompt_lens: torch.Ten
         packs: list[list[int]] = [[]]
         width = p
         for i in rows:
-            n = int(seq_lens[i]) - p - 1
+            n = _inputs(seq_lens, i, p)
             if max_width is not None and packs[-1] and width + n > max_width:
                 packs.append([])
                 width = p
@@ -74,7 +83,7 @@ def micro_batches(input_ids: torch.Tensor, wanted: torch.Tensor, prompt_lens: to
     """The rows of each micro-batch and its widest forward row, within ``budget`` tokens (forward rows x the widest):
     a group's members together in one packed row of at most ``budget`` tokens, a row alone as it is."""
     plan = layout(input_ids, wanted, prompt_lens, seq_lens, max_width=budget)
-    units = [(p + sum(int(seq_lens[i]) - p - 1 for i in rows), rows) for rows, p in plan.groups]
+    units = [(_packed_width(rows, p, seq_lens), rows) for rows, p in plan.groups]
     units += [(int(seq_lens[i]) - 1, [i]) for i in plan.singles]
     units.sort(key=lambda u: -u[0])  # widest first: each micro-batch pads to its first unit's width
     out: list[tuple[list[int], int]] = []
@@ -115,7 +124,7 @@ def hidden_at(body: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
             at = base + g * width
             offset = p
             for i in rows:
-                n = int(seq_lens[i]) - p - 1  # the completion's tokens that are inputs: all but its last
+                n = _inputs(seq_lens, i, p)
                 source[i, p - 1] = at + p - 1  # the prompt's last position predicts every completion's first token
                 source[i, p:p + n] = at + offset + torch.arange(n)
                 offset += n
@@ -129,19 +138,19 @@ def _packed(input_ids: torch.Tensor, plan: Layout, seq_lens: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """One row per group (ids, positions) and its [G, 1, W, W] boolean mask (True: attends); padding attends to
     itself only, so that no row of the mask is empty."""
-    rows_of = [(rows, p, [int(seq_lens[i]) - p - 1 for i in rows]) for rows, p in plan.groups]
-    width = max(p + sum(ns) for _, p, ns in rows_of)
-    G = len(rows_of)
+    width = max(_packed_width(rows, p, seq_lens) for rows, p in plan.groups)
+    G = len(plan.groups)
     ids = torch.zeros((G, width), dtype=torch.long)
     pos = torch.zeros((G, width), dtype=torch.long)
     mask = torch.eye(width, dtype=torch.bool).repeat(G, 1, 1)
     src = input_ids.detach().cpu()
-    for g, (rows, p, ns) in enumerate(rows_of):
+    for g, (rows, p) in enumerate(plan.groups):
         ids[g, :p] = src[rows[0], :p]
         pos[g, :p] = torch.arange(p)
         mask[g, :p, :p] = torch.ones((p, p), dtype=torch.bool).tril()
         at = p
-        for i, n in zip(rows, ns):
+        for i in rows:
+            n = _inputs(seq_lens, i, p)
             ids[g, at:at + n] = src[i, p:p + n]
             pos[g, at:at + n] = torch.arange(p, p + n)
             mask[g, at:at + n, :p] = True
