@@ -30,7 +30,8 @@ flight and the trainer go on beside it, so its loop less evaluation is a lower b
 mean train step (TRL: generation and optimizer step; rollout-log: the trainer's optimizer step, generation runs
 beside it); completion tokens generated for training and their rate over the wall time; peak memory of every
 process of the side (``TreeRss``: the subprocess and its descendants, vLLM and the arena included, sampled from
-/proc every 0.5 s): the peak of their summed RSS and the largest single process. ``--runs N`` alternates the two
+/proc every 0.5 s): the peak of their summed RSS (the issue's measure), of their summed PSS (pages shared
+between processes counted once) and the largest single process. ``--runs N`` alternates the two
 sides N times (TRL first in the 1st, 3rd, ... run, rollout-log first in the others) and reports min / median /
 max. Ends with a markdown table, a mermaid ``xychart-beta`` of the two median curves, and one JSON line (every
 run's figures and their summary). The targets (issue 34, ``verdict``): rollout-log's eval accuracy at the last step
@@ -221,14 +222,25 @@ def tree_rss(root: int) -> dict[int, int]:
     return out
 
 
+def pss(pid: int) -> int:
+    """Proportional set size in bytes (a page shared by k processes counts 1/k in each), from
+    /proc/PID/smaps_rollup; 0 for a process that exited meanwhile."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:")), 0)
+    except (OSError, ValueError):
+        return 0
+
+
 class TreeRss:
     """The memory of a process and all its descendants while it runs, sampled every ``every_s`` in a thread: the
-    peak of their summed RSS (a page shared by several processes counts in each, as RSS does) and the largest
-    single process, with its command line."""
+    peak of their summed RSS (a page shared by several processes counts in each, as RSS does), the peak of their
+    summed PSS (such a page counted once in all: vLLM's engine core forked from a server that imported the same
+    modules shares most of its pages with it), and the largest single process, with its command line."""
 
     def __init__(self, pid: int, every_s: float = 0.5) -> None:
         self.pid, self.every_s = pid, every_s
-        self.peak_sum = self.peak_one = 0
+        self.peak_sum = self.peak_one = self.peak_pss = 0
         self.peak_one_cmd = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample_until_stopped, daemon=True)
@@ -245,6 +257,7 @@ class TreeRss:
         while True:
             rss = tree_rss(self.pid)
             self.peak_sum = max(self.peak_sum, sum(rss.values()))
+            self.peak_pss = max(self.peak_pss, sum(pss(pid) for pid in rss))
             pid, one = max(rss.items(), key=lambda kv: kv[1], default=(0, 0))
             if one > self.peak_one:
                 self.peak_one, self.peak_one_cmd = one, _cmdline(pid)
@@ -252,7 +265,8 @@ class TreeRss:
                 return
 
     def figures(self) -> dict[str, Any]:
-        return {"peak_rss_mb": round(self.peak_sum / 2**20), "peak_rss_process_mb": round(self.peak_one / 2**20),
+        return {"peak_rss_mb": round(self.peak_sum / 2**20), "peak_pss_mb": round(self.peak_pss / 2**20),
+                "peak_rss_process_mb": round(self.peak_one / 2**20),
                 "peak_rss_process": self.peak_one_cmd}
 
 
@@ -353,6 +367,7 @@ FIGURES: dict[str, tuple[str, Callable[[dict], Any]]] = {
     "step_s_mean": ("train step, mean (s; TRL: generation + optimizer, rollout-log: optimizer)",
                     lambda d: d.get("step_s_mean")),
     "peak_rss_mb": ("peak RSS, all processes summed (MB)", lambda d: d.get("peak_rss_mb")),
+    "peak_pss_mb": ("peak PSS, all processes summed (MB; shared pages counted once)", lambda d: d.get("peak_pss_mb")),
     "peak_rss_process_mb": ("peak RSS, largest process (MB)", lambda d: d.get("peak_rss_process_mb")),
     "train_completion_tokens": ("completion tokens generated for training", lambda d: d["train_completion_tokens"]),
     "tokens_per_s": ("generated tokens/s (training tokens / whole wall)", lambda d: d["tokens_per_s"]),

@@ -115,6 +115,7 @@ def test_a_sides_memory_is_its_whole_process_tree():
     assert m["json"] == {"done": True} and m["wall_s"] >= 1.5
     assert "peers-rss-marker" in m["peak_rss_process"] and m["peak_rss_process_mb"] >= 64
     assert m["peak_rss_mb"] >= m["peak_rss_process_mb"] + 5  # the parent interpreter's own RSS on top
+    assert 64 <= m["peak_pss_mb"] <= m["peak_rss_mb"]  # the child's 64 MB its own; the interpreters share pages
 
 
 def test_a_failing_side_says_so_with_its_output():
