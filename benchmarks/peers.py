@@ -50,7 +50,7 @@ import sys
 import sysconfig
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -448,11 +448,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=1, metavar="N",
                    help="run both sides N times, alternating which goes first; min / median / max of each figure")
     p.add_argument("--only", choices=list(SIDES), help="run one side only")
+    p.add_argument("--seed", type=int, default=0,
+                   help="TRL's seed (its data order and sampling; default 0): one seed gives the same TRL run every "
+                        "time, so its spread over runs is 0; other seeds show how far its accuracy moves. "
+                        "rollout-log's arena draws its questions with seed 0, but vLLM on a CPU samples unseeded "
+                        "(rollout arena --help, --gpu-vllm), so its runs differ")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds each side may take (default 3600)")
     args = p.parse_args(argv)
     if args.runs < 1 or (args.eval_interval is not None and args.eval_interval < 1):
         p.error("--runs and --eval-interval must be >= 1")
-    j = job(2 if args.quick and not args.steps else args.steps, args.eval_interval)
+    j = replace(job(2 if args.quick and not args.steps else args.steps, args.eval_interval), seed=args.seed)
     described = {**asdict(j), "eval_steps": j.eval_steps}
     print(f"peers: job {json.dumps(described)}", flush=True)
     t0 = time.perf_counter()
