@@ -11,7 +11,7 @@ never does. ``record_id`` derives from (rollout_id, step_id), so a retry cannot 
 
 Admission gates (prime-rl's ``advantage_range``, ``schemas.plan.AdmissionGate``) look at a credited group's
 records: a group a gate rejects yields none, and is listed in ``CreditAssigner.withheld`` so the service gives its
-batch slots back to the arenas (``schemas.admission.AdmissionRefund``).
+batch slots back to the arenas (``schemas.admission.AdmissionRefund``); so is a group whose every rollout failed.
 """
 
 from __future__ import annotations
@@ -24,6 +24,15 @@ import numpy as np
 
 from schemas.events import RolloutScored, TrainingRecord
 from schemas.plan import AdmissionGate
+
+
+def _whole_group_failed(rollouts: Sequence[RolloutScored], whole_groups: bool) -> bool:
+    """Whether these rollouts are a whole group (a strategy that waits for groups, or groups of one) and all failed.
+    Its slots are given back so the batch fills with another group; the arena stops the run once groups keep
+    failing (``--max-failed-groups``). Left alone, its slots were held by records never coming: a recipe whose every
+    rollout failed waited for a revision until the arena gave up, and exited 0."""
+    return (whole_groups or rollouts[0].group_size == 1) and all(s.status == "failed" for s in rollouts)
+
 
 def record_id(rollout_id: str, step_id: str, derived_run: str | None = None) -> str:
     """A derived run's records differ from the source run's own for the same step (both replay into one
@@ -295,6 +304,8 @@ class CreditAssigner:
         adv = self.strategy.advantages(rollouts)
         records = [r for s in rollouts for r in records_for(s, adv[s.rollout_id], credit, producer=self.producer)]
         why = gate_rejects([r.advantage for r in records], self.gates) if self.gates else None
+        if why is None and not records and _whole_group_failed(rollouts, self.buffers):
+            why = f"every rollout of the group failed ({len(rollouts)} of {rollouts[0].group_size}): nothing to train"
         if why is None:
             return records
         self.withheld.append((rollouts[0].group_id, rollouts[0].run_id, why))

@@ -277,6 +277,26 @@ def test_admission_gates_keep_groups_without_signal_out_and_name_them():
         credit.CreditAssigner("reinforce_baseline", gates=[zero])
 
 
+def test_a_group_whose_every_rollout_failed_gives_its_slots_back():
+    """No record will ever come for it, so its batch slots go to another group (the service's AdmissionRefund);
+    a group with one rollout that did not fail trains as before, and a per-rollout strategy refunds a group of
+    one only (it cannot see the rest of a larger group)."""
+    def failed(rid: str, group: str, size: int = 4):
+        return scored(rid, group, 0.0, size=size).model_copy(update={"status": "failed", "trainable_steps": []})
+
+    ca = credit.CreditAssigner("grpo")
+    assert [r for i in range(4) for r in ca.add(failed(f"f{i}", "gf"), now=0.0)] == []
+    assert [(g, why) for g, _, why in ca.withheld] == [
+        ("gf", "every rollout of the group failed (4 of 4): nothing to train")]
+    ca.withheld.clear()
+    some = [r for i in range(3) for r in ca.add(failed(f"s{i}", "gs"), now=0.0)] + ca.add(scored("s3", "gs", 1.0), 0.0)
+    assert len(some) == 1 and ca.withheld == []
+
+    per_rollout = credit.CreditAssigner("reinforce_baseline")
+    assert per_rollout.add(failed("p0", "gp", size=4), 0) == [] and per_rollout.withheld == []
+    assert per_rollout.add(failed("p1", "g1", size=1), 0) == [] and [w[0] for w in per_rollout.withheld] == ["g1"]
+
+
 def test_unknown_strategy_refused():
     with pytest.raises(ValueError, match="unknown credit strategy"):
         credit.CreditAssigner("ppo-magic")
