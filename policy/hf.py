@@ -147,10 +147,10 @@ def load_model(ref: CheckpointRef | str | os.PathLike, *, config_dir: str | os.P
 
 def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revision: int, *,
                     base: CheckpointRef | None = None) -> CheckpointRef:
-    """Write ``<family_slug>-r<revision>-<digest[:12]>/`` (safetensors in ``served_dtype`` + config) atomically in ``directory``
+    """Write ``<family_slug>-r<revision>-<digest[:12]>/`` (safetensors + config) atomically in ``directory``
     (created if missing); the ref's digest is the file's. The family itself is kept in the metadata and ``revision.json``.
     ``base``: the model's LoRA adapter alone, a PEFT folder over that base checkpoint (``policy.lora``), named in the
-    file's metadata; else the whole weights (a LoRA model's merged)."""
+    file's metadata, in float32; else the whole weights (a LoRA model's merged) in ``served_dtype``."""
     import torch
 
     from policy import lora
@@ -158,7 +158,9 @@ def save_checkpoint(model: Any, directory: str | os.PathLike, family: str, revis
 
     tmp = Path(directory) / f"{checkpoint_stem(family, revision)}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    dtype = served_dtype(next(model.parameters()).device.type)
+    # an adapter in the trainer's own float32 (a few MB: peft loads back exactly what trained; vLLM casts it to its
+    # LoRA dtype as it loads), a whole model in the dtype it is served in
+    dtype = torch.float32 if base is not None else served_dtype(next(model.parameters()).device.type)
     meta = {"format": "pt", "family": family, "revision": str(revision)}
     if base is not None:
         weights, served = ADAPTER_WEIGHTS, lora.peft_state(model)

@@ -726,7 +726,7 @@ def test_a_lora_recipe_trains_the_adapters_only_and_serves_each_revision_as_its_
         assert lora.base_of(rev.checkpoint) == ref0  # every adapter names revision 0, the unchanged base
         assert set(served) == {f"base_model.model.model.layers.{i}.self_attn.{m}_proj.lora_{x}.weight"
                                for i in (0, 1) for m in "qv" for x in "AB"}  # peft's names, nothing of the base's
-        assert torch.equal(served[f"base_model.model.{q}.lora_B.weight"], b_.to(hf.served_dtype("cpu")))
+        assert torch.equal(served[f"base_model.model.{q}.lora_B.weight"], b_)  # float32, as trained
     else:
         assert not rev.checkpoint.adapter
         assert set(served) == set(hf.load_weights(ref0))  # the model's own names, nothing of peft's
@@ -734,11 +734,15 @@ def test_a_lora_recipe_trains_the_adapters_only_and_serves_each_revision_as_its_
         assert torch.equal(served[f"{q}.weight"], merged.to(hf.served_dtype("cpu")))
         assert torch.equal(served["model.layers.0.mlp.up_proj.weight"],
                            hf.load_weights(ref0)["model.layers.0.mlp.up_proj.weight"])
-    # what the revision serves (loaded from its checkpoint alone) is what the trainer computes with
+    # what the revision serves (loaded from its checkpoint alone) is what the trainer computes with: the same numbers
+    # where it serves float32; where it serves bf16 (a CPU with native bf16: ``hf.served_dtype``) within the weights'
+    # rounding, a tenth of what the two steps moved
     t = to_tensors(b)
     with torch.no_grad():
-        assert torch.allclose(HFPolicy.logprobs(HFPolicy.load(rev.checkpoint), t),
-                              HFPolicy.logprobs(trainer.model.eval(), t), atol=1e-5)
+        served_lp, trained_lp, base_lp = (HFPolicy.logprobs(m, t) for m in (
+            HFPolicy.load(rev.checkpoint), trainer.model.eval(), HFPolicy.load(ref0)))
+    tol = 1e-5 if hf.served_dtype("cpu") == torch.float32 else 2e-3
+    assert float((served_lp - trained_lp).abs().max()) <= tol < float((base_lp - trained_lp).abs().max()) / 10
 
     # a take-over from r2's training state: the adapters and the served weights exactly
     successor = ReferenceTrainer(HFPolicy.load(rev.checkpoint), fam, 2, ck, lr=5e-2, kind=HFPolicy, lora=spec,
