@@ -37,14 +37,16 @@ pytestmark = pytest.mark.integration
 
 
 class _Refuses(BaseHTTPRequestHandler):
-    """Up (``/health``), and refuses every completion as a misconfigured vLLM does (a tool choice it was not
-    started for)."""
+    """Up (``/health``), loads each revision (a local policy server's ``/load_weights``), and refuses every
+    completion as a misconfigured vLLM does (a tool choice it was not started for)."""
 
     def do_GET(self):  # noqa: N802 - http.server's name
         self._answer(200, {"status": "ok"})
 
     def do_POST(self):  # noqa: N802
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path.endswith("/load_weights"):
+            return self._answer(200, {})
         self._answer(400, {"error": {"message": '"auto" tool choice requires --enable-auto-tool-choice',
                                      "type": "BadRequestError", "code": 400}})
 
@@ -60,18 +62,8 @@ class _Refuses(BaseHTTPRequestHandler):
         pass
 
 
-class _LoadsButRefuses(_Refuses):
-    """Loads each revision (a local policy server's ``/load_weights``), refuses every completion."""
-
-    def do_POST(self):  # noqa: N802
-        if self.path.endswith("/load_weights"):
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            return self._answer(200, {})
-        return super().do_POST()
-
-
-def _refusing_server(handler: type[BaseHTTPRequestHandler] = _Refuses) -> tuple[ThreadingHTTPServer, str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+def _refusing_server() -> tuple[ThreadingHTTPServer, str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Refuses)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}/v1"
 
@@ -111,7 +103,7 @@ async def test_a_run_whose_every_rollout_fails_stops_though_its_last_revision_ne
     await topics.create_topics(kw)
     await publish(kw, initial_revision(plan.family, tmp_path / "ckpt", seed=0, run_id="failing"))
     cfg = service_settings.build(plan=plan, credit=True, checkpoint_dir=str(tmp_path / "ckpt"), lr=1e-3)
-    server, url = _refusing_server(_LoadsButRefuses)
+    server, url = _refusing_server()
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
     try:
         async with System(SERVICES, cfg, kw):
