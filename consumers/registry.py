@@ -22,7 +22,7 @@ SERVICES: dict[str, Service] = {s.name: s for s in (
             inputs=(topics.TRAINING_RECORDS,), outputs=(topics.TRAINER_BATCHES, topics.DEAD_LETTERS),
             wiring="consumers.tasks.batcher:wiring", side_inputs=(topics.POLICY_REVISIONS, topics.ADMISSIONS),
             options=("family", "max_off_policy_steps", "batch_records", "batch_tokens", "flush_after_s")),
-    Service("trainer", "reference trainer: TrainerBatches -> clipped policy-gradient step -> PolicyRevision",
+    Service("trainer", "reference trainer: TrainerBatches -> a step of the plan's objective -> PolicyRevision",
             inputs=(topics.TRAINER_BATCHES,), outputs=(topics.POLICY_REVISIONS, topics.DEAD_LETTERS),
             wiring="consumers.tasks.trainer:wiring", side_inputs=(topics.POLICY_REVISIONS,),
             options=("family", "checkpoint_dir", "keep_checkpoints", "lr", "weight_decay", "served_model", "epochs",

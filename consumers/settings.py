@@ -16,6 +16,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.history import Derivation
+from schemas.objectives import DefaultLoss, ObjectiveSpec
 from schemas.plan import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_OFF_POLICY_STEPS, AdmissionGate, GenerationPlan, LoraSpec,
                           OptimizerSpec)
 from schemas.policy import TINY_FAMILY
@@ -72,6 +73,8 @@ class ServiceSettings(BaseSettings):
                                                     "the adapters train, each revision is served merged")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="trainer: the optimizer (the "
                                      "plan's [trainer.optim] type, betas, mu, max_norm)")
+    objective: ObjectiveSpec = Field(default_factory=DefaultLoss, description="trainer: what it optimizes (the "
+                                     "plan's [trainer.loss]: schemas.objectives)")
     admission_gates: list[AdmissionGate] = Field(default_factory=list, description="credit: the plan's admission "
                                                  "gates (prime-rl's curriculum.gates): gated groups are not trained")
     max_steps: int | None = Field(None, ge=1, description="trainer: the run's last revision (the plan's max_steps, "
@@ -112,6 +115,7 @@ def plan_values(plan: GenerationPlan, *, credit: bool) -> dict[str, Any]:
     values: dict[str, Any] = {"family": plan.family, "max_off_policy_steps": plan.max_off_policy_steps,
                               "judge_targets": dict(plan.targets), "served_model": plan.served_model,
                               "max_steps": plan.max_steps, "lora": plan.lora, "optimizer": plan.optimizer,
+                              "objective": plan.objective,
                               **{k: plan.trainer[k] for k in ("lr", "weight_decay") if k in plan.trainer}}
     if plan.token_batch_size:
         values.update(batch_tokens=plan.token_batch_size, batch_records=None)

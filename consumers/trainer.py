@@ -5,7 +5,8 @@
   is 1 exactly on the completion tokens the record trains on; ``advantages[i, t]`` is the record's
   advantage broadcast over its tokens. ``packed=True`` concatenates the rows into one [1, sum(T)]
   sequence with ``cu_seqlens`` (for varlen kernels) instead of padding.
-* ``ReferenceTrainer``: a GRPO/PPO-style clipped policy-gradient step on the policy the checkpoint holds:
+* ``ReferenceTrainer``: one optimizer step of the plan's objective (``consumers.objectives``: prime-rl's DPPO+KL,
+  ipo or a custom loss, TRL's GRPO family, ...) on the policy the checkpoint holds:
   the tiny byte-level GRU (``policy/``, ``.pt``) or a Hugging Face causal LM (``policy.hf``, a
   ``model.safetensors`` folder, trained with bf16 autocast on a GPU or a CPU with native bf16 and served in bf16,
   float32 elsewhere: ``policy.hf.served_dtype``); after each step it writes a checkpoint
@@ -41,7 +42,8 @@ from consumers.settings import MICRO_BATCH_TOKENS
 from policy import optimizers
 from policy.lora import adapter_state, base_of, has_adapters, inject, load_served, merged_model, served_state
 from schemas.events import TrainerBatch
-from schemas.history import DEFAULT_CLIP
+from consumers.objectives import LossInputs, Objective
+from schemas.objectives import DefaultLoss
 from schemas.plan import OptimizerSpec
 from schemas.policy import CheckpointRef, PolicyRevision
 
@@ -258,7 +260,7 @@ def wait_for_training_states() -> None:
 
 
 class ReferenceTrainer:
-    """Clipped policy gradient (PPO/GRPO objective, token-mean over the loss mask) on the checkpoint's model.
+    """The plan's objective (``consumers.objectives``), normalised over the whole batch, on the checkpoint's model.
 
     Every revision's served weights are written (``publish``); its training state (float32 weights and the
     optimizer's moments, 4x the served bytes of an HF model) only every ``state_every`` revisions, and, training
@@ -270,7 +272,7 @@ class ReferenceTrainer:
     (``consumers.tasks.trainer``)."""
 
     def __init__(self, model: Any, family: str, revision: int, checkpoint_dir: str | Path, *, lr: float = 1e-3,
-                 clip: float = DEFAULT_CLIP, epochs: int = 1,
+                 objective: Any = None, epochs: int = 1,
                  kind: type[TinyPolicy] | type[HFPolicy] = TinyPolicy, ref: CheckpointRef | None = None,
                  keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None,
                  state_every: int = 1, micro_batch_tokens: int = MICRO_BATCH_TOKENS, mismatch_rows: int = 8,
@@ -288,7 +290,8 @@ class ReferenceTrainer:
         adapter checkpoint); only they train and have optimizer moments, and every revision is served as the spec
         says: its adapter alone, naming the base checkpoint (``ref``'s, or the one ``ref``'s adapter names), or merged.
         An adapter checkpoint trained without ``lora`` is merged into a plain model. ``optimizer``: its type and
-        settings (``policy.optimizers``; default AdamW, gradients clipped at norm 1)."""
+        settings (``policy.optimizers``; default AdamW, gradients clipped at norm 1). ``objective``: what the step
+        optimizes (``schemas.objectives``; default prime-rl's DPPO+KL); a derived batch's history rule overrides it."""
         self.base: CheckpointRef | None = None  # the base checkpoint each published adapter names (None: whole weights)
         if lora is not None:
             if kind is not HFPolicy or group is not None:
@@ -320,10 +323,10 @@ class ReferenceTrainer:
         self.family = family
         self.revision = revision
         self.dir = Path(checkpoint_dir)
-        self.clip = clip
+        self.objective = Objective(objective if objective is not None else DefaultLoss())
         self.optimizer = optimizer or OptimizerSpec()
         self.lr = lr
-        self.epochs = epochs  # optimizer passes over each batch (PPO epochs; the clip bounds how far they go)
+        self.epochs = epochs  # optimizer passes over each batch (PPO epochs; the objective bounds how far they go)
         self.kind = kind
         self.keep_checkpoints = keep_checkpoints
         self.state_every = max(1, state_every)
@@ -337,24 +340,15 @@ class ReferenceTrainer:
         self.refs: dict[int, CheckpointRef] = {revision: ref} if ref is not None else {}  # probed for the mismatch
         self.opt = optimizers.build(self.optimizer, self.model.named_parameters(), lr=lr, weight_decay=weight_decay)
 
-    def loss(self, t: TrainerTensors, denom: torch.Tensor | None = None, clip: float | None = None
-             ) -> tuple[torch.Tensor, dict[str, Any]]:
-        clip = self.clip if clip is None else clip
-        new_lp = self.kind.logprobs(self.model, t, self.micro_batch_tokens)  # logp of token t+1
-        mask = t.loss_mask[:, 1:]
-        old_lp = t.old_logprobs[:, 1:]
-        adv = t.advantages[:, 1:]
-        ratio = torch.exp(torch.where(mask > 0, new_lp - old_lp, 0.0))  # untrained positions have no logprob
-        unclipped = ratio * adv
-        clipped = torch.clamp(ratio, 1 - clip, 1 + clip) * adv
-        per_tok = -torch.minimum(unclipped, clipped)
-        denom = mask.sum().clamp(min=1.0) if denom is None else denom
-        loss = (per_tok * mask).sum() / denom
-        with torch.no_grad():
-            frac = (((ratio - 1).abs() > clip).float() * mask).sum() / denom
-            kl = ((old_lp - new_lp) * mask).sum() / denom
-        return loss, {"loss": float(loss.detach()), "clip_frac": float(frac), "approx_kl": float(kl),
-                      "new_lp": new_lp.detach()}
+    def loss(self, t: TrainerTensors, objective: Objective, scale: torch.Tensor,
+             before: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """The objective on these rows, divided by the whole batch's ``scale``; its metrics and the logprobs (of
+        token t+1 at t). ``before``: these rows' logprobs on the step's first pass (later epochs' ratio)."""
+        new_lp = self.kind.logprobs(self.model, t, self.micro_batch_tokens)
+        out = objective.loss(LossInputs(
+            trainer_logprobs=new_lp, inference_logprobs=t.old_logprobs[:, 1:], ref_logprobs=None,
+            advantages=t.advantages[:, 1:], loss_mask=t.loss_mask[:, 1:] > 0, old_logprobs=before))
+        return out.loss / scale, out.metrics, new_lp.detach()
 
     def _recompute_layers(self, on: bool) -> None:
         """Gradient checkpointing of a transformers model's layers, for rows longer than the token budget."""
@@ -364,12 +358,14 @@ class ReferenceTrainer:
             elif not on and self.model.is_gradient_checkpointing:
                 self.model.gradient_checkpointing_disable()
 
-    def _epoch(self, t: TrainerTensors, clip: float) -> tuple[dict[str, float], torch.Tensor]:
+    def _epoch(self, t: TrainerTensors, objective: Objective, before: torch.Tensor | None
+               ) -> tuple[dict[str, float], torch.Tensor]:
         """One optimizer step over the batch: micro-batches of ``micro_batch_tokens`` (rows x their padded width; a
         group's rows, whose prompt runs once, count as the one packed row they run as: ``kind.micro_batches``)
         accumulate into it. In a group each rank takes its share of the rows; every rank runs the same number of
         micro-batches (one past its share runs with no weight) so that FSDP2's collectives line up, and its
-        gradients are reduced on the last one only."""
+        gradients are reduced on the last one only. The objective's metrics are token-weighted means over the
+        batch; ``loss`` is the batch's."""
         g = self.group
         self.opt.zero_grad()
         n, width = t.input_ids.shape
@@ -382,42 +378,57 @@ class ReferenceTrainer:
             planned = self.kind.micro_batches(self.model, t, self.micro_batch_tokens)
             parts, width = [rows for rows, _ in planned], max(w for _, w in planned)
         self._recompute_layers(width > self.micro_batch_tokens)
-        denom = t.loss_mask[:, 1:].sum().clamp(min=1.0)  # the whole batch's tokens, on every rank
-        scale = g.world if g else 1  # FSDP2 averages the ranks' gradients; the batch's gradient is their sum
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        batch_scale = objective.scale(t.loss_mask[:, 1:] > 0)  # the whole batch's, on every rank
+        world = g.world if g else 1  # FSDP2 averages the ranks' gradients; the batch's gradient is their sum
+        names = ["loss"]
+        totals = torch.zeros(1, dtype=torch.float64, device=self.device)
         new_lp = torch.zeros_like(t.old_logprobs[:, 1:])
         for k, rows in enumerate(parts):
             if g:
                 self.model.set_requires_gradient_sync(k == len(parts) - 1)
-            part = _rows(t, torch.tensor(rows or [0]))
-            loss, st = self.loss(part, denom, clip)
-            (loss * (scale if rows else 0.0)).backward()
+            index = torch.tensor(rows or [0])
+            part = _rows(t, index)
+            width = part.input_ids.shape[1] - 1
+            loss, metrics, lp = self.loss(part, objective, batch_scale,
+                                          None if before is None else before[index, :width])
+            (loss * (world if rows else 0.0)).backward()
+            for name in sorted(metrics.keys() - set(names)):  # the same on every rank: each runs a micro-batch
+                names.append(name)
+                totals = torch.cat([totals, totals.new_zeros(1)])
             if rows:
-                new_lp[rows, :part.input_ids.shape[1] - 1] = st["new_lp"]
-                totals += torch.tensor([st["loss"], st["clip_frac"], st["approx_kl"]], dtype=torch.float64)
-            del loss, st  # not trimmed here: the next micro-batch reuses these pages (``_release_freed_memory``)
+                new_lp[rows, :width] = lp
+                tokens = float((part.loss_mask[:, 1:] > 0).sum())
+                totals += torch.tensor([float(loss.detach())] + [float(metrics[n]) * tokens if n in metrics else 0.0
+                                                                 for n in names[1:]], dtype=torch.float64,
+                                       device=self.device)
+            del loss, metrics  # not trimmed here: the next micro-batch reuses these pages (``_release_freed_memory``)
         if g:
             g.all_sum(totals)
             g.all_sum(new_lp)
+        tokens = float((t.loss_mask[:, 1:] > 0).sum().clamp(min=1))
         if self.optimizer.max_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optimizer.max_norm)
         self._wait_for_state()  # it reads what the step changes
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)  # the gradients' memory is free for the mismatch probe and the write
         _release_freed_memory()
-        return dict(zip(("loss", "clip_frac", "approx_kl"), totals.tolist())), new_lp
+        values = totals.tolist()
+        return {"loss": values[0], **{n: v / tokens for n, v in zip(names[1:], values[1:])}}, new_lp
 
     def step(self, t: TrainerTensors, batch: TrainerBatch) -> dict[str, float]:
         t0 = time.perf_counter()
-        clip = batch.history.clip if batch.history is not None else self.clip  # a derived batch names its rule
+        # a derived batch names its own rule
+        objective = self.objective if batch.history is None else Objective(batch.history.objective())
         self.model.train()
         on_device = t.to(self.device)
+        before = None
         for epoch in range(self.epochs):
-            epoch_stats, new_lp = self._epoch(on_device, clip)
-            if epoch == 0:  # on-policy: the current weights, before any update
+            epoch_stats, new_lp = self._epoch(on_device, objective, before)
+            if epoch == 0:  # the step's first pass: the weights that start it
+                before = new_lp
                 stats = {**epoch_stats, **(self.mismatch(t, batch, new_lp.cpu()) if self.whole is not None else {})}
             else:  # later passes show how far the epochs moved
-                stats.update(clip_frac=epoch_stats["clip_frac"], approx_kl=epoch_stats["approx_kl"])
+                stats.update({f"last_epoch/{k}": v for k, v in epoch_stats.items()})
         self.model.eval()
         stats["reward_mean"] = float(np.mean([r.reward for r in batch.records]))
         stats["step_s"] = time.perf_counter() - t0
@@ -540,8 +551,8 @@ class ReferenceTrainer:
         return {k: v.detach().cpu() for k, v in held.items()}
 
     def mismatch(self, t: TrainerTensors, batch: TrainerBatch, new_lp: torch.Tensor) -> dict[str, float]:
-        """|trainer logprob - inference logprob| over the batch's trained tokens, each under the revision that
-        generated it: the current revision's from the training pass, an earlier one's by a forward pass over at most
+        """|trainer logprob - inference logprob| (mean, max) and the mismatch KL r - log r - 1 (r their ratio; prime-rl's
+        figure) over the batch's trained tokens, each under the revision that generated it: the current revision's from the training pass, an earlier one's by a forward pass over at most
         ``mismatch_rows`` of its rows with its served checkpoint's weights (read from its file: no copies of past
         weights are kept). Rows of a revision whose checkpoint is not known or gone are not measured."""
         rev = torch.tensor([r.policy.revision if r.policy.family == self.family else -1 for r in batch.records])
@@ -549,7 +560,7 @@ class ReferenceTrainer:
         diffs = []
         if bool((rev == self.revision).any()):
             rows = rev == self.revision
-            diffs.append((new_lp[rows] - t.old_logprobs[rows, 1:]).abs()[tokens[rows]])
+            diffs.append((new_lp[rows] - t.old_logprobs[rows, 1:])[tokens[rows]])
         budget, probe = self.mismatch_rows, None
         for r in sorted(set(rev.tolist()) - {self.revision}, reverse=True):  # the newest first
             if budget <= 0 or r not in self.refs:
@@ -570,13 +581,14 @@ class ReferenceTrainer:
                 with torch.no_grad():
                     part = _rows(t, chunk)
                     lp = self.kind.logprobs(probe.eval(), part, self.micro_batch_tokens)
-                diffs.append((lp - part.old_logprobs[:, 1:]).abs()[part.loss_mask[:, 1:] > 0])
+                diffs.append((lp - part.old_logprobs[:, 1:])[part.loss_mask[:, 1:] > 0])
         del probe  # not kept between steps: it would sit on the next backward pass's peak
         _release_freed_memory()
         d = torch.cat(diffs) if diffs else torch.zeros(0)
         if not d.numel():
             return {"mismatch_tokens": 0.0}
-        return {"mismatch_mean": float(d.mean()), "mismatch_max": float(d.max()), "mismatch_tokens": float(d.numel())}
+        return {"mismatch_mean": float(d.abs().mean()), "mismatch_max": float(d.abs().max()),
+                "mismatch_kl": float((torch.exp(d) - d - 1).mean()), "mismatch_tokens": float(d.numel())}
 
     def publish(self, *, run_id: str, producer: str = "trainer", metrics: dict[str, float] | None = None,
                 batch: TrainerBatch | None = None) -> PolicyRevision:

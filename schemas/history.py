@@ -20,17 +20,16 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from schemas.envelope import Record
+from schemas.objectives import DEFAULT_CLIP, PpoClipLoss
 from schemas.policy import PolicyRef
 from schemas.scoring import ScoringSpec, WeightedFunc
 
-DEFAULT_CLIP = 0.2
-"""The PPO clip of the importance ratio, for live and history batches alike."""
 
 
 class HistoryRule(Record):
     """The off-policy rule of a derived run's batch.
 
-    ``importance``: ``token_ppo_clip`` is the objective live batches train with too: per completion token, the
+    ``importance``: ``token_ppo_clip`` (the ``ppo_clip`` objective, whatever the live run trained with): per completion token, the
     ratio exp(logp_trainer - logp_recorded) against the logprob the *generating* revision recorded, clipped to
     [1 - clip, 1 + clip] (PPO/GRPO's pessimistic min), token-mean over the loss mask. Token-level, not
     sequence-level: a sequence ratio over hundreds of tokens of much older weights is 0 or huge, and clipping
@@ -42,6 +41,10 @@ class HistoryRule(Record):
     fork: PolicyRef = Field(description="the source revision the derived chain started from (its checkpoint)")
     importance: Literal["token_ppo_clip"] = "token_ppo_clip"
     clip: float = Field(DEFAULT_CLIP, gt=0)
+
+    def objective(self) -> PpoClipLoss:
+        """What the trainer trains a batch under this rule with (``schemas.objectives``)."""
+        return PpoClipLoss(clip=self.clip)
 
 
 class Rescore(Record):

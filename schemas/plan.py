@@ -22,6 +22,7 @@ from pydantic import Field, JsonValue, model_validator
 
 from schemas.envelope import Record
 from schemas.errors import ContractError
+from schemas.objectives import DefaultLoss, ObjectiveSpec
 
 LEARNER = "learner"
 # A plan's values where the recipe is silent: prime-rl's defaults.
@@ -240,6 +241,9 @@ class GenerationPlan(Record):
                                                           "weight trains")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="the trainer's optimizer "
                                                                               "([trainer.optim] type and its settings)")
+    objective: ObjectiveSpec = Field(default_factory=DefaultLoss, description="what the trainer optimizes "
+                                     "([trainer.loss]; prime-rl's default DPPO+KL when the recipe names none): "
+                                     "schemas.objectives")
     served_model: str | None = Field(
         default=None, description="the weights that stand in for ``family`` where its own model cannot be served "
                                   "here (``--model``); None: the family's own model")

@@ -51,6 +51,7 @@ from typing import Any, Iterable
 
 from pydantic import ValidationError
 
+from schemas.objectives import OBJECTIVE_TYPES, DefaultLoss, objective_from
 from schemas.recipe_keys import neutral_reason, refusals
 from schemas.plan import (DEFAULT_BATCH_SIZE, DEFAULT_EVAL_INTERVAL, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ASYNC_LEVEL,
                           DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, AdvantageSpec, EnvSpec, GenerationPlan,
@@ -295,6 +296,7 @@ class _Compiler:
         max_steps, seq_len = self._run_length(data, orch, op, unified)
         trainer, optimizer = self._trainer(data) if unified else ({}, OptimizerSpec())
         lora = self._lora(data) if unified else None
+        objective = self._objective(data, self.targets[LEARNER].sampling.get("max_tokens")) if unified else DefaultLoss()
         server = self._server(data) if unified else {}
 
         try:
@@ -304,7 +306,7 @@ class _Compiler:
                 eval_environments=eval_environments, eval_interval=eval_interval,
                 eval_skip_first_step=eval_skip_first_step, group_size=group_size, batch_size=batch_size,
                 token_batch_size=token_batch_size, max_off_policy_steps=max_off, max_async_level=max_async,
-                max_steps=max_steps, seq_len=seq_len, trainer=trainer, lora=lora, optimizer=optimizer, server=server, refused=self.refused,
+                max_steps=max_steps, seq_len=seq_len, trainer=trainer, lora=lora, optimizer=optimizer, objective=objective, server=server, refused=self.refused,
                 advantage=advantage, ignored_sections=self.ignored_sections, ignored_keys=self.ignored_keys,
                 passthrough_sampling=self.passthrough, provenance={"family": model_path, **self.provenance})
         except ValidationError as exc:
@@ -796,6 +798,32 @@ class _Compiler:
             return out, OptimizerSpec(**spec)
         except ValidationError as exc:
             raise self.fail("trainer.optim", exc.errors(include_url=False)[0]["msg"]) from None
+
+    def _objective(self, data: dict, max_tokens: Any) -> Any:
+        """``[trainer.loss]``: prime-rl's tagged union (``default``, ``ipo``, ``custom``) and ours (``trl``,
+        ``ppo_clip``, ``ce``), each with its own keys and defaults (``schemas.objectives``); prime-rl's default
+        when the table is absent. TRL's ``dr_grpo`` constant defaults to the learner's max_tokens."""
+        trainer = self.table(data, "trainer", "") or {}
+        loss = self.table(trainer, "loss", "trainer")
+        if loss is None:
+            return DefaultLoss()
+        kind = loss.get("type", "default")
+        if kind not in OBJECTIVE_TYPES:
+            close = _near_miss(str(kind), OBJECTIVE_TYPES)
+            hint = f"did you mean {close[0]!r}?" if close else f"one of {', '.join(OBJECTIVE_TYPES)}"
+            raise self.fail("trainer.loss.type", f"unknown loss type {kind!r} ({hint})")
+        if kind == "trl" and loss.get("loss_type") == "dr_grpo" and "max_completion_length" not in loss \
+                and max_tokens:
+            loss = {**loss, "max_completion_length": max_tokens}
+        try:
+            spec = objective_from(loss)
+        except ValidationError as exc:
+            e = exc.errors(include_url=False)[0]
+            where = ".".join(str(x) for x in e["loc"][1:] if not isinstance(x, int)) or "type"
+            raise self.fail(_join("trainer.loss", where), e["msg"]) from None
+        for k in loss:
+            self.provenance[f"objective.{k}"] = f"trainer.loss.{k}"
+        return spec
 
     def _lora(self, data: dict) -> LoraSpec | None:
         """``[trainer.model.lora]`` (prime-rl's defaults for what it leaves out), with ``[orchestrator.model.lora]``'s

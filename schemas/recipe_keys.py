@@ -51,7 +51,7 @@ NEUTRAL: dict[str, str] = {
 }
 
 # Keys read by the plan compiler outside the orchestrator's generation part (GenerationPlan fields).
-APPLIED = frozenset({"max_steps", "orchestrator.max_steps", "seq_len", "trainer.optim.lr",
+APPLIED = frozenset({"max_steps", "trainer.loss", "orchestrator.max_steps", "seq_len", "trainer.optim.lr",
                      "trainer.optim.type", "trainer.optim.weight_decay", "trainer.optim.betas1", "trainer.optim.betas2",
                      "trainer.optim.mu", "trainer.optim.max_norm", "orchestrator.eval.skip_first_step",
                      "trainer.model.lora.rank", "trainer.model.lora.alpha", "trainer.model.lora.dropout",
@@ -67,7 +67,6 @@ REASONS: dict[str, str] = {
     "trainer.model.reduce_dtype": "a reduction dtype: the reference trainer keeps fp32 weights and gradients (bf16 "
                                   "autocast where the device has native bf16)",
     "trainer.model.optimization_dtype": "an optimizer dtype: the reference trainer keeps fp32 optimizer state",
-    "trainer.loss": "prime-rl's loss settings: the reference trainer runs its own clipped objective",
     "trainer.optim": "optimizer settings other than its type, lr, weight_decay, betas, mu and max_norm",
     "trainer.scheduler": "a learning-rate schedule: the reference trainer uses a constant rate",
     "model.vlm": "a vision-language model: nothing here serves or trains images",

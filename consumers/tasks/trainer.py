@@ -21,6 +21,7 @@ from schemas import codec
 from schemas.batch import stale_reason
 from schemas.errors import EventDecodeError
 from schemas.events import TrainerBatch
+from schemas.objectives import ObjectiveError
 from schemas.policy import CheckpointRef, PolicyRef, PolicyRevision
 from streams import topics
 from streams.records_at import records_at
@@ -59,7 +60,7 @@ class TrainerTask(TaskDefaults):
                  keep_checkpoints: int = 0, weight_decay: float = 0.0, served_model: str | None = None,
                  state_every: int = DEFAULT_STATE_EVERY, micro_batch_tokens: int = MICRO_BATCH_TOKENS,
                  read_records: Callable[[str, int, list[int]], Awaitable[list[Any]]] | None = None,
-                 max_steps: int | None = None, lora: Any = None, optimizer: Any = None,
+                 max_steps: int | None = None, lora: Any = None, optimizer: Any = None, objective: Any = None,
                  warm: WarmStart | None = None) -> None:
         """``target_checkpoint``: where the first batch's target revision's weights are (default: this trainer's
         checkpoint_dir naming of the tiny model); the revisions topic says it, see ``wiring``. ``read_records(topic,
@@ -76,7 +77,8 @@ class TrainerTask(TaskDefaults):
         self.max_steps = max_steps  # the run's last revision: nothing is trained past it
         self.options = dict(lr=lr, epochs=epochs, keep_checkpoints=keep_checkpoints, weight_decay=weight_decay,
                             served_model=served_model, state_every=state_every, micro_batch_tokens=micro_batch_tokens,
-                            last_revision=max_steps, lora=lora, optimizer=optimizer)
+                            last_revision=max_steps, lora=lora, optimizer=optimizer,
+                            objective=objective)
         self.warm = warm
         self.trainer: ReferenceTrainer | None = None
         self.current: dict[str, Any] = {}  # the revision: {"revision", "checkpoint"}
@@ -210,7 +212,12 @@ class TrainerTask(TaskDefaults):
             self.refused += len(batch.records)
             return [dead_letter(rec, NAME, "RunComplete", why, batch.run_id, raw=codec.encode(r))
                     for r in batch.records]
-        step, refused, stats = await computed(self._train, trainer, batch)
+        try:
+            step, refused, stats = await computed(self._train, trainer, batch)
+        except ObjectiveError as e:  # the weights are untouched: the next batch trains from the same revision
+            log.error("the objective refused batch %s: %s", batch.batch_id, e)
+            self.refused += len(batch.records)
+            return [dead_letter(rec, NAME, "ObjectiveError", f"batch {batch.batch_id}: {e}", batch.run_id)]
         outs = [dead_letter(rec, NAME, "StaleRecordError", why, batch.run_id, raw=codec.encode(r)) for r, why in refused]
         self.refused += len(outs)
         if step is None:
@@ -292,7 +299,7 @@ async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIt
                    keep_checkpoints=cfg.keep_checkpoints, weight_decay=cfg.weight_decay,
                    served_model=cfg.served_model, state_every=cfg.state_every,
                    micro_batch_tokens=cfg.micro_batch_tokens, max_steps=cfg.max_steps, lora=cfg.lora,
-                   optimizer=cfg.optimizer)
+                   optimizer=cfg.optimizer, objective=cfg.objective)
     from consumers import distributed
 
     # a fresh run (no revision after its first: a trainer joining a run under way takes over instead), and not
