@@ -70,7 +70,7 @@ class Job:
     batch_records: int       # completions per optimizer step (a multiple of group_size)
     lr: float
     epochs: int              # optimizer passes over each batch
-    clip: float              # PPO/GRPO clip epsilon
+    clip: float              # PPO/GRPO clip epsilon (TRL's epsilon; the plan's trl objective's)
     max_grad_norm: float
     weight_decay: float
     temperature: float
@@ -80,6 +80,7 @@ class Job:
     eval_skip_first_step: bool  # ... from step 0 unless this, and at the last step
     bf16: bool                 # bf16 autocast (and vLLM in bf16): only where this CPU has native bf16 (cpu_bf16)
     seed: int = 0
+    loss_type: str = "dapo"    # TRL's normalisation (the plan's trl objective's)
 
     @property
     def groups(self) -> int:
@@ -106,13 +107,17 @@ def job(steps: int | None = None, eval_interval: int | None = None) -> Job:
     prof = PROFILES["vllm"]
     plan = compile_plan(prof.plan)
     defaults = inspect.signature(ReferenceTrainer.__init__).parameters
+    objective = plan.objective
+    if objective.type != "trl" or objective.epsilon_high not in (None, objective.epsilon):
+        raise ValueError(f"{prof.plan} trains with {objective.type!r}: the side by side needs the plan's "
+                         "[trainer.loss] to be TRL's (type = \"trl\", a symmetric epsilon)")
     sampling = plan.learner.sampling
     if plan.batch_size % plan.group_size:
         raise ValueError(f"batch_size {plan.batch_size} is not a multiple of group_size {plan.group_size}")
     return Job(plan=prof.plan, steps=steps or prof.groups * plan.group_size // plan.batch_size,
                group_size=plan.group_size, batch_records=plan.batch_size,
                lr=float(plan.trainer.get("lr", prof.lr)), epochs=prof.epochs,
-               clip=float(defaults["clip"].default), max_grad_norm=float(plan.optimizer.max_norm),
+               clip=objective.epsilon, loss_type=objective.loss_type, max_grad_norm=float(plan.optimizer.max_norm),
                weight_decay=float(plan.trainer.get("weight_decay", defaults["weight_decay"].default)),
                temperature=float(sampling.get("temperature", 1.0)), max_tokens=int(sampling["max_tokens"]),
                max_off_policy_steps=plan.max_off_policy_steps, eval_interval=eval_interval or plan.eval_interval,
@@ -125,8 +130,11 @@ def grpo_config_kwargs(j: Job, output_dir: str) -> dict[str, Any]:
     * one optimizer step = ``batch_records`` completions, ``batch_records / group_size`` prompts, generated for
       that step (no accumulation, no reuse across steps but the epochs);
     * ``num_iterations`` = epochs, and TRL counts each pass as a step: ``max_steps`` = steps x epochs;
-    * loss ``dapo``: token-level clipped objective summed over the batch and divided by its completion tokens,
-      as ``ReferenceTrainer.loss``; ``beta`` 0 (no KL, no reference model); symmetric clip;
+    * the plan's ``trl`` objective (``[trainer.loss] type = "trl"``: the demo's ``dapo``, token-level clipped
+      objective summed over the batch and divided by its completion tokens), TRL's own computation on both sides
+      (``tests/test_objectives.py``); ``beta`` 0 (no KL, no reference model); symmetric clip. The demo generates
+      with vLLM, so its side also applies TRL's vLLM importance weight (TRL's default with vLLM); TRL here
+      generates with transformers, where it has none;
     * advantages ``(r - group mean) / (group std + eps)`` (``scale_rewards="group"``; TRL's std is Bessel-corrected
       and its eps 1e-4, ours the population std and 1e-6: not settable);
     * AdamW (torch), constant learning rate, no warmup, the same weight decay and grad-norm clip;
@@ -144,7 +152,7 @@ def grpo_config_kwargs(j: Job, output_dir: str) -> dict[str, Any]:
         num_iterations=j.epochs, max_steps=j.steps * j.epochs,
         max_completion_length=j.max_tokens, temperature=j.temperature, top_p=1.0, top_k=0,
         repetition_penalty=1.0,
-        beta=0.0, epsilon=j.clip, epsilon_high=j.clip, loss_type="dapo", scale_rewards="group",
+        beta=0.0, epsilon=j.clip, epsilon_high=j.clip, loss_type=j.loss_type, scale_rewards="group",
         learning_rate=j.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=j.weight_decay,
         max_grad_norm=j.max_grad_norm, optim="adamw_torch",
         gradient_checkpointing=False,  # TRL's default is True; the reference trainer keeps its activations

@@ -323,7 +323,7 @@ class ReferenceTrainer:
         self.family = family
         self.revision = revision
         self.dir = Path(checkpoint_dir)
-        self.objective = Objective(objective if objective is not None else DefaultLoss())
+        self.objective = self.trained_with = Objective(objective if objective is not None else DefaultLoss())
         self.optimizer = optimizer or OptimizerSpec()
         self.lr = lr
         self.epochs = epochs  # optimizer passes over each batch (PPO epochs; the objective bounds how far they go)
@@ -419,6 +419,7 @@ class ReferenceTrainer:
         t0 = time.perf_counter()
         # a derived batch names its own rule
         objective = self.objective if batch.history is None else Objective(batch.history.objective())
+        self.trained_with = objective  # named on the revision this step makes
         self.model.train()
         on_device = t.to(self.device)
         before = None
@@ -616,6 +617,7 @@ class ReferenceTrainer:
                               parent_revision=parent, batch_id=batch.batch_id if batch else None,
                               served_model=self.served_model,
                               batch_digest=batch.batch_digest if batch else None,
+                              objective=self.trained_with.spec.model_dump(mode="json") if batch else None,
                               metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)})
 
     def prune(self, revision: int, state_revision: int | None) -> None:

@@ -63,7 +63,7 @@ def _table(name: str, fields: list[pa.Field], doc: str, *, envelope: bool = True
 
 
 # PolicyRevision.metrics with a typed column of their own in policy_revisions
-REVISION_METRIC_COLUMNS = ("mismatch_mean", "mismatch_max", "mismatch_tokens")
+REVISION_METRIC_COLUMNS = ("mismatch_mean", "mismatch_max", "mismatch_kl", "mismatch_tokens")
 
 POLICY_REVISIONS = _table("policy_revisions", [
     pa.field("family", STR), pa.field("revision", I64), pa.field("checkpoint_uri", STR),
@@ -71,10 +71,12 @@ POLICY_REVISIONS = _table("policy_revisions", [
     column("batch_id", STR, "NULL"), column("batch_digest", STR, "NULL"),
     column("metrics", pa.map_(STR, F64), "NULL"),
     *(column(name, F64, "NULL") for name in REVISION_METRIC_COLUMNS),
+    column("objective_type", STR, "NULL"), column("objective", STR, "NULL"),
     column("fork_family", STR, "NULL"), column("fork_revision", I64, "NULL"),
     column("fork_checkpoint_digest", STR, "NULL"), *source_fields(),
 ], "PolicyRevision events: which weights exist (family, revision, checkpoint) and the trainer's statistics "
-   "for the step that made them (metrics; mismatch_* copied out of it); a derived run's first revision names "
+   "for the step that made them (metrics; mismatch_* copied out of it) and the objective it optimized "
+   "(objective_type, and its settings as JSON); a derived run's first revision names "
    "the source revision it forked from (fork_*, source_*)")
 
 STEPS = _table("steps", [

@@ -81,6 +81,7 @@ def _env_line(e, top) -> str:
 
 
 def render(plan, rollout: str | None = None, seed: int = 0, members: list[str] | None = None) -> str:
+    from schemas.objectives import describe
     from schemas.plan import LEARNER
 
     prov = plan.provenance
@@ -97,7 +98,9 @@ def render(plan, rollout: str | None = None, seed: int = 0, members: list[str] |
            f"  eval_interval         {plan.eval_interval}{'; skip_first_step' if plan.eval_skip_first_step else ''}"
            f"   ({prov.get('eval_interval', '?')})",
            f"  trainer               {_kv(plan.trainer) if plan.trainer else 'the reference trainer defaults'}",
-           f"  optimizer             {_optimizer(plan.optimizer)}"]
+           f"  optimizer             {_optimizer(plan.optimizer)}",
+           f"  objective             {describe(plan.objective)}   "
+           f"({'trainer.loss' if any(k.startswith('objective.') for k in prov) else 'default: prime-rl'})"]
     if plan.lora:
         out.append(f"  lora                  rank {plan.lora.rank}, alpha {plan.lora.alpha:g}, dropout "
                    f"{plan.lora.dropout:g}, on {', '.join(plan.lora.target_modules)} (those the model has): only the "

@@ -102,9 +102,13 @@ class PolicyRevision(Event):
         "the command line's cadence), so that a derived run answers the same held-out questions at the same "
         "evaluation cadence (rollout derive)"))
     metrics: dict[str, float] = Field(default_factory=dict, description=(
-        "the training step that made this revision: loss, clip fraction, step seconds, and the trainer-inference "
-        "logprob mismatch (mean/max |logprob(trainer) - logprob(inference)| over the batch's tokens, each "
-        "recomputed under the revision that generated it)"))
+        "the training step that made this revision: loss, the objective's own figures (masked or clipped "
+        "fractions), step seconds, and the trainer-inference logprob mismatch (mean/max |logprob(trainer) - "
+        "logprob(inference)| and the mismatch KL over the batch's tokens, each recomputed under the revision that "
+        "generated it)"))
+    objective: dict[str, JsonValue] | None = Field(default=None, description=(
+        "what the step that made this revision optimized: its schemas.objectives spec (type and every setting); "
+        "None for a revision no batch made"))
 
     @model_validator(mode="after")
     def _parent_precedes(self) -> PolicyRevision:
