@@ -29,6 +29,7 @@ from schemas.batch import assemble_batch
 from schemas.envelope import Event
 from schemas.events import ChatMessage, Rollout, RolloutScored, Step, StepTokens, TrainerBatch, TrainingRecord
 from schemas.policy import CheckpointRef, PolicyRevision
+from schemas.objectives import DefaultLoss
 
 FAMILY = "toy"
 # The scoring kind each episode type's rewards stand for (0/1 answers are exact matches; debate is zero-sum).
@@ -55,10 +56,11 @@ class SyntheticRun:
 def _revision(run_id: str, rev: int, batch: TrainerBatch | None = None, family: str = FAMILY) -> PolicyRevision:
     digest = hashlib.sha256(f"{run_id}/{family}/{rev}".encode()).hexdigest()
     metrics = {"loss": 1.0 / (rev + 1), "mismatch_mean": 0.01 * rev, "mismatch_max": 0.1 * rev,
-               "mismatch_tokens": 100.0 * rev} if rev else {}
+               "mismatch_kl": 1e-4 * rev, "mismatch_tokens": 100.0 * rev, "is_masked": 0.01 * rev} if rev else {}
     return PolicyRevision(run_id=run_id, producer="trainer", family=family, revision=rev,
                           checkpoint=CheckpointRef(uri=f"file:///ckpt/{run_id}/r{rev}.pt", digest=digest),
                           parent_revision=rev - 1 if rev else None, metrics=metrics,
+                          objective=DefaultLoss().model_dump(mode="json") if rev else None,
                           batch_id=batch.batch_id if batch else None, batch_digest=batch.batch_digest if batch else None)
 
 

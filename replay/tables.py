@@ -267,7 +267,8 @@ SELECT policy_family, policy_revision, count(DISTINCT rollout_id) AS rollouts, c
        count(*) FILTER (WHERE NOT policy_exact) AS inexact
 FROM v_eval_answers GROUP BY ALL ORDER BY policy_family, policy_revision""",
     # PolicyRevision.metrics in long form, and the trainer-inference logprob mismatch it reports:
-    # measured while training `revision` on the tokens `measured_revision` (its parent) generated.
+    # measured while training `revision` on the tokens `measured_revision` (its parent) generated, with the
+    # objective that step optimized (its masked or clipped fractions are among the metrics).
     "v_revision_metrics": """
 SELECT family, revision, e.key AS name, e.value
 FROM (SELECT DISTINCT ON (family, revision) family, revision, metrics FROM policy_revisions
@@ -275,7 +276,7 @@ FROM (SELECT DISTINCT ON (family, revision) family, revision, metrics FROM polic
 ORDER BY family, revision, name""",
     "v_logprob_mismatch": """
 SELECT DISTINCT ON (family, revision) family, revision, parent_revision AS measured_revision,
-       mismatch_mean, mismatch_max, mismatch_tokens
+       mismatch_mean, mismatch_max, mismatch_kl, mismatch_tokens, objective_type
 FROM policy_revisions WHERE mismatch_mean IS NOT NULL OR mismatch_max IS NOT NULL
 ORDER BY family, revision, _offset""",
     "v_batch_staleness": """

@@ -368,16 +368,21 @@ def test_new_columns_match_the_events(eval_run):
         assert got == {e.rollout_id: e.evaluation for e in eval_run.events(key)}
         assert sum(got.values()) == 3 * 5
     revs = {r.revision: r for r in eval_run.events("policy-revisions")}
-    for rev, metrics, mean, mx, n in con.execute(
-            "SELECT revision, metrics, mismatch_mean, mismatch_max, mismatch_tokens FROM policy_revisions").fetchall():
+    for rev, metrics, mean, mx, kl, n, kind, objective in con.execute(
+            "SELECT revision, metrics, mismatch_mean, mismatch_max, mismatch_kl, mismatch_tokens, objective_type, "
+            "objective FROM policy_revisions").fetchall():
         assert dict(metrics) == pytest.approx(revs[rev].metrics)
-        assert (mean, mx, n) == tuple(revs[rev].metrics.get(k) for k in ("mismatch_mean", "mismatch_max", "mismatch_tokens"))
+        assert (mean, mx, kl, n) == tuple(revs[rev].metrics.get(k) for k in ("mismatch_mean", "mismatch_max",
+                                                                             "mismatch_kl", "mismatch_tokens"))
+        assert (kind, json.loads(objective) if objective else None) == (
+            revs[rev].objective and revs[rev].objective["type"], revs[rev].objective)
+    assert {kind for (kind,) in con.execute("SELECT objective_type FROM policy_revisions").fetchall()} == {None, "default"}
     long = con.execute("SELECT family, revision, name, value FROM v_revision_metrics").fetchall()
     assert sorted(long) == sorted((r.family, r.revision, k, v) for r in revs.values() for k, v in r.metrics.items())
-    mismatch = con.execute("SELECT revision, measured_revision, mismatch_mean, mismatch_max, mismatch_tokens "
-                           "FROM v_logprob_mismatch ORDER BY revision").fetchall()
+    mismatch = con.execute("SELECT revision, measured_revision, mismatch_mean, mismatch_max, mismatch_kl, "
+                           "mismatch_tokens, objective_type FROM v_logprob_mismatch ORDER BY revision").fetchall()
     assert mismatch == [(r.revision, r.parent_revision, r.metrics["mismatch_mean"], r.metrics["mismatch_max"],
-                         r.metrics["mismatch_tokens"]) for r in sorted(revs.values(), key=lambda r: r.revision) if r.metrics]
+                         r.metrics["mismatch_kl"], r.metrics["mismatch_tokens"], "default") for r in sorted(revs.values(), key=lambda r: r.revision) if r.metrics]
 
 
 def test_eval_accuracy_by_revision_and_training_views_without_evaluation(eval_run):
