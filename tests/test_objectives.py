@@ -160,6 +160,11 @@ PRIME_RL_CUSTOM = '''
 
     def not_finite(inputs):
         return Out(loss=inputs.trainer_logprobs.sum() * float("nan"), metrics={})
+
+    def refuses_large_advantages(inputs, limit=1.0):
+        if bool((inputs.advantages.abs() > limit).any()):
+            raise ValueError(f"advantage beyond {limit}")
+        return weighted_pg(inputs)
 '''
 
 
@@ -191,6 +196,47 @@ def test_a_custom_loss_that_raises_or_is_not_finite_is_one_objective_error(user_
         Objective(CustomLoss(import_path="my_prime_rl_loss.not_finite")).loss(_inputs([1.0] * 5))
     with pytest.raises(ObjectiveError, match="cannot be imported"):
         Objective(CustomLoss(import_path="my_prime_rl_loss.missing"))
+
+
+async def test_a_batch_its_custom_loss_refuses_is_dead_lettered_with_the_reason_and_the_trainer_goes_on(
+        user_loss, tmp_path):
+    """The trainer service's path (``TrainerTask.process``): the second of three batches makes the user's loss raise;
+    that batch is one dead letter naming the function and its error, no revision is made from it, and the third
+    batch trains r2 from r1."""
+    from consumers import testing
+    from consumers.tasks.trainer import TrainerTask
+    from consumers.trainer import initial_revision
+    from schemas import codec
+    from schemas.batch import assemble_batch
+    from schemas.events import DeadLetter, TrainerBatch
+    from schemas.policy import PolicyRevision
+
+    class Rec:
+        topic, partition, headers, key = "tb", 0, [], b"tiny"
+
+        def __init__(self, offset, value):
+            self.offset, self.value = offset, value
+
+    rev0 = initial_revision("tiny", tmp_path / "r0", seed=0)
+    task = TrainerTask(0, "tiny", tmp_path / "ck", target_checkpoint=lambda t: rev0.checkpoint,
+                       objective=CustomLoss(import_path="my_prime_rl_loss.refuses_large_advantages"))
+    target, outs, batches = rev0, [], []
+    for k, reward in enumerate((1.0, 9.0, 0.0)):  # advantage = reward - 0.5
+        recs = [testing.training_record(10 * k + i, revision_=target.revision, reward=reward * (i % 2))
+                for i in range(4)]
+        batches.append(assemble_batch(recs, target, 1, run_id="run", producer="t"))
+        outs.append(await task.process(Rec(k, codec.encode(batches[-1]))))
+        task.committed()
+        target = next((o.event for o in outs[-1] if isinstance(o.event, PolicyRevision)), target)
+    kinds = [[type(o.event).__name__ for o in out] for out in outs]
+    assert kinds == [["PolicyRevision"], ["DeadLetter"], ["PolicyRevision"]]
+    (letter,) = [o.event for o in outs[1]]
+    assert isinstance(letter, DeadLetter) and letter.error_type == "ObjectiveError" and letter.origin_offset == 1
+    assert "my_prime_rl_loss.refuses_large_advantages raised ValueError: advantage beyond 1.0" in letter.error_message
+    assert codec.decode(letter.raw, TrainerBatch).batch_id == batches[1].batch_id  # the whole batch, as it came
+    assert target.revision == 2 and target.parent_revision == 1
+    assert target.objective == {"type": "custom", "import_path": "my_prime_rl_loss.refuses_large_advantages",
+                                "kwargs": {}}
 
 
 def _recipe(loss: str = "") -> dict:
