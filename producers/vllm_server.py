@@ -123,6 +123,11 @@ def lora_server_args(rank: int) -> list[str]:
     return ["--enable-lora", "--max-lora-rank", str(allowed)]
 
 
+WORKER_EXTENSION = "producers.vllm_worker.PolicyWeightsExtension"
+"""The worker extension every server started here runs: its ``reload_policy_weights`` is the reload the arena
+calls, which also refreshes the CPU's packed LM head (``producers.vllm_worker``)."""
+
+
 class VllmStartError(RuntimeError):
     """vLLM could not be started; the message says why and what to do."""
 
@@ -141,8 +146,10 @@ class VllmServer:
     def __init__(self, model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: str | None = None, max_model_len: int = 2048, kv_cache_gb: float | None = None,
                  compile: bool = False, extra_args: tuple[str, ...] = (), log_path: str | os.PathLike | None = None,
-                 threads: int | None = None, cores: str | None = None, lora_rank: int | None = None) -> None:
-        """``lora_rank``: serve LoRA adapters of up to this rank, loaded at run time (``lora_server_args``)."""
+                 threads: int | None = None, cores: str | None = None, lora_rank: int | None = None,
+                 dtype: str | None = None) -> None:
+        """``lora_rank``: serve LoRA adapters of up to this rank, loaded at run time (``lora_server_args``);
+        ``dtype``: vLLM's ``--dtype``, this CPU's choice when None (``dtype``)."""
         from policy.hf import FAMILY
 
         self.model_dir = Path(model_dir)
@@ -153,6 +160,7 @@ class VllmServer:
         self.compile = compile  # torch.compile: faster decoding, but a 90-130 s start on a 2-core CPU
         self.extra_args = tuple(extra_args)
         self.lora_rank = lora_rank
+        self._dtype = dtype
         self.log_path = Path(log_path) if log_path else None
         self.threads = threads or os.cpu_count() or 1
         self.cores = cores or f"0-{self.threads - 1}"  # VLLM_CPU_OMP_THREADS_BIND: the cores its threads run on
@@ -177,9 +185,11 @@ class VllmServer:
     @property
     def dtype(self) -> str:
         """bfloat16 where the CPU has fast bf16 kernels (``policy.hf.cpu_bf16``), float32 elsewhere: on an AVX2-only
-        CPU vllm-cpu generated 5-6 tokens/s in bfloat16 with 48 requests running."""
+        CPU vllm-cpu generated 5-6 tokens/s in bfloat16 with 48 requests running; the one given, if any."""
         from policy.hf import cpu_bf16
 
+        if self._dtype is not None:
+            return self._dtype
         return "bfloat16" if cpu_bf16() else "float32"
 
     def served_names(self) -> list[str]:
@@ -211,7 +221,7 @@ class VllmServer:
         cmd = [sys.executable, "-m", "producers.vllm_launch", "--model", str(self.model_dir),
                "--served-model-name", *self.served_names(), "--dtype", self.dtype,
                "--max-model-len", str(self.max_model_len), "--host", self.host, "--port", str(self.port),
-               "--disable-uvicorn-access-log"]
+               "--disable-uvicorn-access-log", "--worker-extension-cls", WORKER_EXTENSION]
         kv = self.kv_cache_bytes  # reads the model's config: once
         if kv is not None:
             cmd += ["--kv-cache-memory-bytes", str(kv)]

@@ -5,9 +5,11 @@ Two servers take new weights without a restart:
 
 * the local policy server (``producers.policy_server``): ``POST /v1/load_weights``; it also names the
   revision behind every response, so its Steps are exact by themselves;
-* vLLM (``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc {"method": "reload_weights"}`` with the
-  checkpoint folder, then ``/reset_prefix_cache`` (the prefix cache survives a reload: a cached prompt
-  would otherwise reuse KV computed with the old weights) and ``/update_weight_version``. A LoRA run's revision
+* vLLM (``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc {"method": "reload_policy_weights"}`` with the
+  checkpoint folder (vLLM's ``reload_weights``, then its LM head packed again: ``producers.vllm_worker``; plain
+  ``reload_weights`` on a server started without that worker extension), then ``/reset_prefix_cache`` (the
+  prefix cache survives a reload: a cached prompt would otherwise reuse KV computed with the old weights) and
+  ``/update_weight_version``. A LoRA run's revision
   that is its adapter alone (``CheckpointRef.adapter``, ``policy.lora``) is loaded as prime-rl loads it: ``POST
   /v1/load_lora_adapter`` with the PEFT folder, under the one adapter name of the plan (``LoraSpec.adapter_name``),
   over the base it names (reloaded first when the server does not hold it); the arena's learner requests then name
@@ -137,6 +139,7 @@ class VllmWeights:
         self.timeout_s = timeout_s
         self.base: str | None = None  # the digest of the whole weights the server holds (what an adapter goes over)
         self.first = True  # no load yet: the server may still hold the weights it started on (``_started_on``)
+        self.reload_method: str | None = None  # found at the first reload (``_reload_method``)
 
     @classmethod
     def for_plan(cls, plan: Any) -> Callable[[str], VllmWeights]:
@@ -202,9 +205,28 @@ class VllmWeights:
         if first and await self._started_on(http) == folder.resolve():
             await self._checked(rev, ck, lambda: asyncio.sleep(0))
         else:
+            method = await self._reload_method(http)
             await self._checked(rev, ck, lambda: self._post(http, "/collective_rpc", rev, json={
-                "method": "reload_weights", "kwargs": {"weights_path": str(folder)}}))
+                "method": method, "kwargs": {"weights_path": str(folder)}}))
         self.base = ck.digest
+
+    async def _reload_method(self, http: httpx.AsyncClient) -> str:
+        """``reload_policy_weights`` where the server runs our worker extension (every server ``VllmServer``
+        starts): vLLM's reload, then the LM head packed again (``producers.vllm_worker``; without it a CPU server
+        keeps computing logits with the head it started with). vLLM's own ``reload_weights`` on any other server
+        (one started by hand, e.g. on a GPU, where no packed copy is kept): a method the server lacks would stop
+        it, so the server's configuration (``/server_info``, once: ~2 s on 2 cores) says which it has."""
+        from producers.vllm_server import WORKER_EXTENSION
+
+        if self.reload_method is None:
+            try:
+                r = await http.get(self.root + "/server_info", params={"config_format": "json"},
+                                   timeout=self.timeout_s)
+                extension = r.json()["vllm_config"]["parallel_config"].get("worker_extension_cls")
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+                extension = None
+            self.reload_method = "reload_policy_weights" if extension == WORKER_EXTENSION else "reload_weights"
+        return self.reload_method
 
     async def _started_on(self, http: httpx.AsyncClient) -> Path | None:
         """The model folder the server started on, while it still holds those weights: its weight version is still

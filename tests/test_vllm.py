@@ -209,6 +209,59 @@ async def test_an_adapter_revision_is_loaded_as_prime_rl_loads_it_and_every_step
     _explained_by_their_revision({0: load_model(rev0.checkpoint), 1: load_model(rev1.checkpoint)}, by_rev)
 
 
+def _noisy_revision(tmp_path: Path, model, revision: int) -> PolicyRevision:
+    """The next revision of a chain: noise of 1% of each tensor's spread added to every parameter of ``model``
+    (in place), the embeddings, and so the tied head, included."""
+    gen = torch.Generator().manual_seed(revision)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * float(p.std()) * 0.01)
+    ref = save_checkpoint(model, tmp_path / f"r{revision}", FAMILY, revision)
+    return PolicyRevision(run_id="t", producer="test", family=FAMILY, revision=revision, checkpoint=ref,
+                          parent_revision=revision - 1)
+
+
+async def _served_prompt_logprobs(http, base_url: str, ids: list[int]) -> torch.Tensor:
+    """vLLM's log p(ids[t] | ids[:t]) for t >= 1: the prompt logprobs of a completion of the token ids."""
+    r = await http.post(base_url + "/completions", json={"model": FAMILY, "prompt": ids, "max_tokens": 1,
+                                                         "prompt_logprobs": 0}, timeout=60)
+    r.raise_for_status()
+    out = r.json()["choices"][0]["prompt_logprobs"]
+    return torch.tensor([out[t][str(ids[t])]["logprob"] for t in range(1, len(ids))])
+
+
+async def test_every_reloaded_revision_is_served_exactly_in_float32(tmp_path):
+    """vLLM in float32, each revision of a chain that changed every weight loaded as the arena loads it
+    (``VllmWeights``): the logprobs vLLM serves are the trainer's float32 logprobs under that revision, within 1e-4,
+    at every revision. Before ``producers.vllm_worker`` a CPU server kept computing logits with revision 0's packed
+    LM head (SmolLM2's head is tied to the embeddings, which the checkpoint alone holds): max |dlogp| 0.15, 0.25,
+    0.40 at revisions 1-3; with the head packed again at each reload 3.4-5.2e-5 (3.6e-5 at revision 0)."""
+    import httpx
+
+    from producers.vllm_server import VllmServer
+
+    ids = _template_ids(_tokenizer(), [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "12"}])
+    model = load_model(prepare_model().checkpoint)
+    server = VllmServer(prepare_model().path, port=free_port(), max_model_len=512, dtype="float32",
+                        log_path=tmp_path / "vllm.log")
+    worst = {}
+    async with server, httpx.AsyncClient() as http:
+        loader = VllmWeights(server.base_url)
+        for revision in range(4):
+            rev = PolicyRevision(run_id="t", producer="test", family=FAMILY, revision=0,
+                                 checkpoint=prepare_model().checkpoint) if revision == 0 else \
+                _noisy_revision(tmp_path, model, revision)
+            await loader.load(http, rev)
+            served = await _served_prompt_logprobs(http, server.base_url, ids)
+            x = torch.tensor([ids])
+            with torch.no_grad():
+                expected = token_logprobs(load_model(rev.checkpoint), x, torch.ones_like(x), autocast=False)[0]
+            worst[revision] = float((served - expected).abs().max())
+    print("max |dlogp| per revision, vLLM float32 against transformers float32:", worst)
+    assert loader.reload_method == "reload_policy_weights"
+    assert all(d < 1e-4 for d in worst.values()), worst
+
+
 async def test_vllm_unreachable_rollouts_fail_with_the_reason_nothing_lost(kafka_settings, pipeline_topics):
     dead = f"http://127.0.0.1:{free_port()}/v1"
     plan = _plan(dead, group_size=2)
