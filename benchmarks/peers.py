@@ -457,12 +457,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="run both sides N times, alternating which goes first; min / median / max of each figure")
     p.add_argument("--only", choices=list(SIDES), help="run one side only")
     p.add_argument("--seed", type=int, default=0,
-                   help="TRL's seed (its data order and sampling; default 0): one seed gives the same TRL run every "
-                        "time, so its spread over runs is 0; other seeds show how far its accuracy moves. "
+                   help="TRL's seed for the first run (its data order and sampling; default 0); run k uses seed + k, "
+                        "so TRL's spread is over seeds. "
                         "rollout-log's arena draws its questions with seed 0, but vLLM on a CPU samples unseeded "
                         "(rollout arena --help, --gpu-vllm), so its runs differ")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds each side may take (default 3600)")
     args = p.parse_args(argv)
+    from policy.hf import cpu_kind
+
     if args.runs < 1 or (args.eval_interval is not None and args.eval_interval < 1):
         p.error("--runs and --eval-interval must be >= 1")
     j = replace(job(2 if args.quick and not args.steps else args.steps, args.eval_interval), seed=args.seed)
@@ -473,14 +475,16 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {s: [] for s in SIDES}
     keep = ROOT / ".state" / "peers"  # each side's figures as soon as a run ends: a later one may still fail
     keep.mkdir(parents=True, exist_ok=True)
+    print(f"peers: cpu {cpu_kind()}", flush=True)
     for k in range(args.runs):
         for side in sides if k % 2 == 0 else sides[::-1]:
-            runs[side].append(SIDES[side](j, args.timeout))
+            # TRL is seeded: each run its own seed (--seed, --seed + 1, ...), so its spread is over seeds
+            runs[side].append(SIDES[side](replace(j, seed=j.seed + k) if side == "trl" else j, args.timeout))
             (keep / f"{side}.json").write_text(json.dumps(runs[side]))
     ours, trl = summarize(j, runs["rollout-log"]), summarize(j, runs["trl"])
     print(table(j, ours, trl), flush=True)
     print(chart(j, ours, trl), flush=True)
-    out = {"job": described, "runs": args.runs, "rollout_log": runs["rollout-log"], "trl": runs["trl"],
+    out = {"job": described, "cpu": cpu_kind(), "runs": args.runs, "rollout_log": runs["rollout-log"], "trl": runs["trl"],
            "summary": {"rollout_log": ours, "trl": trl}, "verdict": verdict(j, ours, trl, next((r.get("eval_questions") for r in runs["trl"]), None)), "quick": args.quick,
            "wall_s": round(time.perf_counter() - t0, 1)}
     print(json.dumps(out))

@@ -202,6 +202,7 @@ def sort_safetensors_header(path: Path) -> None:
         f.write(out.ljust(n, b" "))
 
 
+CPU_DTYPE_VAR = "ROLLOUT_CPU_DTYPE"
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 """CPU flags (``/proc/cpuinfo``) of bf16 matrix instructions: x86's AVX-512 BF16 and AMX, Arm's BF16 extension."""
 
@@ -213,9 +214,16 @@ def cpu_bf16() -> bool:
     an Intel Xeon with AVX-512 and no AVX-512 BF16, a bf16 GEMM of SmolLM2's lm head took 2.4x the float32 time,
     the demo's trainer step 34 s instead of 8-9 s and its generation 11.5 s instead of 2.5 s
     (benchmarks/RESULTS.md); on an AVX2-only CPU one backward GEMM of the lm head took 73 s in bf16 and 0.5 s in
-    float32. So the instruction flags decide, where the kernel lists them (Linux); oneDNN's test elsewhere."""
+    float32. So the instruction flags decide, where the kernel lists them (Linux); oneDNN's test elsewhere.
+    ``ROLLOUT_CPU_DTYPE`` (``float32`` or ``bfloat16``) overrides them, for the trainer, vLLM and the peers benchmark
+    alike: a bf16 CPU can then show what a float32 CPU learns."""
     import torch
 
+    forced = os.environ.get(CPU_DTYPE_VAR)
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"{CPU_DTYPE_VAR}={forced!r}: set float32 or bfloat16, or unset it")
+        return forced == "bfloat16"
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     flags = cpu_flags()
@@ -233,6 +241,24 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
     except OSError:
         return None
     return frozenset()
+
+
+def cpu_kind() -> str:
+    """The kind of CPU as the figures in benchmarks/RESULTS.md are grouped: its name, its widest vector unit and
+    whether it has native bf16 (so what the demo computes in)."""
+    import platform
+
+    name = platform.processor() or platform.machine()
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    flags = cpu_flags() or frozenset()
+    unit = "AVX-512" if "avx512f" in flags else "AVX2 only" if "avx2" in flags else "no AVX2"
+    native = bool(flags & NATIVE_BF16_FLAGS)
+    dtype = "bf16" if cpu_bf16() else "float32"
+    forced = f", {dtype} as {CPU_DTYPE_VAR} says" if os.environ.get(CPU_DTYPE_VAR) else ""
+    return f"{name}, {os.cpu_count()} cores: {unit}, {'native bf16' if native else 'no native bf16'}{forced} ({dtype})"
 
 
 def served_dtype(device_type: str) -> Any:
