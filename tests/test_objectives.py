@@ -5,6 +5,7 @@ for prime-rl run unchanged, and what the plan compiles from ``[trainer.loss]``."
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import textwrap
 
 import pytest
@@ -361,3 +362,25 @@ def test_one_step_of_the_trl_objective_updates_the_weights_as_trls_grpo_trainer_
         torch.testing.assert_close(b[sure], a[sure], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     # the step moved the weights (about lr each): not a comparison of two unmoved models
     assert max(float((p - q).abs().max()) for p, q in zip(ours.parameters(), initial.parameters())) > lr / 2
+
+
+PEER_RECIPES = Path(__file__).resolve().parents[2] / "shared" / "peer-configs" / "prime-rl-2026-08-all"
+
+
+@pytest.mark.skipif(not PEER_RECIPES.is_dir(), reason="shared/peer-configs is not beside this checkout")
+def test_rollout_plan_names_the_objective_of_every_prime_rl_recipe():
+    """prime-rl's own recipes name no [trainer.loss]: each compiles to prime-rl's default, and says so."""
+    from rollout.plan_cmd import render
+    from schemas.plan_compiler import compile_plan
+
+    shown = 0
+    for path in sorted(PEER_RECIPES.glob("*.toml")):
+        try:
+            plan = compile_plan(path)
+        except PlanError:  # a trainer-only, eval-only or broken file: not a run's recipe
+            continue
+        assert plan.objective == DefaultLoss(), path.name
+        line = next(x for x in render(plan).splitlines() if x.strip().startswith("objective"))
+        assert "default (dppo_mask_low 0.2, dppo_mask_high 0.2, adv_tau 1, kl_tau 0.001)" in line, (path.name, line)
+        shown += 1
+    assert shown >= 40
