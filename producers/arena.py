@@ -25,7 +25,10 @@ least busy) under the ``RevisionGate``: calls in flight finish first, new calls 
 with exactly the revision whose weights produced all of its tokens, whichever server answered. A LoRA run's
 revision that is its adapter alone is served under the adapter's name (``LoraSpec.adapter_name``): from the swap
 that loads it on, learner calls name that model (revision 0, the base, is served as the family). A server that
-fails is out of the pool until it answers again and has loaded the current revision (``PoolWeights``). A
+fails is out of the pool until it answers again and has loaded the current revision (``PoolWeights``). A revision
+that carries a probe (``PolicyRevision.probe``) is checked after the load: when a server answers its tokens otherwise
+than the revision's weights would, beyond its dtype's rounding (``producers.weights.probe_tolerance``), the Steps of
+that revision carry it with ``policy_exact=False``. A
 revision the serving endpoint reports in its response wins (it is the one that produced the tokens). When nothing
 proves the revision (an endpoint the arena does not load and that does not report it), Steps carry the
 arena's current revision with ``policy_exact=False``. Fixed targets' Steps carry ``policy=None``.
@@ -160,7 +163,8 @@ class _Context:
         t0 = time.perf_counter()
         try:
             async with self.arena.gate.call() if gated else _no_gate():
-                held = self.arena.current_policy  # no swap can start before this call ends
+                # no swap can start before this call ends
+                held, held_exact = self.arena.current_policy, self.arena.served_exact
                 comp = await client.chat(list(messages), sampling=samp, tools=tools,
                                          seed=self.sample_seed * 1000 + index, require_tokens=trainable,
                                          model=self.arena.learner_model if gated else None)
@@ -172,7 +176,7 @@ class _Context:
             if comp.policy and comp.policy.family == self.arena.plan.family:
                 policy = comp.policy
             else:
-                policy, exact = held, gated
+                policy, exact = held, gated and held_exact
         step = Step(
             run_id=self.arena.run_id, producer=self.arena.producer_name, step_id=f"{self.rollout_id}-{index:03d}",
             rollout_id=self.rollout_id, root_group_id=self.req.root_group_id, index=index, member_id=member_id,
@@ -259,6 +263,7 @@ class Arena:
         self.weights = PoolWeights(self.pool, weights) if callable(weights) else None
         self.gate = RevisionGate()
         self.learner_model: str | None = None  # what learner calls name instead of the family: a LoRA adapter's name
+        self.served_exact = True  # False: the server answered the current revision's probe otherwise (a swap's figures)
         self.reload_s: list[float] = []
         # evaluation: every environment's eval_dataset answered once by each revision made current that is due
         # (greedy by default); the next swap waits for it, so the revision is scored on the whole held-out set
@@ -371,6 +376,7 @@ class Arena:
                     async with self.gate.swap():  # a failed load leaves the gate shut: nothing is stamped with it
                         figures = await self.weights.load(self._http, rev)
                         self.current_policy = rev.ref()
+                        self.served_exact = not figures.get("inexact")
                         # an adapter revision is served under its adapter's name (prime-rl's model name switch)
                         lora = getattr(self.plan, "lora", None)
                         self.learner_model = lora.adapter_name if lora is not None and rev.checkpoint.adapter else None
@@ -384,6 +390,9 @@ class Arena:
                                 rev.revision, e, newer.revision)
                     return await self._on_revision(newer)
                 self.reload_s.append(figures.get("reload_s", 0.0))
+                if not self.served_exact:
+                    log.warning("the learner's server answered %s@r%d's probe %.3g nats a token off (mean): its steps "
+                                "are not stamped exact", rev.family, rev.revision, figures.get("probe_dlogp", -1.0))
             self.current_policy = rev.ref()
             self.revision_log.append((time.monotonic(), rev.revision))
             await self.pacer.on_revision(rev.revision)

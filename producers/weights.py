@@ -49,6 +49,15 @@ from schemas.policy import CheckpointRef, PolicyRevision
 STARTED_VERSION = "default"
 
 
+def probe_tolerance(dtype: str | None) -> float:
+    """The mean |dlogp| over a revision's probe tokens (``PolicyRevision.probe``) within which a server serving
+    ``dtype`` shows that it serves the revision's weights. float32: vLLM answered within 1e-5 (mean) of the
+    trainer's float32 logprobs for the weights it loaded; a trained revision served with revision 0's LM head was
+    1.8e-3 off (mean, over a run's steps). In bfloat16 (or an unknown dtype) rounding alone put vLLM 0.04-0.05 off
+    (max 0.34) over 64 tokens, as much as that stale head: only a grossly different model shows."""
+    return 1e-4 if dtype == "float32" else 0.15
+
+
 class WeightLoadError(RuntimeError):
     """The inference server did not take a revision's weights; what it serves now is unknown."""
 
@@ -100,7 +109,9 @@ class RevisionGate:
 
 
 class WeightLoader(Protocol):
-    """Loads a revision's checkpoint into one server; ``reports_revision``: its responses name the revision."""
+    """Loads a revision's checkpoint into one server; ``reports_revision``: its responses name the revision.
+    ``load`` returns figures: ``reload_s``, and ``inexact`` (1.0) when the server answered the revision's probe
+    other than the revision's weights would (``VllmWeights``): its calls are then not stamped exact."""
 
     reports_revision: bool
 
@@ -139,7 +150,8 @@ class VllmWeights:
         self.timeout_s = timeout_s
         self.base: str | None = None  # the digest of the whole weights the server holds (what an adapter goes over)
         self.first = True  # no load yet: the server may still hold the weights it started on (``_started_on``)
-        self.reload_method: str | None = None  # found at the first reload (``_reload_method``)
+        self.reload_method: str | None = None  # what the server is (``_server_info``): found once, when needed
+        self.dtype: str | None = None
 
     @classmethod
     def for_plan(cls, plan: Any) -> Callable[[str], VllmWeights]:
@@ -192,7 +204,7 @@ class VllmWeights:
         reload_s = time.perf_counter() - t0
         await self._post(http, "/reset_prefix_cache", rev)
         await self._post(http, "/update_weight_version", rev, json={"new_version": f"r{rev.revision}"})
-        return {"reload_s": reload_s}
+        return {"reload_s": reload_s, **await self._probe(http, rev)}
 
     async def _whole(self, http: httpx.AsyncClient, rev: PolicyRevision, ck: CheckpointRef) -> None:
         """The server's weights replaced by ``ck``'s whole weights (a revision's, or an adapter's base); not read
@@ -205,28 +217,58 @@ class VllmWeights:
         if first and await self._started_on(http) == folder.resolve():
             await self._checked(rev, ck, lambda: asyncio.sleep(0))
         else:
-            method = await self._reload_method(http)
+            await self._server_info(http)
+            method = self.reload_method
             await self._checked(rev, ck, lambda: self._post(http, "/collective_rpc", rev, json={
                 "method": method, "kwargs": {"weights_path": str(folder)}}))
         self.base = ck.digest
 
-    async def _reload_method(self, http: httpx.AsyncClient) -> str:
-        """``reload_policy_weights`` where the server runs our worker extension (every server ``VllmServer``
+    async def _server_info(self, http: httpx.AsyncClient) -> None:
+        """The server's configuration (``/server_info``, once: ~2 s on 2 cores): its dtype (``probe_tolerance``),
+        and its reload: ``reload_policy_weights`` where it runs our worker extension (every server ``VllmServer``
         starts): vLLM's reload, then the LM head packed again (``producers.vllm_worker``; without it a CPU server
         keeps computing logits with the head it started with). vLLM's own ``reload_weights`` on any other server
         (one started by hand, e.g. on a GPU, where no packed copy is kept): a method the server lacks would stop
-        it, so the server's configuration (``/server_info``, once: ~2 s on 2 cores) says which it has."""
+        it."""
         from producers.vllm_server import WORKER_EXTENSION
 
-        if self.reload_method is None:
-            try:
-                r = await http.get(self.root + "/server_info", params={"config_format": "json"},
-                                   timeout=self.timeout_s)
-                extension = r.json()["vllm_config"]["parallel_config"].get("worker_extension_cls")
-            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
-                extension = None
-            self.reload_method = "reload_policy_weights" if extension == WORKER_EXTENSION else "reload_weights"
-        return self.reload_method
+        if self.reload_method is not None:
+            return
+        try:
+            r = await http.get(self.root + "/server_info", params={"config_format": "json"}, timeout=self.timeout_s)
+            config = r.json()["vllm_config"]
+            extension = config["parallel_config"].get("worker_extension_cls")
+            self.dtype = str(config["model_config"]["dtype"]).removeprefix("torch.")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            extension = None
+        self.reload_method = "reload_policy_weights" if extension == WORKER_EXTENSION else "reload_weights"
+
+    async def _probe(self, http: httpx.AsyncClient, rev: PolicyRevision) -> dict[str, float]:
+        """What the server answers for the revision's probe tokens (their prompt logprobs) against what the trainer
+        computed for them under its checkpoint: ``probe_dlogp``, the mean |difference|, and ``inexact`` (1.0) when it
+        is beyond the server's dtype's rounding (``probe_tolerance``) or the server gave no answer to compare."""
+        probe = rev.probe
+        if probe is None:
+            return {}
+        await self._server_info(http)
+        model = self.adapter if rev.require_checkpoint().adapter else await self._base_model(http)
+        r = await self._post(http, "/v1/completions", rev, json={
+            "model": model, "prompt": probe.token_ids, "max_tokens": 1, "prompt_logprobs": 0})
+        try:
+            answer = r.json()["choices"][0]["prompt_logprobs"]
+            served = [answer[t][str(probe.token_ids[t])]["logprob"] for t in range(1, len(probe.token_ids))]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return {"inexact": 1.0}
+        dlogp = sum(abs(a - b) for a, b in zip(served, probe.logprobs)) / len(served)
+        return {"probe_dlogp": dlogp, "inexact": float(not dlogp <= probe_tolerance(self.dtype))}
+
+    async def _base_model(self, http: httpx.AsyncClient) -> str | None:
+        """The name the server serves its whole weights under (no adapter's)."""
+        try:
+            models = (await http.get(self.root + "/v1/models", timeout=10.0)).json()["data"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        return next((m.get("id") for m in models if isinstance(m, dict) and m.get("parent") is None), None)
 
     async def _started_on(self, http: httpx.AsyncClient) -> Path | None:
         """The model folder the server started on, while it still holds those weights: its weight version is still
@@ -313,7 +355,13 @@ class PoolWeights:
                 raise WeightLoadError(f"no server of the pool took {rev.family}@r{rev.revision}: "
                                       f"{self.pool.why_out() or 'the pool is empty'}")
             self.current = rev
-        return {"reload_s": max(r.get("reload_s", 0.0) for r in loaded)}
+        figures = {"reload_s": max(r.get("reload_s", 0.0) for r in loaded)}
+        probed = [r["probe_dlogp"] for r in loaded if "probe_dlogp" in r]
+        if probed:
+            figures["probe_dlogp"] = max(probed)
+        if any(r.get("inexact") for r in loaded):  # calls go to any server: the revision is exact on all or none
+            figures["inexact"] = 1.0
+        return figures
 
     async def _rejoin(self, server: Server, http: httpx.AsyncClient) -> None:
         if self.current is not None:

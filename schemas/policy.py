@@ -74,6 +74,22 @@ class PolicyRef(Record):
         return f"{self.family}@r{self.revision}"
 
 
+class LogprobProbe(Record):
+    """A short token sequence and its float32 logprobs under a revision's weights exactly as its checkpoint stores
+    them (``policy.hf.logprob_probe``), written by the trainer as it publishes the revision: what an inference server
+    that loaded the revision must answer for these tokens (``producers.weights``), within its dtype's rounding."""
+
+    token_ids: list[int] = Field(min_length=2)
+    logprobs: list[float] = Field(description="log p(token_ids[t] | token_ids[:t]) for t >= 1")
+
+    @model_validator(mode="after")
+    def _one_per_next_token(self) -> LogprobProbe:
+        if len(self.logprobs) != len(self.token_ids) - 1:
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.token_ids)} tokens: one per token after "
+                             "the first")
+        return self
+
+
 class PolicyRevision(Event):
     """Published by the trainer (revision 0 by whoever seeds the run) on the policy-revisions topic."""
 
@@ -109,6 +125,9 @@ class PolicyRevision(Event):
     objective: dict[str, JsonValue] | None = Field(default=None, description=(
         "what the step that made this revision optimized: its schemas.objectives spec (type and every setting); "
         "None for a revision no batch made"))
+    probe: LogprobProbe | None = Field(default=None, description=(
+        "a few tokens' float32 logprobs under this revision's checkpoint: the arena checks what its inference server "
+        "serves against them after loading the revision (producers.weights); None: nothing to check against"))
 
     @model_validator(mode="after")
     def _parent_precedes(self) -> PolicyRevision:
