@@ -53,8 +53,9 @@ def probe_tolerance(dtype: str | None) -> float:
     """The mean |dlogp| over a revision's probe tokens (``PolicyRevision.probe``) within which a server serving
     ``dtype`` shows that it serves the revision's weights. float32: vLLM answered within 1e-5 (mean) of the
     trainer's float32 logprobs for the weights it loaded; a trained revision served with revision 0's LM head was
-    1.8e-3 off (mean, over a run's steps). In bfloat16 (or an unknown dtype) rounding alone put vLLM 0.04-0.05 off
-    (max 0.34) over 64 tokens, as much as that stale head: only a grossly different model shows."""
+    1.8e-3 off (mean, over a run's steps). In bfloat16 (or an unknown dtype) rounding alone put vLLM 0.04-0.06 off
+    (over 44-81 tokens of sampled answers, whole weights or a LoRA adapter; single tokens up to 0.34), as much as
+    that stale head: only a grossly different model shows."""
     return 1e-4 if dtype == "float32" else 0.15
 
 
