@@ -60,6 +60,8 @@ class TrainerTensors:
     prompt_lens: torch.Tensor    # [B] long
     seq_lens: torch.Tensor       # [B] long
     cu_seqlens: torch.Tensor | None = None  # [B + 1] int32 when packed
+    ref_logprobs: torch.Tensor | None = None  # [B, T] float: the reference's logprobs, 0 off them; None: no row has
+    ref_rows: torch.Tensor | None = None  # [B] bool: the rows that carry them, trained with ref_kl (prime-rl's opd)
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +70,13 @@ class TrainerTensors:
     def to(self, device: torch.device) -> TrainerTensors:
         return TrainerTensors(*(None if v is None else v.to(device) for v in (
             self.input_ids, self.attention_mask, self.loss_mask, self.advantages, self.old_logprobs,
-            self.prompt_lens, self.seq_lens, self.cu_seqlens)))
+            self.prompt_lens, self.seq_lens, self.cu_seqlens, self.ref_logprobs, self.ref_rows)))
+
+    @property
+    def reference_rows(self) -> torch.Tensor:
+        """Which rows train with ref_kl (none without reference logprobs)."""
+        return self.ref_rows if self.ref_rows is not None else torch.zeros(
+            len(self.seq_lens), dtype=torch.bool, device=self.seq_lens.device)
 
 
 def to_tensors(batch: TrainerBatch, *, pad_id: int = 0, packed: bool = False) -> TrainerTensors:
@@ -80,26 +88,33 @@ def to_tensors(batch: TrainerBatch, *, pad_id: int = 0, packed: bool = False) ->
         lp = np.concatenate([np.zeros(len(p), np.float32), np.asarray(r.completion_logprobs, np.float32)])
         mask = np.concatenate([np.zeros(len(p), np.float32), np.asarray(r.loss_mask, np.float32)])
         adv = np.where(mask > 0, np.float32(r.advantage), np.float32(0.0)).astype(np.float32)
-        rows.append((ids, lp, mask, adv, len(p)))
+        ref = np.concatenate([np.zeros(len(p), np.float32), np.asarray(
+            r.ref_logprobs if r.ref_logprobs is not None else np.zeros(len(c)), np.float32)])
+        rows.append((ids, lp, mask, adv, len(p), ref))
     lens = [len(x[0]) for x in rows]
+    has_ref = torch.tensor([r.ref_logprobs is not None for r in batch.records])
+    refs = bool(has_ref.any())
     if packed:
         cat = lambda k, dt: torch.from_numpy(np.concatenate([x[k] for x in rows]).astype(dt)).unsqueeze(0)  # noqa: E731
         cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
         ids = cat(0, np.int64)
         return TrainerTensors(ids, torch.ones_like(ids, dtype=torch.bool), cat(2, np.float32), cat(3, np.float32),
-                              cat(1, np.float32), torch.tensor([x[4] for x in rows]), torch.tensor(lens), cu)
+                              cat(1, np.float32), torch.tensor([x[4] for x in rows]), torch.tensor(lens), cu,
+                              cat(5, np.float32) if refs else None, has_ref if refs else None)
     B, T = len(rows), max(lens)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     att = torch.zeros((B, T), dtype=torch.bool)
-    lm, adv, olp = (torch.zeros((B, T), dtype=torch.float32) for _ in range(3))
-    for i, (x, lp, m, a, _) in enumerate(rows):
+    lm, adv, olp, ref = (torch.zeros((B, T), dtype=torch.float32) for _ in range(4))
+    for i, (x, lp, m, a, _, rf) in enumerate(rows):
         n = len(x)
         ids[i, :n] = torch.from_numpy(x)
         att[i, :n] = True
         lm[i, :n] = torch.from_numpy(m)
         adv[i, :n] = torch.from_numpy(a)
         olp[i, :n] = torch.from_numpy(lp)
-    return TrainerTensors(ids, att, lm, adv, olp, torch.tensor([x[4] for x in rows]), torch.tensor(lens))
+        ref[i, :n] = torch.from_numpy(rf)
+    return TrainerTensors(ids, att, lm, adv, olp, torch.tensor([x[4] for x in rows]), torch.tensor(lens), None,
+                          ref if refs else None, has_ref if refs else None)
 
 
 TrainStep = Callable[[TrainerTensors, TrainerBatch], dict[str, float]]
@@ -226,7 +241,8 @@ def _rows(t: TrainerTensors, rows: slice | torch.Tensor) -> TrainerTensors:
     width = int(t.seq_lens[rows].max()) if t.seq_lens[rows].numel() else t.input_ids.shape[1]
     return TrainerTensors(t.input_ids[rows, :width], t.attention_mask[rows, :width], t.loss_mask[rows, :width],
                           t.advantages[rows, :width], t.old_logprobs[rows, :width], t.prompt_lens[rows],
-                          t.seq_lens[rows])
+                          t.seq_lens[rows], None, None if t.ref_logprobs is None else t.ref_logprobs[rows, :width],
+                          None if t.ref_rows is None else t.ref_rows[rows])
 
 
 def _release_freed_memory() -> None:
@@ -340,15 +356,18 @@ class ReferenceTrainer:
         self.refs: dict[int, CheckpointRef] = {revision: ref} if ref is not None else {}  # probed for the mismatch
         self.opt = optimizers.build(self.optimizer, self.model.named_parameters(), lr=lr, weight_decay=weight_decay)
 
-    def loss(self, t: TrainerTensors, objective: Objective, scale: torch.Tensor,
+    def loss(self, t: TrainerTensors, objective: Objective, scale: tuple[torch.Tensor, torch.Tensor],
              before: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """The objective on these rows, divided by the whole batch's ``scale``; its metrics and the logprobs (of
-        token t+1 at t). ``before``: these rows' logprobs on the step's first pass (later epochs' ratio)."""
+        """The objective on these rows (ref_kl on the rows with reference logprobs), each component divided by the
+        whole batch's ``scale`` of it (``Objective.scales``); its metrics and the logprobs (of token t+1 at t).
+        ``before``: these rows' logprobs on the step's first pass (later epochs' ratio)."""
         new_lp = self.kind.logprobs(self.model, t, self.micro_batch_tokens)
-        out = objective.loss(LossInputs(
-            trainer_logprobs=new_lp, inference_logprobs=t.old_logprobs[:, 1:], ref_logprobs=None,
-            advantages=t.advantages[:, 1:], loss_mask=t.loss_mask[:, 1:] > 0, old_logprobs=before))
-        return out.loss / scale, out.metrics, new_lp.detach()
+        out = objective.component_loss(LossInputs(
+            trainer_logprobs=new_lp, inference_logprobs=t.old_logprobs[:, 1:],
+            ref_logprobs=None if t.ref_logprobs is None else t.ref_logprobs[:, 1:],
+            advantages=t.advantages[:, 1:], loss_mask=t.loss_mask[:, 1:] > 0, old_logprobs=before),
+            t.reference_rows, scale)
+        return out.loss, out.metrics, new_lp.detach()
 
     def _recompute_layers(self, on: bool) -> None:
         """Gradient checkpointing of a transformers model's layers, for rows longer than the token budget."""
@@ -378,7 +397,7 @@ class ReferenceTrainer:
             planned = self.kind.micro_batches(self.model, t, self.micro_batch_tokens)
             parts, width = [rows for rows, _ in planned], max(w for _, w in planned)
         self._recompute_layers(width > self.micro_batch_tokens)
-        batch_scale = objective.scale(t.loss_mask[:, 1:] > 0)  # the whole batch's, on every rank
+        batch_scale = objective.scales(t.loss_mask[:, 1:] > 0, t.reference_rows)  # the whole batch's, on every rank
         world = g.world if g else 1  # FSDP2 averages the ranks' gradients; the batch's gradient is their sum
         names = ["loss"]
         totals = torch.zeros(1, dtype=torch.float64, device=self.device)

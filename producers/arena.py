@@ -129,6 +129,7 @@ class EpisodeRequest:
     parent_rollout_id: str | None = None
     rollout_id: str = field(default_factory=new_id)
     evaluation: bool = False  # a held-out question: sampled with the arena's eval_sampling, never trained on
+    train_source: str | None = None  # the plan's training source it was sampled for (its name): its algorithm
 
 
 class _Context:
@@ -196,7 +197,8 @@ class _Context:
         group_id = new_id()
         reqs = [EpisodeRequest(env=self.req.env, example=ex, group_id=group_id, root_group_id=self.req.root_group_id,
                                group_size=len(examples), sample_seed=self.arena.rng.getrandbits(31), episode=episode,
-                               scoring=scoring, parent_rollout_id=self.rollout_id, evaluation=self.req.evaluation)
+                               scoring=scoring, parent_rollout_id=self.rollout_id, evaluation=self.req.evaluation,
+                               train_source=self.req.train_source)
                 for ex in examples]
         results = await asyncio.gather(*(self.arena.run_rollout(r) for r in reqs))
         self.state.children.extend(results)
@@ -490,7 +492,7 @@ class Arena:
         spec = self.env_specs.get(env_id)
         n = self.plan.group_size_of(spec) if spec is not None else self.plan.group_size
         return [EpisodeRequest(env=env, example=example, group_id=gid, root_group_id=gid, group_size=n,
-                               sample_seed=self.rng.getrandbits(31)) for _ in range(n)]
+                               sample_seed=self.rng.getrandbits(31), train_source=env_id) for _ in range(n)]
 
     async def run_rollout(self, req: EpisodeRequest) -> GenerateResult:
         """Run one rollout (and its sub-episodes) to a GenerateResult. Never raises for episode failures:
@@ -537,7 +539,7 @@ class Arena:
             members=members, artifacts=_jsonable(artifacts), parent_rollout_id=req.parent_rollout_id,
             child_rollout_ids=[c.rollout.rollout_id for c in state.children], group_id=req.group_id,
             root_group_id=req.root_group_id, group_size=req.group_size, policy=policy, status=status,
-            failure_reason=failure, evaluation=req.evaluation)
+            failure_reason=failure, evaluation=req.evaluation, train_source=req.train_source)
         if req.evaluation:
             self.stats.evaluations += 1
         else:

@@ -247,18 +247,19 @@ class VllmWeights:
     async def _probe(self, http: httpx.AsyncClient, rev: PolicyRevision) -> dict[str, float]:
         """What the server answers for the revision's probe tokens (their prompt logprobs) against what the trainer
         computed for them under its checkpoint: ``probe_dlogp``, the mean |difference|, and ``inexact`` (1.0) when it
-        is beyond the server's dtype's rounding (``probe_tolerance``) or the server gave no answer to compare."""
+        is beyond the server's dtype's rounding (``probe_tolerance``) or the server gave no answer to compare (which
+        does not fail the swap: the revision is served, its calls not stamped exact)."""
         probe = rev.probe
         if probe is None:
             return {}
         await self._server_info(http)
         model = self.adapter if rev.require_checkpoint().adapter else await self._base_model(http)
-        r = await self._post(http, "/v1/completions", rev, json={
-            "model": model, "prompt": probe.token_ids, "max_tokens": 1, "prompt_logprobs": 0})
         try:
+            r = await self._post(http, "/v1/completions", rev, json={
+                "model": model, "prompt": probe.token_ids, "max_tokens": 1, "prompt_logprobs": 0})
             answer = r.json()["choices"][0]["prompt_logprobs"]
             served = [answer[t][str(probe.token_ids[t])]["logprob"] for t in range(1, len(probe.token_ids))]
-        except (ValueError, KeyError, IndexError, TypeError):
+        except (WeightLoadError, ValueError, KeyError, IndexError, TypeError):
             return {"inexact": 1.0}
         dlogp = sum(abs(a - b) for a, b in zip(served, probe.logprobs)) / len(served)
         return {"probe_dlogp": dlogp, "inexact": float(not dlogp <= probe_tolerance(self.dtype))}

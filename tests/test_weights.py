@@ -120,3 +120,16 @@ async def test_a_connection_dropped_with_no_answer_is_tried_once_more(vllm, tmp_
         else:
             with pytest.raises(WeightLoadError, match="failed twice"):
                 await VllmWeights(url).load(http, r0)
+
+
+async def test_a_probe_the_server_does_not_answer_leaves_the_revision_served_but_not_exact(vllm, tmp_path):
+    """A server that took the weights but answers no prompt logprobs for the revision's probe (this one answers
+    ``{}``): the swap stands, and its figures say the revision's calls are not exact (the arena stamps them so)."""
+    from schemas.policy import LogprobProbe
+
+    handler, url = vllm
+    r1 = _revision(tmp_path / "r1", 1).model_copy(update={"probe": LogprobProbe(token_ids=[1, 2, 3],
+                                                                                 logprobs=[-1.0, -2.0])})
+    async with httpx.AsyncClient() as http:
+        figures = await VllmWeights(url).load(http, r1)
+    assert handler.version == "r1" and "/v1/completions" in handler.posted and figures["inexact"] == 1.0
