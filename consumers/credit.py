@@ -7,7 +7,8 @@ reinforce_baseline, ema_per_member, per_step below), so a new one is one class, 
 before the service starts: the service only asks ``CreditAssigner.buffers``, never a strategy's name.
 
 Only trainable steps (``RolloutScored.trainable_steps``) produce records: a fixed opponent or the judge
-never does. ``record_id`` derives from (rollout_id, step_id), so a retry cannot double a record.
+never does. A ref_kl source's scores (prime-rl's opd) come with their reference's logprobs (``RolloutReferenced``,
+``CreditAssigner.add_referenced``): no strategy credits them. ``record_id`` derives from (rollout_id, step_id), so a retry cannot double a record.
 
 Admission gates (prime-rl's ``advantage_range``, ``schemas.plan.AdmissionGate``) look at a credited group's
 records: a group a gate rejects yields none, and is listed in ``CreditAssigner.withheld`` so the service gives its
@@ -22,8 +23,8 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
-from schemas.events import RolloutScored, TrainingRecord
-from schemas.plan import AdmissionGate
+from schemas.events import RolloutReferenced, RolloutScored, TrainingRecord
+from schemas.plan import REF_KL, AdmissionGate
 
 
 def _whole_group_failed(rollouts: Sequence[RolloutScored], whole_groups: bool) -> bool:
@@ -42,7 +43,9 @@ def record_id(rollout_id: str, step_id: str, derived_run: str | None = None) -> 
 
 
 def records_for(scored: RolloutScored, advantages: Mapping[str, float], credit: str, *, producer: str,
-                causation_id: str | None = None) -> list[TrainingRecord]:
+                causation_id: str | None = None, ref_logprobs: Mapping[str, np.ndarray] | None = None
+                ) -> list[TrainingRecord]:
+    """``ref_logprobs``: each step's reference logprobs (a ref_kl source's), carried onto its record."""
     out = []
     for st in scored.trainable_steps:
         n = len(st.completion_token_ids)
@@ -56,7 +59,8 @@ def records_for(scored: RolloutScored, advantages: Mapping[str, float], credit: 
             prompt_token_ids=st.prompt_token_ids, completion_token_ids=st.completion_token_ids,
             completion_logprobs=st.completion_logprobs, loss_mask=np.ones(n, dtype=np.uint8),
             reward=float(scored.rewards.get(st.member_id, 0.0)),
-            advantage=float(advantages.get(st.member_id, 0.0)), credit=credit, source=scored.source))
+            advantage=float(advantages.get(st.member_id, 0.0)), credit=credit, source=scored.source,
+            ref_logprobs=None if ref_logprobs is None else ref_logprobs[st.step_id]))
     return out
 
 
@@ -299,6 +303,19 @@ class CreditAssigner:
             return self._credit([scored], self.strategy.name)
         group = self.groups.add(scored, now)
         return self._credit(group, self.strategy.name) if group else []
+
+    def add_referenced(self, ev: RolloutReferenced) -> list[TrainingRecord]:
+        """A ref_kl source's score with its reference's logprobs: records with no advantage (prime-rl's opd assigns
+        none), each carrying its tokens' reference logprobs; no group waits and no gate judges it (there is no
+        advantage to judge). A lone rollout that failed gives its slot back, as ``_credit`` does."""
+        s = ev.scored
+        if s.evaluation:
+            return []
+        records = records_for(s, {}, REF_KL, producer=self.producer, causation_id=ev.event_id,
+                              ref_logprobs={st.step_id: st.ref_logprobs for st in ev.steps})
+        if not records and _whole_group_failed([s], False):
+            self.withheld.append((s.group_id, s.run_id, "the rollout failed: nothing to train"))
+        return records
 
     def _credit(self, rollouts: list[RolloutScored], credit: str) -> list[TrainingRecord]:
         adv = self.strategy.advantages(rollouts)

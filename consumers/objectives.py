@@ -155,6 +155,30 @@ def ce_loss(inputs: LossInputs, spec: CeLoss) -> LossOutputs:
     return LossOutputs((nll * inputs.loss_mask).sum(), {"nll": _mean(-inputs.trainer_logprobs, inputs.loss_mask)})
 
 
+REF_KL_MASK = 0.2
+"""prime-rl's ``ref_kl_loss_fn`` drops a token whose trainer probability fell more than this below vLLM's."""
+REF_KL_TAU = 1e-3
+"""... and regularizes drift with this times (log r)^2 (both fixed there, not settings)."""
+
+
+def ref_kl_loss(inputs: LossInputs, spec: Any = None) -> LossOutputs:
+    """prime-rl's ``ref_kl_loss_fn`` (on-policy distillation, ``opd``): the reverse KL to the reference, (ref_lp -
+    trainer_lp) detached, is each token's policy-gradient signal times r = p_trainer / p_vLLM; tokens with p_trainer
+    - p_vLLM < -0.2 are dropped from it; plus 1e-3 (log r)^2 on every loss token. Scalar advantages are not read."""
+    if inputs.ref_logprobs is None:
+        raise ObjectiveError("the ref_kl loss needs the reference's logprobs of every trained token (opd)")
+    mask = inputs.loss_mask
+    log_r, r, mismatch_kl = _ratio(inputs)
+    masked = (torch.exp(inputs.trainer_logprobs) - torch.exp(inputs.inference_logprobs)) < -REF_KL_MASK
+    keep = mask & ~masked
+    ref_kl = torch.where(mask, inputs.ref_logprobs - inputs.trainer_logprobs, 0.0)
+    per_token = -(keep * ref_kl.detach() * r) + REF_KL_TAU * (mask * log_r ** 2)
+    return LossOutputs(_weighted(per_token, inputs).sum(), {
+        "ref_kl/masked_mismatch_kl": _mean(mismatch_kl, mask & masked),
+        "ref_kl/unmasked_mismatch_kl": _mean(mismatch_kl, keep), "ref_kl/is_masked": _mean(masked, mask),
+        "ref_kl": _mean(ref_kl.detach(), mask)})
+
+
 def custom_loss(spec: CustomLoss) -> Callable[[LossInputs, Any], LossOutputs]:
     """The user's function, called per sample as prime-rl calls it: one row's tokens each, ``fn(inputs,
     **kwargs)``; the rows' losses summed, their metrics averaged. What it raises, or a loss that is not a finite
@@ -213,9 +237,39 @@ class Objective:
         return loss_mask.sum().float().clamp(min=1.0)
 
     def loss(self, inputs: LossInputs) -> LossOutputs:
-        out = self._fn(inputs, self.spec)
-        if not bool(torch.isfinite(out.loss.detach()).all()):
-            raise ObjectiveError(f"the {self.spec.type} loss is not finite ({float(out.loss.detach())}): the "
-                                 "batch's logprobs or advantages hold inf or nan")
-        return LossOutputs(out.loss, {k: v.detach() for k, v in out.metrics.items()})
+        return _finite(self._fn(inputs, self.spec), self.spec.type)
+
+    def scales(self, loss_mask: Tensor, ref_rows: Tensor) -> tuple[Tensor, Tensor]:
+        """The whole batch's denominators of its two components, as prime-rl's ``rl_scale`` and ``ref_kl_scale``:
+        this objective's ``scale`` over the rows without reference logprobs, and the loss tokens of the rows with."""
+        return self.scale(loss_mask[~ref_rows]), loss_mask[ref_rows].sum().float().clamp(min=1.0)
+
+    def component_loss(self, inputs: LossInputs, ref_rows: Tensor, scales: tuple[Tensor, Tensor]) -> LossOutputs:
+        """prime-rl's ``compute_loss``: each row trains with its own component (``ref_kl_loss`` where the record
+        carries the reference's logprobs, an opd source's; this objective elsewhere), each component's sum divided
+        by its own ``scales`` entry, so that neither dilutes the other."""
+        total: Tensor | float = inputs.trainer_logprobs.sum() * 0.0  # a backward-able loss when no row trains
+        metrics: dict[str, Tensor] = {}
+        for rows, fn, scale in ((~ref_rows, self.loss, scales[0]), (ref_rows, _ref_kl, scales[1])):
+            if bool(rows.any()):
+                out = fn(inputs if bool(rows.all()) else _select(inputs, rows))
+                total = total + out.loss / scale
+                metrics.update(out.metrics)
+        return LossOutputs(total, metrics)
+
+
+def _ref_kl(inputs: LossInputs) -> LossOutputs:
+    return _finite(ref_kl_loss(inputs), "ref_kl")
+
+
+def _finite(out: LossOutputs, name: str) -> LossOutputs:
+    if not bool(torch.isfinite(out.loss.detach()).all()):
+        raise ObjectiveError(f"the {name} loss is not finite ({float(out.loss.detach())}): the batch's logprobs or "
+                             "advantages hold inf or nan")
+    return LossOutputs(out.loss, {k: v.detach() for k, v in out.metrics.items()})
+
+
+def _select(inputs: LossInputs, rows: Tensor) -> LossInputs:
+    """Those rows of every per-token field."""
+    return LossInputs(**{k: None if v is None else v[rows] for k, v in vars(inputs).items()})
 

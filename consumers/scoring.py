@@ -474,4 +474,5 @@ def to_scored(rollout: Rollout, steps: Sequence[Step], verdict: Verdict, *, prod
         parent_rollout_id=rollout.parent_rollout_id, status=rollout.status, rewards=verdict.rewards,
         metrics=verdict.metrics, verifier=verdict.verifier or "verifier",
         verifier_version=VERIFIER_VERSION + (f"+{rescore.version()}" if rescore is not None else ""),
-        trainable_steps=trainable_steps(steps) if rollout.status != "failed" else [], evaluation=rollout.evaluation)
+        trainable_steps=trainable_steps(steps) if rollout.status != "failed" else [], evaluation=rollout.evaluation,
+        train_source=rollout.train_source)

@@ -37,6 +37,11 @@ class Service:
     # and hand it to the next member, which would abort it again, forever.
     max_process_s: float = 120.0
     data_parallel: bool = False  # may run as a torchrun group (``consumers.distributed``): rank 0 is the service
+    runs_when: str | None = None  # a ServiceSettings property: a run without it has no work here (left out of it)
+
+    def needed(self, settings: Any) -> bool:
+        """Whether a run with these settings has work for this service (the demo and ``rollout rl`` start those)."""
+        return self.runs_when is None or bool(getattr(settings, self.runs_when))
 
     @property
     def partitions(self) -> int:

@@ -18,7 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from schemas.history import Derivation
 from schemas.objectives import DefaultLoss, ObjectiveSpec
 from schemas.plan import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_OFF_POLICY_STEPS, AdmissionGate, GenerationPlan, LoraSpec,
-                          OptimizerSpec)
+                          OptimizerSpec, References)
 from schemas.policy import TINY_FAMILY
 from streams import topics
 
@@ -75,6 +75,9 @@ class ServiceSettings(BaseSettings):
                                      "plan's [trainer.optim] type, betas, mu, max_norm)")
     objective: ObjectiveSpec = Field(default_factory=DefaultLoss, description="trainer: what it optimizes (the "
                                      "plan's [trainer.loss]: schemas.objectives)")
+    references: References = Field(default_factory=References, description="reference, credit: each training "
+                                   "source's reference (the plan's opd teachers): the reference service scores those "
+                                   "sources' tokens under it, credit trains them from its output")
     admission_gates: list[AdmissionGate] = Field(default_factory=list, description="credit: the plan's admission "
                                                  "gates (prime-rl's curriculum.gates): gated groups are not trained")
     max_steps: int | None = Field(None, ge=1, description="trainer: the run's last revision (the plan's max_steps, "
@@ -99,6 +102,11 @@ class ServiceSettings(BaseSettings):
         return (topic.name,)
 
     @property
+    def needs_reference(self) -> bool:
+        """Whether a training source trains with ref_kl (the reference service has work)."""
+        return self.references.any
+
+    @property
     def strategy_params(self) -> dict[str, Any]:
         """The credit strategy's parameters: the plan's, the group timeout, and ``alpha`` when set."""
         alpha = {"alpha": self.alpha} if self.alpha is not None else {}
@@ -110,12 +118,12 @@ def plan_values(plan: GenerationPlan, *, credit: bool) -> dict[str, Any]:
     algorithm nothing here runs (or names a strategy nobody registered) is refused (``PlanRefused``)
     instead of falling back to another."""
     from consumers.credit import STRATEGIES, check_gates
-    from schemas.plan import PlanError, admission_gates, credit_strategy
+    from schemas.plan import PlanError, admission_gates, credit_strategy, references
 
     values: dict[str, Any] = {"family": plan.family, "max_off_policy_steps": plan.max_off_policy_steps,
                               "judge_targets": dict(plan.targets), "served_model": plan.served_model,
                               "max_steps": plan.max_steps, "lora": plan.lora, "optimizer": plan.optimizer,
-                              "objective": plan.objective,
+                              "objective": plan.objective, "references": references(plan),
                               **{k: plan.trainer[k] for k in ("lr", "weight_decay") if k in plan.trainer}}
     if plan.token_batch_size:
         values.update(batch_tokens=plan.token_batch_size, batch_records=None)
@@ -150,7 +158,7 @@ def build(flags: dict[str, Any] | None = None, plan: GenerationPlan | None = Non
 
 # -- flags -------------------------------------------------------------------------------------------------
 # structured: from the plan only
-_NOT_FLAGS = {"credit_params", "judge_targets", "derivation", "lora", "optimizer", "admission_gates"}
+_NOT_FLAGS = {"credit_params", "judge_targets", "derivation", "lora", "optimizer", "admission_gates", "references"}
 
 
 def add_flags(p: argparse.ArgumentParser, fields: tuple[str, ...]) -> None:

@@ -145,7 +145,8 @@ def steps(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
 
 def rollouts(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
     cols = _envelope(events) | _same(events, "rollout_id episode_type environment example_id parent_rollout_id "
-                                             "group_id root_group_id group_size status failure_reason evaluation") | {
+                                             "group_id root_group_id group_size status failure_reason evaluation "
+                                             "train_source") | {
         "seed": _json([e.seed for e in events]),
         "step_ids": _str_lists([e.step_ids for e in events]),
         "members": _json([e.members for e in events]),
@@ -159,7 +160,8 @@ def rollouts(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table
 
 def scores(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
     cols = _envelope(events) | _same(events, "rollout_id group_id root_group_id group_size environment example_id "
-                                             "parent_rollout_id status verifier verifier_version evaluation") | {
+                                             "parent_rollout_id status verifier verifier_version evaluation "
+                                             "train_source") | {
         "rewards": [list(e.rewards.items()) for e in events],
         "metrics": [list(e.metrics.items()) for e in events],
         "trainable_step_ids": _str_lists([[s.step_id for s in e.trainable_steps] for e in events]),
@@ -169,6 +171,25 @@ def scores(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
     long = dict(zip(("score_event_id", "rollout_id", "member_id", "reward"), map(list, zip(*rewards)))) if rewards else {
         f.name: [] for f in T.SCORE_REWARDS.schema}
     return {"scores": _table(T.SCORES, cols), "score_rewards": _table(T.SCORE_REWARDS, long)}
+
+
+def reference_scores(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
+    lps = [[s.ref_logprobs for s in e.steps] for e in events]
+    flat = [np.concatenate(x) if x else np.empty(0, np.float32) for x in lps]
+    cols = _envelope(events) | {
+        **{k: [getattr(e.scored, k) for e in events] for k in ("rollout_id", "group_id", "root_group_id",
+                                                                 "train_source")},
+        "score_event_id": [e.scored.event_id for e in events],
+        "reference_model": [e.reference.model for e in events],
+        "reference_base_url": [e.reference.base_url for e in events],
+        "reference_revision": [e.reference.revision for e in events],
+        "step_ids": _str_lists([[s.step_id for s in e.steps] for e in events]),
+        "ref_logprobs": pa.array([[x.tolist() for x in steps] for steps in lps],
+                                 type=pa.list_(pa.list_(pa.float32()))),
+        "n_tokens": pa.array([len(f) for f in flat], type=T.I32),
+        "ref_logprob_mean": [float(f.mean()) if len(f) else None for f in flat],
+    } | _kafka(metas)
+    return {"reference_scores": _table(T.REFERENCE_SCORES, cols)}
 
 
 def training_records(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
@@ -290,6 +311,7 @@ def replay_errors(bad: Sequence[BadMessage]) -> dict[str, pa.Table]:
 
 BUILDERS = {
     "policy_revision": policy_revisions, "step": steps, "rollout": rollouts, "rollout_scored": scores,
+    "rollout_referenced": reference_scores,
     "training_record": training_records, "trainer_batch": trainer_batches, "dead_letter": dead_letters,
     "admission_claim": admissions, "admission_done": admissions, "admission_renew": admissions,
     "admission_release": admissions, "admission_refund": admissions,

@@ -97,8 +97,8 @@ ROLLOUTS = _table("rollouts", [
     pa.field("parent_rollout_id", STR), pa.field("child_rollout_ids", STR_LIST),
     pa.field("group_id", STR), pa.field("root_group_id", STR), pa.field("group_size", I32),
     *policy_fields(), pa.field("status", STR), pa.field("failure_reason", STR),
-    column("evaluation", pa.bool_(), "false"),
-], "Rollout events: finished episodes with their step ids, parent/child rollouts and group")
+    column("evaluation", pa.bool_(), "false"), column("train_source", STR, "NULL"),
+], "Rollout events: finished episodes with their step ids, parent/child rollouts, group and training source")
 
 SCORES = _table("scores", [
     pa.field("rollout_id", STR), pa.field("group_id", STR), pa.field("root_group_id", STR),
@@ -107,8 +107,18 @@ SCORES = _table("scores", [
     pa.field("rewards", pa.map_(STR, F64)), pa.field("metrics", pa.map_(STR, F64)),
     pa.field("verifier", STR), pa.field("verifier_version", STR),
     pa.field("trainable_step_ids", STR_LIST), column("evaluation", pa.bool_(), "false"), *source_fields(),
+    column("train_source", STR, "NULL"),
 ], "RolloutScored events: the verifier's rewards (member -> reward) and metrics per rollout; a derived run's "
    "name the source run's Rollout they re-scored (source_*)")
+
+REFERENCE_SCORES = _table("reference_scores", [
+    pa.field("rollout_id", STR), pa.field("group_id", STR), pa.field("root_group_id", STR),
+    pa.field("score_event_id", STR), pa.field("train_source", STR), pa.field("reference_model", STR),
+    pa.field("reference_base_url", STR), pa.field("reference_revision", STR), pa.field("step_ids", STR_LIST),
+    pa.field("ref_logprobs", pa.list_(pa.list_(pa.float32()))), pa.field("n_tokens", I32),
+    pa.field("ref_logprob_mean", F64),
+], "RolloutReferenced events: which reference scored a ref_kl source's rollout (model, endpoint, what it served) "
+   "and its logprob of every trainable completion token (one list per step, in step_ids' order)")
 
 SCORE_REWARDS = _table("score_rewards", [
     pa.field("score_event_id", STR), pa.field("rollout_id", STR), pa.field("member_id", STR),
@@ -170,13 +180,13 @@ REPLAY_ERRORS = _table("replay_errors", [
 ], "messages of this run that could not be decoded (kept whole, with the reason)", envelope=False)
 
 TABLES: dict[str, Table] = {t.name: t for t in (
-    POLICY_REVISIONS, STEPS, ROLLOUTS, SCORES, SCORE_REWARDS, TRAINING_RECORDS, TRAINER_BATCHES,
+    POLICY_REVISIONS, STEPS, ROLLOUTS, SCORES, SCORE_REWARDS, REFERENCE_SCORES, TRAINING_RECORDS, TRAINER_BATCHES,
     BATCH_RECORDS, BATCH_SOURCES, DEAD_LETTERS, ADMISSIONS, REPLAY_ERRORS)}
 
 # Which table each event type lands in (child tables are written alongside their parent).
 TABLE_FOR_EVENT = {
     "policy_revision": "policy_revisions", "step": "steps", "rollout": "rollouts", "rollout_scored": "scores",
-    "training_record": "training_records", "trainer_batch": "trainer_batches", "dead_letter": "dead_letters",
+    "rollout_referenced": "reference_scores", "training_record": "training_records", "trainer_batch": "trainer_batches", "dead_letter": "dead_letters",
     "admission_claim": "admissions", "admission_done": "admissions", "admission_renew": "admissions",
     "admission_release": "admissions", "admission_refund": "admissions",
 }

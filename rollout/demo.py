@@ -492,7 +492,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
     # the plan on revision 0, with the learning rate it trains at: what a derived run evaluates and trains by
     ran = plan.model_copy(update={"trainer": {**plan.trainer, "lr": cfg.lr}})
     await publish(kw, rev0.model_copy(update={"plan": ran.model_dump(mode="json")}))
-    async with System(SERVICES, cfg, kw):
+    async with System([n for n, s in SERVICES.items() if s.needed(cfg)], cfg, kw):
         stop_tail = asyncio.Event()
         tail = asyncio.create_task(_tail(kw, progress, stop_tail))
         env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}

@@ -46,6 +46,23 @@ def _algorithm(a) -> str:
     return f"{head} -> credit {a.credit}" + (f" ({_kv(a.credit_params)})" if a.credit_params else "") + f": {a.note}"
 
 
+def _objective(plan, describe) -> str:
+    """The plan's objective, and ref_kl for the sources that train with it (opd): each with its sources and where
+    it came from, as prime-rl's compute_loss runs each record's component."""
+    from schemas.plan import references
+
+    refs = references(plan).by_source
+    origin = "trainer.loss" if any(k.startswith("objective.") for k in plan.provenance) else "default: prime-rl"
+    rl = [name for name, r in refs.items() if r is None]
+    lines = [f"{describe(plan.objective)}   ({origin})" + (f" for {', '.join(rl)}" if len(rl) < len(refs) else "")]
+    lines += [f"ref_kl (prime-rl's reverse KL to the reference, fixed settings) for {name}: reference {r.model} at "
+              f"{r.base_url}, each token's logprob by prefill (the reference service)"
+              for name, r in refs.items() if r is not None]
+    if not rl and refs:
+        lines = lines[1:]
+    return "\n                        ".join(lines)
+
+
 def _optimizer(o) -> str:
     clip = f"gradients clipped at norm {o.max_norm:g}" if o.max_norm is not None else "no gradient clipping"
     if o.type == "sign_sgd":
@@ -99,8 +116,7 @@ def render(plan, rollout: str | None = None, seed: int = 0, members: list[str] |
            f"   ({prov.get('eval_interval', '?')})",
            f"  trainer               {_kv(plan.trainer) if plan.trainer else 'the reference trainer defaults'}",
            f"  optimizer             {_optimizer(plan.optimizer)}",
-           f"  objective             {describe(plan.objective)}   "
-           f"({'trainer.loss' if any(k.startswith('objective.') for k in prov) else 'default: prime-rl'})"]
+           f"  objective             {_objective(plan, describe)}"]
     if plan.lora:
         out.append(f"  lora                  rank {plan.lora.rank}, alpha {plan.lora.alpha:g}, dropout "
                    f"{plan.lora.dropout:g}, on {', '.join(plan.lora.target_modules)} (those the model has): only the "

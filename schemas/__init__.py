@@ -13,7 +13,8 @@ _WHERE = {
                      "MissingCheckpointError", "StaleRecordError", "UnknownEventTypeError",
                      "UnknownSchemaVersionError"), "schemas.errors"),
     **dict.fromkeys(("ALL_EVENTS", "EVENTS_BY_TYPE", "Aggregates", "ChatMessage", "DeadLetter", "RevisionCount",
-                     "Rollout", "RolloutScored", "Step", "StepTokens", "ToolCall", "TrainerBatch", "TrainingRecord"),
+                     "Rollout", "RolloutReferenced", "RolloutScored", "Step", "StepReference", "StepTokens", "ToolCall",
+                     "TrainerBatch", "TrainingRecord"),
                     "schemas.events"),
     **dict.fromkeys(("CheckpointRef", "PolicyRef", "PolicyRevision"), "schemas.policy"),
 }

@@ -32,7 +32,7 @@ WRITE_METADATA = frozenset({"event_id", "created_at", "producer", "causation_id"
 # Optional fields added to an event after its digests were pinned: left out of the encoding while unset, so an
 # event that never had them (every one written before) keeps its digest.
 ADDED_OPTIONAL = frozenset({"served_model", "source", "history", "fork", "derivation", "plan", "objective",
-                            "probe"})
+                            "probe", "ref_logprobs", "train_source"})
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})

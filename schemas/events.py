@@ -1,7 +1,8 @@
 """The events of a run, in the order the pipeline produces them.
 
 Step (one model call) and Rollout (one finished episode) come from the arena; RolloutScored
-from the verifier; TrainingRecord from credit assignment; TrainerBatch from the batcher;
+from the verifier; RolloutReferenced from the reference service (a ref_kl source's score with the reference's
+logprobs); TrainingRecord from credit assignment; TrainerBatch from the batcher;
 DeadLetter from any service that could not process its input.
 """
 
@@ -16,10 +17,13 @@ from schemas.admission import ADMISSION_EVENTS
 from schemas.arrays import Logprobs, Mask, TokenIds
 from schemas.envelope import Event, Record, SourceEvent
 from schemas.history import HistoryRule
+from schemas.objectives import Reference
 from schemas.policy import PolicyRef, PolicyRevision
 
 ROOT_GROUP_DOC = ("group id of the top-level episode this belongs to (its own group_id when top-level); "
                   "everything of one root group is co-located, so a group or an episode tree is seen whole")
+TRAIN_SOURCE_DOC = ("the plan's training source (its name) the group was sampled for, which says its algorithm when "
+                    "two sources share an environment; None: an evaluation, or written before sources were named")
 ENV_REF = re.compile(r"^[A-Za-z0-9_.\-/]+@[A-Za-z0-9_.\-+]+$")
 
 
@@ -97,6 +101,7 @@ class Rollout(Event):
     status: RolloutStatus
     failure_reason: str | None = None
     evaluation: bool = Field(default=False, description="a held-out evaluation rollout: scored, never trained on")
+    train_source: str | None = Field(default=None, description=TRAIN_SOURCE_DOC)
 
     @model_validator(mode="after")
     def _status_consistent(self) -> Rollout:
@@ -141,6 +146,36 @@ class RolloutScored(Event):
     evaluation: bool = Field(default=False, description="copied from the Rollout: credit assignment skips it")
     source: SourceEvent | None = Field(default=None, description="a derived run's score: the source run's Rollout "
                                        "it re-scored (schemas.history)")
+    train_source: str | None = Field(default=None, description="copied from the Rollout: " + TRAIN_SOURCE_DOC)
+
+
+class StepReference(Record):
+    """The reference's logprob of each completion token of one trainable step."""
+
+    step_id: str
+    ref_logprobs: Logprobs
+
+
+class RolloutReferenced(Event):
+    """A score of a source whose objective is ``ref_kl`` (prime-rl's opd), with the reference's logprobs of every
+    trainable completion token, scored by prefill (the reference service). Credit trains these, not the score."""
+
+    EVENT_TYPE: ClassVar[str] = "rollout_referenced"
+
+    scored: RolloutScored = Field(description="the verifier's score, as it is on the scores topic")
+    root_group_id: str = Field(min_length=1, description=ROOT_GROUP_DOC)
+    reference: Reference
+    steps: list[StepReference] = Field(description="one per trainable step of the score, in its order")
+
+    @model_validator(mode="after")
+    def _aligned(self) -> RolloutReferenced:
+        want = [(s.step_id, len(s.completion_token_ids)) for s in self.scored.trainable_steps]
+        got = [(s.step_id, len(s.ref_logprobs)) for s in self.steps]
+        if got != want:
+            raise ValueError(f"reference logprobs {got} do not match the trainable steps' completions {want}")
+        if self.root_group_id != self.scored.root_group_id:
+            raise ValueError("root_group_id differs from the score's")
+        return self
 
 
 class TrainingRecord(Event):
@@ -164,6 +199,9 @@ class TrainingRecord(Event):
     credit: str = Field(description="credit strategy that produced the advantage")
     source: SourceEvent | None = Field(default=None, description="a derived run's record: the source run's Rollout "
                                        "its tokens come from (copied from the score)")
+    ref_logprobs: Logprobs | None = Field(default=None, description="the reference's logprob of each completion "
+                                          "token (a ref_kl source's, prime-rl's opd): the record trains with ref_kl; "
+                                          "None: with the plan's objective")
 
     @model_validator(mode="after")
     def _aligned(self) -> TrainingRecord:
@@ -171,6 +209,9 @@ class TrainingRecord(Event):
         if len(self.completion_logprobs) != n or len(self.loss_mask) != n:
             raise ValueError(f"completion_token_ids ({n}), completion_logprobs ({len(self.completion_logprobs)}) "
                              f"and loss_mask ({len(self.loss_mask)}) must have the same length")
+        if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
+            raise ValueError(f"ref_logprobs ({len(self.ref_logprobs)}) and completion_token_ids ({n}) must have the "
+                             "same length")
         if n == 0:
             raise ValueError("a training record with no completion tokens is refused")
         return self
@@ -226,5 +267,6 @@ class DeadLetter(Event):
 
 
 ALL_EVENTS: tuple[type[Event], ...] = (
-    PolicyRevision, Step, Rollout, RolloutScored, TrainingRecord, TrainerBatch, DeadLetter, *ADMISSION_EVENTS)
+    PolicyRevision, Step, Rollout, RolloutScored, RolloutReferenced, TrainingRecord, TrainerBatch, DeadLetter,
+    *ADMISSION_EVENTS)
 EVENTS_BY_TYPE: dict[str, type[Event]] = {cls.EVENT_TYPE: cls for cls in ALL_EVENTS}

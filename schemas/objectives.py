@@ -110,6 +110,17 @@ class CeLoss(Record):
     type: Literal["ce"] = "ce"
 
 
+class Reference(Record):
+    """The frozen model a ``ref_kl`` component distills toward (prime-rl's opd ``teacher``), named on every event
+    its logprobs are in, so that replay shows which model scored each token."""
+
+    model: str = Field(min_length=1, description="the served model's name, sent as each request's model")
+    base_url: str = Field(min_length=1, description="its OpenAI-compatible endpoint (.../v1)")
+    api_key_var: str | None = Field(None, description="the environment variable holding its API key, if any")
+    revision: str | None = Field(None, description="what the server says it serves (vLLM's /v1/models root: a "
+                                                   "checkpoint path or hub revision), where it says")
+
+
 ObjectiveSpec: TypeAlias = Annotated[Union[DefaultLoss, IpoLoss, CustomLoss, TrlLoss, PpoClipLoss, CeLoss],
                                      Field(discriminator="type")]
 OBJECTIVE_TYPES = ("default", "ipo", "custom", "trl", "ppo_clip", "ce")

@@ -22,7 +22,7 @@ from pydantic import Field, JsonValue, model_validator
 
 from schemas.envelope import Record
 from schemas.errors import ContractError
-from schemas.objectives import DefaultLoss, ObjectiveSpec
+from schemas.objectives import DefaultLoss, ObjectiveSpec, Reference
 
 LEARNER = "learner"
 # A plan's values where the recipe is silent: prime-rl's defaults.
@@ -109,6 +109,33 @@ class AdvantageSpec(Record):
     credit_params: dict[str, JsonValue] = Field(default_factory=lambda: {"scale_std": False})
     note: str = Field(default="prime-rl's default algorithm grpo: A = r - group mean, our grpo with "
                       "scale_std = false")
+
+
+REF_KL = "ref_kl"
+"""``AdvantageSpec.credit`` of an algorithm trained by prime-rl's ref_kl component (opd): no credit strategy, no
+advantage; its records carry the reference's logprobs instead (``References``)."""
+
+
+class References(Record):
+    """Each training source's reference (prime-rl's opd teacher), None for a source credited by a strategy: read by
+    the reference service, which scores those sources' tokens, and by credit, which trains them from its output."""
+
+    by_source: dict[str, Reference | None] = Field(default_factory=dict)
+
+    def of(self, source: str | None) -> Reference | None:
+        """The reference of the source a score names; a score naming none (written before sources were named) or
+        an unknown one gets the plan's only one when every source has the same, else ``PlanError``."""
+        if source in self.by_source:
+            return self.by_source[source]
+        distinct = {None if r is None else r.model_dump_json() for r in self.by_source.values()}
+        if len(distinct) > 1:
+            raise PlanError(f"a score of source {source!r}, not one of the plan's training sources "
+                            f"({', '.join(self.by_source)}), which differ in their reference")
+        return next(iter(self.by_source.values()), None)
+
+    @property
+    def any(self) -> bool:
+        return any(r is not None for r in self.by_source.values())
 
 
 class AdmissionGate(Record):
@@ -398,18 +425,32 @@ def admission_gates(plan: GenerationPlan) -> list[AdmissionGate]:
     return list(plan.environments[0].gates) if plan.environments else []
 
 
+def references(plan: GenerationPlan) -> References:
+    """Each training source's reference: its opd teacher (``[algo] teacher``, prime-rl's ``FrozenModelConfig``)."""
+    out: dict[str, Reference | None] = {}
+    for env in plan.environments:
+        algo = env.algorithm or plan.advantage
+        teacher = algo.params.get("teacher") if algo.credit == REF_KL else None
+        out[env.display_name] = None if teacher is None else Reference(
+            model=teacher["name"], base_url=teacher["base_url"], api_key_var=teacher.get("api_key_var"))
+    return References(by_source=out)
+
+
 def credit_strategy(plan: GenerationPlan) -> tuple[str, dict[str, Any]]:
     """(strategy, params) for ``consumers.credit.CreditAssigner``: what runs the plan's algorithm.
 
-    Raises ``PlanError`` naming the algorithm and why when nothing here can run it (e.g. opd, which
-    needs a teacher's logprobs), or when training sources use different algorithms (one credit
-    service runs one strategy). Never falls back to GRPO.
+    Raises ``PlanError`` naming the algorithm and why when nothing here can run it (e.g. opsd), or when
+    training sources credited by a strategy use different ones (one credit service runs one strategy); a ref_kl
+    source (opd) needs none, and beside one it mixes with any. Never falls back to GRPO.
     """
     algos = [(env.display_name, env.algorithm or plan.advantage) for env in plan.environments]
     for name, algo in algos:
         if algo.credit is None:
             raise PlanError(f"{plan.source}: {algo.origin}: algorithm {algo.type!r} (source {name!r}) cannot run "
                             f"here: {algo.note}")
+    algos = [(name, a) for name, a in algos if a.credit != REF_KL]  # trained from their reference's logprobs
+    if not algos:
+        return "per_step", {}  # no source is credited: every record comes from the reference service
     runs = {(a.credit, json.dumps(a.credit_params, sort_keys=True)) for _, a in algos}
     if len(runs) > 1:
         shown = ", ".join(f"{n}: {a.type}" for n, a in algos)

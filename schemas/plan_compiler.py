@@ -54,7 +54,7 @@ from pydantic import ValidationError
 from schemas.objectives import OBJECTIVE_TYPES, DefaultLoss, objective_from
 from schemas.recipe_keys import neutral_reason, refusals
 from schemas.plan import (DEFAULT_BATCH_SIZE, DEFAULT_EVAL_INTERVAL, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ASYNC_LEVEL,
-                          DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, AdvantageSpec, EnvSpec, GenerationPlan,
+                          DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, REF_KL, AdvantageSpec, EnvSpec, GenerationPlan,
                           AdmissionGate, LoraSpec, MemberRoute, OPTIMIZERS, OptimizerSpec, PlanError, SERVER_KEYS, Seat,
                           Target, TrainOne)
 
@@ -114,14 +114,14 @@ ALGORITHMS: dict[str, frozenset[str]] = {
     "sft": frozenset(),
 }
 UNRUNNABLE = {
-    "echo": "GRPO plus a cross-entropy loss on env-provided (tool/user) tokens; the trainer has no CE loss",
+    "echo": "GRPO plus a cross-entropy loss on env-provided (tool/user) tokens; training records here carry only "
+            "the policy's completion tokens, never the environment's",
     "hierarchical_grpo": "baselines per proposed problem (solvers) and per source task (proposers); no credit "
                          "strategy here groups that way",
-    "opd": "on-policy distillation needs the teacher's logprobs on each sample (reference prefill) and a "
-           "reverse-KL loss; the pipeline has neither",
-    "opsd": "self-distillation needs demonstration-conditioned reference logprobs from the policy and a "
-            "reverse-KL loss; the pipeline has neither",
-    "sft": "samples from a frozen model and trains cross-entropy on its tokens; the trainer has no CE loss",
+    "opsd": "self-distillation scores each sample under the live policy with a demonstration prepended (a prompt "
+            "re-rendered per sample, at the current revision); the reference service prefills a frozen teacher only",
+    "sft": "samples its training rollouts from a frozen model (sampling.source); the arena trains only on the "
+           "learner's own samples",
 }
 
 
@@ -411,6 +411,12 @@ class _Compiler:
                                  note="prime-rl rae, A = r - EMA baseline per (source, agent), scored before the "
                                       "update: our ema_per_member with alpha = decay (our baseline starts at the "
                                       "first reward, prime-rl's at 0)")
+        if kind == "opd":
+            teacher = params["teacher"]
+            return AdvantageSpec(type=kind, params=params, origin=path, credit=REF_KL, credit_params={},
+                                 note=f"prime-rl opd, no advantage: the reference service prefills every trainable "
+                                      f"token under the teacher {teacher['name']} at {teacher['base_url']}, and the "
+                                      "trainer's ref_kl (prime-rl's reverse KL to it) trains the source's records")
         return _cannot_run(kind, params, path, UNRUNNABLE[kind])
 
     def _length_penalty(self, table: Any, path: str) -> dict[str, Any]:

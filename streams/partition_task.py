@@ -1,6 +1,7 @@
 """What a partition task is to the transactional processor (``streams.transactions``): the ``PartitionTask`` it
-runs for each partition number, the ``Out`` messages a task returns for the transaction, and ``dead_letter``, the
-output for an input record a task (or the processor) refuses. The changelog's ``Restorer`` rebuilds tasks
+runs for each partition number, the ``Out`` messages a task returns for the transaction, ``dead_letter``, the
+output for an input record a task (or the processor) refuses, and ``EnvironmentFault``, what a task raises when the
+fault is not the record's. The changelog's ``Restorer`` rebuilds tasks
 through the same protocol."""
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def dead_letter(rec: Any, service: str, error_type: str, message: str, run_id: s
         run_id=run, producer=service, origin_topic=rec.topic, origin_partition=rec.partition,
         origin_offset=rec.offset, origin_key=rec.key, raw=(rec.value or b"") if raw is None else raw,
         error_type=error_type, error_message=message[:4000], service=service))
+
+
+class EnvironmentFault(Exception):
+    """Raised by a task for a fault of what it depends on, not of the record (a server it needs is down): the
+    processor waits and tries the same record again, however often, and never dead-letters it for this."""
 
 
 class PartitionTask(Protocol):

@@ -2,7 +2,7 @@
 
 Keys decide co-location, so they are chosen here, once:
 
-* Step, Rollout and RolloutScored are keyed by ``root_group_id``: an episode's steps, its
+* Step, Rollout, RolloutScored and RolloutReferenced are keyed by ``root_group_id``: an episode's steps, its
   rollout, the rest of its group and its sub-episodes land on the same partition number of
   every such topic (all have the same partition count and the default murmur2 partitioner),
   so the verifier and credit assignment see a group whole from one partition.
@@ -21,7 +21,7 @@ from schemas import codec
 from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRefund, AdmissionRelease, AdmissionRenew
 from schemas.envelope import Event
 from schemas.errors import EventDecodeError
-from schemas.events import DeadLetter, Rollout, RolloutScored, Step, TrainerBatch, TrainingRecord
+from schemas.events import DeadLetter, Rollout, RolloutReferenced, RolloutScored, Step, TrainerBatch, TrainingRecord
 from schemas.policy import PolicyRevision
 
 Headers = list[tuple[str, bytes]]
@@ -29,7 +29,7 @@ Headers = list[tuple[str, bytes]]
 
 def key_for(event: Event) -> bytes:
     match event:
-        case Step() | Rollout() | RolloutScored():
+        case Step() | Rollout() | RolloutScored() | RolloutReferenced():
             key = event.root_group_id
         case TrainingRecord():
             key = event.record_id

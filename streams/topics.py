@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.events import DeadLetter, Rollout, RolloutScored, Step, TrainerBatch, TrainingRecord
+from schemas.events import DeadLetter, Rollout, RolloutReferenced, RolloutScored, Step, TrainerBatch, TrainingRecord
 from schemas.policy import PolicyRevision
 from streams import settings
 from streams.kafka_errors import KafkaAccessError, KafkaError
@@ -77,6 +77,9 @@ POLICY_REVISIONS = Topic("policy-revisions", 1, doc="policy/weights revisions, t
 STEPS = Topic("steps", 12, _BIG, doc="environment steps (retention: ROLLOUT_STEPS_RETENTION_MS)", event=Step)
 ROLLOUTS = Topic("rollouts", 12, _BIG, doc="completed rollouts", event=Rollout)
 SCORES = Topic("scores", 12, doc="rewards/scores per rollout", event=RolloutScored)
+REFERENCED = Topic("scores-referenced", 12, _BIG, event=RolloutReferenced,
+                   doc="the scores of ref_kl sources (prime-rl's opd) with the reference's logprob of every trainable "
+                       "token; co-partitioned with scores, which credit reads beside it")
 TRAINING_RECORDS = Topic("training-records", 1, event=TrainingRecord,
                          doc="rollouts joined with scores, ready for training; one partition, so one batcher "
                              "builds each optimizer step from all of them")
@@ -94,7 +97,7 @@ ARENA_WRITES = (STEPS, ROLLOUTS, ADMISSIONS)
 """What an arena reads and writes (its ACLs in streams.security, the topics it makes sure of at start-up)."""
 
 TOPICS: dict[str, Topic] = {
-    t.key: t for t in (POLICY_REVISIONS, STEPS, ROLLOUTS, SCORES, TRAINING_RECORDS, TRAINER_BATCHES, DEAD_LETTERS,
+    t.key: t for t in (POLICY_REVISIONS, STEPS, ROLLOUTS, SCORES, REFERENCED, TRAINING_RECORDS, TRAINER_BATCHES, DEAD_LETTERS,
                         ADMISSIONS)
 }
 

@@ -48,7 +48,7 @@ from streams.changelog import Restorer, encode_snapshot
 from streams.commits import CommitWatch, StallWatch, commit_again
 from streams.group_fencing import GroupFenced, GroupMember, fence_by_group, fence_error_seen
 from streams.instances import slot_name, slots_dir
-from streams.partition_task import Out, PartitionTask, dead_letter
+from streams.partition_task import EnvironmentFault, Out, PartitionTask, dead_letter
 from streams.poison import PoisonCounts, ProcessMustRestart
 from streams.processor_config import LINGER_MS, MAX_RECORDS, TICK_S, ProcessorConfig
 from streams.rebalance import Rebalance
@@ -62,9 +62,10 @@ ENVIRONMENT_RETRY_S = 30.0  # how long an instance waits before trying again aft
 
 
 def environment_fault(e: BaseException) -> bool:
-    """The machine's fault, not the record's (a full disk, a failing or read-only one, memory exhausted): waited
-    out and tried again, never a reason to dead-letter the record."""
-    return isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS)
+    """The environment's fault, not the record's (a full disk, a failing or read-only one, memory exhausted, a
+    server a task needs that is down: ``EnvironmentFault``): waited out and tried again, never a reason to
+    dead-letter the record."""
+    return isinstance(e, MemoryError | EnvironmentFault) or (isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS)
 
 
 # What every processor's transactional producer is opened with (besides its id, linger and transaction timeout);
@@ -497,7 +498,7 @@ class TransactionalProcessor:
             self.poison.ended(key, None if fault else e)
             if fault:
                 log.error("%s: %s[%d]@%d: %s: %s. The environment's fault, not the record's: nothing is "
-                          "dead-lettered; trying again in %.0fs (free the space or memory meanwhile)",
+                          "dead-lettered; trying again in %.0fs (free the space or memory, or bring the server back, meanwhile)",
                           self.config.name, rec.topic, rec.partition, rec.offset, type(e).__name__, e,
                           ENVIRONMENT_RETRY_S)
                 await asyncio.sleep(ENVIRONMENT_RETRY_S)

@@ -83,6 +83,37 @@ def test_reference_trainer_raises_logprob_of_advantaged_completion(tmp_path):
     assert torch.allclose(token_logprobs(reloaded, prompt, good), token_logprobs(model, prompt, good))
 
 
+def test_a_records_reference_logprobs_train_it_with_ref_kl_toward_the_reference_beside_grpo_rows(tmp_path):
+    """prime-rl's opd: a record with the reference's logprobs (advantage 0: none is assigned) trains with ref_kl, its
+    completion's logprob moving toward the reference's; a grpo record in the same batch trains with the plan's
+    objective; to_tensors puts each reference logprob under its completion token."""
+    model = PolicyModel.from_seed(0)
+    prompt, opd, grpo = list(b"3+4="), list(b"7"), list(b"9")
+    rev0 = initial_revision("tiny", tmp_path, seed=0)
+    tr = ReferenceTrainer(model, "tiny", 0, tmp_path, lr=3e-3)
+
+    def lp(c):
+        with torch.no_grad():
+            return float(token_logprobs(model, prompt, c).sum())
+
+    before = (lp(opd), lp(grpo))
+    ref = np.array([-0.05], np.float32)  # the teacher is sure of "7"
+    for step in range(10):
+        distilled = [_record(3 * step + k, model, prompt, opd, 0.0).model_copy(update={"ref_logprobs": ref,
+                                                                                       "credit": "ref_kl"})
+                     for k in range(2)]
+        b = batch_of([*distilled, _record(3 * step + 2, model, prompt, grpo, -1.0)],
+                     testing.revision(tr.revision).model_copy(update={"checkpoint": rev0.checkpoint}))
+        t = to_tensors(b)
+        assert t.ref_rows.tolist() == [True, True, False]
+        assert t.ref_logprobs[0, len(prompt)].item() == pytest.approx(-0.05) and t.ref_logprobs[2].abs().sum() == 0
+        stats = tr.step(t, b)
+        assert {"ref_kl", "ref_kl/is_masked", "is_masked"} <= stats.keys() and np.isfinite(stats["loss"])
+        first = first if step else stats["ref_kl"]  # log p_ref - log p_trainer, token mean
+    assert lp(opd) > before[0] + 0.5 and lp(grpo) < before[1] - 0.5
+    assert abs(stats["ref_kl"]) < first - 0.5  # the trainer's logprob came (near) to the reference's
+
+
 async def test_trainer_task_resumes_from_snapshot_state(tmp_path):
     rev0 = initial_revision("tiny", tmp_path, seed=0)
     model = load_checkpoint(rev0.checkpoint)

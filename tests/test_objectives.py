@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from consumers.objectives import LossInputs, Objective
+from consumers.objectives import LossInputs, Objective, ref_kl_loss
 from schemas.objectives import (CustomLoss, DefaultLoss, IpoLoss, ObjectiveError, PpoClipLoss, TrlLoss, CeLoss,
                                 describe)
 from schemas.plan import PlanError
@@ -134,6 +134,66 @@ def test_ppo_clip_and_ce_by_hand():
     assert out.loss.item() == pytest.approx(want, rel=1e-12)
     ce = Objective(CeLoss()).loss(_inputs(adv, weights=[1.0, 2.0, 1.0, 1.0, 5.0]))
     assert ce.loss.item() == pytest.approx(-(math.log(0.8) + 2 * math.log(0.2) + math.log(0.55) + math.log(0.3)))
+
+
+P_REF = [0.6, 0.4, 0.25, 0.5, 0.7]  # the reference's probabilities of the same tokens (opd's teacher)
+
+
+def _ref_kl_by_hand(weights=None) -> tuple[float, list[float]]:
+    """prime-rl's ref_kl_loss_fn token by token: -(kept) (log p_ref - log p_trainer) r + 1e-3 (log r)^2, a token
+    kept unless p_trainer - p_inference < -0.2 (token 1 fell by 0.3); and its gradient in log p_trainer, the signal
+    held constant: -(kept) (log p_ref - log p_trainer) r + 2e-3 log r."""
+    loss, grad = 0.0, [0.0] * 5
+    for i, m in enumerate(MASK):
+        if not m:
+            continue
+        r = P_TRAINER[i] / P_INFER[i]
+        kept = P_TRAINER[i] - P_INFER[i] >= -0.2
+        signal = math.log(P_REF[i]) - math.log(P_TRAINER[i])
+        w = 1.0 if weights is None else weights[i]
+        loss += w * (-(signal * r if kept else 0.0) + 1e-3 * math.log(r) ** 2)
+        grad[i] = w * (-(signal * r if kept else 0.0) + 2e-3 * math.log(r))
+    return loss, grad
+
+
+def test_ref_kl_is_prime_rls_reverse_kl_to_the_reference_by_hand_and_reads_no_advantage():
+    inputs = _inputs([1.0, -1.0, 0.5, -0.25, 2.0])
+    inputs.ref_logprobs = torch.log(torch.tensor([P_REF], dtype=torch.float64))
+    out = ref_kl_loss(inputs)
+    want, grad = _ref_kl_by_hand()
+    assert out.loss.item() == pytest.approx(want, rel=1e-12)
+    out.loss.backward()
+    assert inputs.trainer_logprobs.grad[0].tolist() == pytest.approx(grad, rel=1e-12)  # the signal is detached
+    assert out.metrics["ref_kl/is_masked"].item() == pytest.approx(1 / 4)
+    assert out.metrics["ref_kl"].item() == pytest.approx(
+        sum(math.log(P_REF[i] / P_TRAINER[i]) for i in range(4)) / 4, rel=1e-12)
+    other = _inputs([-5.0, 5.0, 0.0, 3.0, 1.0], weights=[2.0, 1.0, 0.5, 3.0, 9.0])  # other advantages: not read
+    other.ref_logprobs = inputs.ref_logprobs
+    assert ref_kl_loss(other).loss.item() == pytest.approx(_ref_kl_by_hand([2.0, 1.0, 0.5, 3.0, 9.0])[0], rel=1e-12)
+    with pytest.raises(ObjectiveError, match="reference"):
+        ref_kl_loss(_inputs([1.0] * 5))
+
+
+def test_a_mixed_batch_trains_each_row_with_its_sources_component_each_normalised_by_its_own_tokens():
+    """prime-rl's compute_loss: rl_loss / rl_scale + ref_kl_loss / ref_kl_scale; a grpo row (no reference) under the
+    plan's objective, an opd row (reference logprobs) under ref_kl; a batch of one kind is that component alone."""
+    adv = [1.0, -1.0, 0.5, -0.25, 2.0]
+    inputs = _inputs(adv, rows=3)
+    inputs.loss_mask[2, 3] = False  # the second opd row has 3 loss tokens: ref_kl's denominator is 4 + 3
+    inputs.ref_logprobs = torch.log(torch.tensor([P_REF] * 3, dtype=torch.float64))
+    ref_rows = torch.tensor([False, True, True])
+    objective = Objective(DefaultLoss())
+    scales = objective.scales(inputs.loss_mask, ref_rows)
+    assert [float(s) for s in scales] == [4.0, 7.0]
+    out = objective.component_loss(inputs, ref_rows, scales)
+    r3 = P_TRAINER[3] / P_INFER[3]
+    last = -(math.log(P_REF[3]) - math.log(P_TRAINER[3])) * r3 + 1e-3 * math.log(r3) ** 2
+    want_ref = 2 * _ref_kl_by_hand()[0] - last
+    assert out.loss.item() == pytest.approx(_by_hand(adv, [False, False, True, True]) / 4 + want_ref / 7, rel=1e-12)
+    assert {"is_masked", "ref_kl/is_masked"} <= out.metrics.keys()
+    only_rl = objective.component_loss(inputs, torch.zeros(3, dtype=torch.bool), objective.scales(
+        inputs.loss_mask, torch.zeros(3, dtype=torch.bool)))
+    assert only_rl.loss.item() == pytest.approx(objective.loss(inputs).loss.item() / 11, rel=1e-12)
 
 
 PRIME_RL_CUSTOM = '''
@@ -369,18 +429,29 @@ PEER_RECIPES = Path(__file__).resolve().parents[2] / "shared" / "peer-configs" /
 
 @pytest.mark.skipif(not PEER_RECIPES.is_dir(), reason="shared/peer-configs is not beside this checkout")
 def test_rollout_plan_names_the_objective_of_every_prime_rl_recipe():
-    """prime-rl's own recipes name no [trainer.loss]: each compiles to prime-rl's default, and says so."""
+    """prime-rl's own recipes name no [trainer.loss]: each compiles to prime-rl's default, and says so; the four opd
+    recipes show ref_kl and their teacher for their opd sources, and none of them is refused."""
     from rollout.plan_cmd import render
     from schemas.plan_compiler import compile_plan
 
-    shown = 0
+    shown = opd = 0
     for path in sorted(PEER_RECIPES.glob("*.toml")):
         try:
             plan = compile_plan(path)
         except PlanError:  # a trainer-only, eval-only or broken file: not a run's recipe
             continue
         assert plan.objective == DefaultLoss(), path.name
-        line = next(x for x in render(plan).splitlines() if x.strip().startswith("objective"))
-        assert "default (dppo_mask_low 0.2, dppo_mask_high 0.2, adv_tau 1, kl_tau 0.001)" in line, (path.name, line)
+        lines = render(plan).splitlines()
+        at = next(i for i, x in enumerate(lines) if x.strip().startswith("objective"))
+        shown_lines = " ".join(lines[at:at + 3])
+        if "opd" in path.name:  # every opd source trains with ref_kl against its teacher, a grpo source beside it not
+            assert "ref_kl (prime-rl's reverse KL to the reference" in shown_lines, (path.name, shown_lines)
+            assert "reference PrimeIntellect/Qwen3-0.6B-Reverse-Text-RL at http://localhost:8001/v1" in shown_lines
+            assert ("default (" in lines[at]) == ("mixed_grpo" in path.name), (path.name, shown_lines)
+            opd += 1
+        else:
+            assert "default (dppo_mask_low 0.2, dppo_mask_high 0.2, adv_tau 1, kl_tau 0.001)" in lines[at], (
+                path.name, lines[at])
+        assert "CANNOT RUN" not in render(plan) or "opd" not in path.name, path.name
         shown += 1
-    assert shown >= 40
+    assert shown >= 40 and opd == 4

@@ -12,7 +12,8 @@ import pytest
 
 from schemas.errors import ContractError
 from schemas.plan import (DEFAULT_MAX_OFF_POLICY_STEPS, LEARNER, AdmissionGate, GenerationPlan, PlanError,
-                          admission_gates, credit_strategy)
+                          admission_gates, credit_strategy, references)
+from schemas.objectives import Reference
 from schemas.plan_compiler import compile_plan, compile_plan_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -472,16 +473,23 @@ def test_single_seat_named_player_and_wordle() -> None:
     assert plan.learner.sampling == {"max_tokens": 1024}
 
 
-def test_per_source_algorithms_compile_and_the_unrunnable_one_is_refused_by_credit() -> None:
+def test_per_source_algorithms_compile_and_an_opd_source_trains_from_its_teacher_beside_grpo() -> None:
     plan = peer26("configs_debug_algo_mixed_grpo_opd.toml")
     grpo, opd = plan.environments
     assert grpo.algorithm.type == "grpo" and grpo.algorithm.credit == "grpo"
-    assert opd.algorithm.type == "opd" and opd.algorithm.credit is None
+    assert opd.algorithm.type == "opd" and opd.algorithm.credit == "ref_kl"
     assert opd.algorithm.origin == "orchestrator.train.source[1].algo"
-    assert opd.algorithm.params["teacher"]["base_url"] == "http://localhost:8001/v1"
-    with pytest.raises(PlanError, match=r"algorithm 'opd' \(source 'reverse-text-opd'\) cannot run here: "
-                                        r"on-policy distillation needs the teacher's logprobs"):
-        credit_strategy(plan)
+    assert credit_strategy(plan) == ("grpo", {"scale_std": False})  # the grpo source's; opd needs none
+    refs = references(plan)
+    teacher = Reference(model="PrimeIntellect/Qwen3-0.6B-Reverse-Text-RL", base_url="http://localhost:8001/v1")
+    assert refs.by_source == {"reverse-text-grpo": None, "reverse-text-opd": teacher}
+    assert refs.of("reverse-text-opd") == teacher and refs.of("reverse-text-grpo") is None
+    with pytest.raises(PlanError, match="differ in their reference"):
+        refs.of(None)  # a score naming no source, in a plan whose sources differ: not guessed
+    only = references(compile_plan_dict(_src(algo='[orchestrator.algo]\ntype = "opd"\nteacher = { name = "t", '
+                                                  'base_url = "http://h/v1", api_key_var = "T_KEY" }'), "a.toml"))
+    [source] = only.by_source
+    assert only.of(None) == only.of(source) == Reference(model="t", base_url="http://h/v1", api_key_var="T_KEY")
 
 
 def test_fork_recipe_passes_unknown_sampling_keys_to_the_server() -> None:
@@ -532,9 +540,9 @@ ALGOS = {  # prime-rl type -> what the credit service runs (None: refused, with 
     'type = "max_rl"': ("grpo", {"scale_std": False, "scale_mean": True}),
     'type = "echo"': "cross-entropy loss on env-provided",
     'type = "hierarchical_grpo"\nepisode_agents = ["solver"]': "per proposed problem",
-    'type = "opd"\nteacher = { name = "t", base_url = "http://h/v1" }': "teacher's logprobs",
-    'type = "opsd"': "demonstration-conditioned",
-    'type = "sft"\nsampling = { source = { name = "t", base_url = "http://h/v1" } }': "trains cross-entropy",
+    'type = "opd"\nteacher = { name = "t", base_url = "http://h/v1" }': ("per_step", {}),  # no source credited
+    'type = "opsd"': "demonstration prepended",
+    'type = "sft"\nsampling = { source = { name = "t", base_url = "http://h/v1" } }': "from a frozen model",
     'type = "grpo"\nlength_penalty = { type = "linear" }': (
         "grpo", {"scale_std": False, "length_penalty": {"output": 0.25, "input": 0.1, "turns": 0.1}}),
     'type = "my_fork_algo"': "not one of prime-rl's",
@@ -692,18 +700,23 @@ def test_cli_shows_algorithm_refusal_and_passthrough(capsys: pytest.CaptureFixtu
     assert "rae (orchestrator.algo) -> credit ema_per_member (alpha=0.95)" in out
 
 
-def test_credit_and_trainer_services_refuse_an_algorithm_they_cannot_run() -> None:
+def test_credit_and_trainer_services_refuse_an_algorithm_they_cannot_run(tmp_path: Path) -> None:
     import argparse
 
     from consumers.cli import register_serve, settings_from_args
 
     parser = argparse.ArgumentParser()
     register_serve(parser.add_subparsers())
+    echo = tmp_path / "echo.toml"
+    echo.write_text('[model]\nname = "m"\n[orchestrator.algo]\ntype = "echo"\n[[orchestrator.train.source]]\n'
+                    'name = "s"\n[orchestrator.train.source.env.taskset]\nid = "t"\n')
     mixed = str(PEER_2026 / "configs_debug_algo_mixed_grpo_opd.toml")
+    for service in ("credit", "trainer", "reference"):  # grpo beside opd: each runs it
+        settings_from_args(parser.parse_args([service, "--plan", mixed]))
     for service in ("credit", "trainer"):
-        with pytest.raises(SystemExit, match=f"rollout serve {service}: refusing the plan: .*algorithm 'opd'"):
-            settings_from_args(parser.parse_args([service, "--plan", mixed]))
-    settings_from_args(parser.parse_args(["verifier", "--plan", mixed]))  # does not assign credit: unaffected
+        with pytest.raises(SystemExit, match=f"rollout serve {service}: refusing the plan: .*algorithm 'echo'"):
+            settings_from_args(parser.parse_args([service, "--plan", str(echo)]))
+    settings_from_args(parser.parse_args(["verifier", "--plan", str(echo)]))  # does not assign credit: unaffected
     rae = str(PEER_2026 / "configs_debug_algo_rae.toml")
     cfg = settings_from_args(parser.parse_args(["credit", "--plan", rae]))
     assert (cfg.credit, cfg.strategy_params["alpha"]) == ("ema_per_member", 0.95)

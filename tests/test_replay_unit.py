@@ -30,7 +30,7 @@ from schemas.events import DeadLetter, TrainerBatch, TrainingRecord
 from schemas.policy import PolicyRef
 
 TOPIC_TABLE = {"policy-revisions": "policy_revisions", "steps": "steps", "rollouts": "rollouts", "scores": "scores",
-               "training-records": "training_records", "trainer-batches": "trainer_batches",
+               "scores-referenced": "reference_scores", "training-records": "training_records", "trainer-batches": "trainer_batches",
                "dead-letters": "dead_letters", "admissions": "admissions"}
 
 

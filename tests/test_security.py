@@ -206,7 +206,8 @@ async def test_service_without_read_permission_says_so_at_start(secured):
     with pytest.raises(KafkaError) as info:
         await security.check_access(SERVICES["credit"], kw)
     assert str(info.value) == (
-        f"service credit: User:batcher may not read input topic(s) {topics.SCORES.name} (or they do not exist): "
+        f"service credit: User:batcher may not read input topic(s) {topics.SCORES.name}, {topics.REFERENCED.name} "
+        "(or they do not exist): "
         "grant it with `rollout kafka acls --apply` as an admin")
 
 

@@ -1,4 +1,5 @@
-"""credit: RolloutScored -> TrainingRecords with the plan's credit strategy (``consumers.credit``).
+"""credit: RolloutScored -> TrainingRecords with the plan's credit strategy (``consumers.credit``); a ref_kl
+source's scores (prime-rl's opd) are read from the reference service's RolloutReferenced instead, co-partitioned.
 
 A strategy that waits for whole groups keeps each open group's input records, so a group that times
 out dead-letters exactly the rollouts it held and a new owner re-reads exactly those. A group the plan's admission
@@ -17,7 +18,8 @@ from consumers.service import TaskDefaults, TaskFactory, dead_letter, decode
 from consumers.settings import ServiceSettings
 from schemas.admission import AdmissionRefund
 from schemas.errors import EventDecodeError
-from schemas.events import RolloutScored
+from schemas.events import RolloutReferenced, RolloutScored
+from schemas.plan import PlanError
 from streams import topics
 from streams.partition_task import Out
 
@@ -31,17 +33,34 @@ class CreditTask(TaskDefaults):
         self.assigner = credit.CreditAssigner(cfg.credit, cfg.strategy_params, producer=f"{NAME}{cfg.instance}",
                                               gates=cfg.admission_gates)
         self.recs: dict[str, Any] = {}  # rollout id -> input record (while its group is open)
+        self.references = cfg.references
 
     async def process(self, rec: Any) -> list[Out]:
+        referenced = rec.topic == topics.REFERENCED.name
         try:
-            scored = decode(rec, RolloutScored)
+            scored = decode(rec, RolloutReferenced if referenced else RolloutScored)
         except EventDecodeError as e:
             return [dead_letter(rec, NAME, type(e).__name__, str(e))]
+        if referenced:
+            return [Out(topics.TRAINING_RECORDS.name, r) for r in self.assigner.add_referenced(scored)] \
+                + self._refunds()
+        if self._from_reference(scored):
+            return []
         if self.assigner.buffers and not scored.evaluation:
             self.recs.setdefault(scored.rollout_id, rec)
         records = self.assigner.add(scored, time.monotonic())
         self._forget_closed()
         return [Out(topics.TRAINING_RECORDS.name, r) for r in records] + self._refunds()
+
+    def _from_reference(self, scored: RolloutScored) -> bool:
+        """Whether the score is a ref_kl source's: trained from the reference service's RolloutReferenced, not
+        from here. One the plan cannot place is the reference service's to dead-letter."""
+        if scored.evaluation or not self.references.any:
+            return False
+        try:
+            return self.references.of(scored.train_source) is not None
+        except PlanError:
+            return True
 
     def _refunds(self) -> list[Out]:
         outs = [Out(topics.ADMISSIONS.name, AdmissionRefund(run_id=run_id, producer=f"{NAME}{self.instance}",

@@ -1,0 +1,192 @@
+"""The reference service (prime-rl's opd teacher scoring): the pure parts without Kafka, then the service on a real
+broker with a real vLLM as the reference: every trainable token's logprob equal to transformers' under the served
+dtype's tolerance, carried by credit onto the TrainingRecords, a reference that is down waited out with nothing
+dropped, malformed or refused input dead-lettered with its reason, and a grpo source beside it credited as before."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import httpx
+import numpy as np
+import pytest
+
+from consumers.credit import CreditAssigner
+from consumers.reference import ReferenceRefused, ReferenceScorer, completion_logprobs, prefill_body
+from schemas import codec
+from schemas.events import RolloutReferenced, RolloutScored, StepReference, StepTokens
+from schemas.objectives import Reference
+from schemas.plan import References
+from schemas.policy import PolicyRef
+from streams import serde, topics
+
+TEACHER = Reference(model="teacher", base_url="http://teacher:8001/v1")
+REFS = References(by_source={"rt-grpo": None, "rt-opd": TEACHER})
+
+
+def _scored(rid: str, group: str, source: str, prompt: list[int], completion: list[int], reward: float,
+            group_size: int = 2) -> RolloutScored:
+    return RolloutScored(
+        run_id="run", producer="test", rollout_id=rid, group_id=group, root_group_id=group, group_size=group_size,
+        environment="reverse-text@1", example_id="ex", status="completed", rewards={"agent": reward},
+        verifier="exact_match", verifier_version="1", train_source=source,
+        trainable_steps=[StepTokens(step_id=f"{rid}-000", member_id="agent", policy=PolicyRef(family="f", revision=0),
+                                    prompt_token_ids=np.array(prompt, np.int32),
+                                    completion_token_ids=np.array(completion, np.int32),
+                                    completion_logprobs=np.full(len(completion), -1.0, np.float32))])
+
+
+def test_a_prefill_answer_gives_each_completion_tokens_own_logprob_checked_by_its_id():
+    ids = [5, 9, 3, 7]
+    answer = {"choices": [{"prompt_logprobs": [None, {"9": {"logprob": -1.5}}, {"3": {"logprob": -0.25},
+                                                                                 "8": {"logprob": -0.1}},
+                                               {"7": {"logprob": -9999.0}}]}]}
+    assert completion_logprobs(answer, ids, 2).tolist() == [-0.25, -9999.0]
+    assert prefill_body("m", ids) == {"model": "m", "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0,
+                                      "temperature": 1.0, "top_p": 1.0}
+    with pytest.raises(ReferenceRefused, match="no logprob of token 7"):
+        completion_logprobs({"choices": [{"prompt_logprobs": [None, {}, {"3": {"logprob": 0}}, {"8": {}}]}]}, ids, 2)
+
+
+def test_credit_trains_a_ref_kl_sources_score_from_its_reference_and_credits_the_grpo_source_as_before():
+    a = CreditAssigner("grpo", {"scale_std": False}, producer="credit")
+    opd = _scored("o1", "go", "rt-opd", [1, 2], [3, 4, 5], 0.0)
+    ref = np.array([-0.5, -1.0, -2.0], np.float32)
+    ev = RolloutReferenced(run_id="run", producer="reference", scored=opd, root_group_id="go", reference=TEACHER,
+                           steps=[StepReference(step_id="o1-000", ref_logprobs=ref)])
+    [rec] = a.add_referenced(ev)
+    assert rec.ref_logprobs.tolist() == ref.tolist() and rec.advantage == 0.0 and rec.credit == "ref_kl"
+    assert rec.causation_id == ev.event_id
+    grpo = [a.add(_scored(f"g{i}", "gg", "rt-grpo", [1, 2], [3], float(i)), 0.0) for i in range(2)]
+    assert [r.advantage for r in grpo[1]] == [-0.5, 0.5] and all(r.ref_logprobs is None for r in grpo[1])
+    with pytest.raises(ValueError, match="do not match"):
+        RolloutReferenced(run_id="run", producer="reference", scored=opd, root_group_id="go", reference=TEACHER,
+                          steps=[StepReference(step_id="o1-000", ref_logprobs=ref[:2])])
+
+
+# -- the service on a real broker, with vLLM as the reference ------------------------------------------------------
+
+
+async def _proxy(listen_port: int, target: str):
+    """A TCP forwarder to ``target`` (host:port): the reference's address, up only once this is started."""
+    host, port = target.rsplit(":", 1)
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        except ConnectionError:
+            pass
+        finally:
+            w.close()
+
+    async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        sr, sw = await asyncio.open_connection(host, int(port))
+        await asyncio.gather(pipe(cr, sw), pipe(sr, cw))
+
+    return await asyncio.start_server(handle, "127.0.0.1", listen_port)
+
+
+def _transformers_logprobs(model_dir, dtype, pairs: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
+    """transformers' logprob of each completion token given the prompt and the completion before it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    out = []
+    for prompt, completion in pairs:
+        ids = torch.tensor([[*prompt, *completion]])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits.float(), -1)[0, :-1].gather(1, ids[0, 1:, None])[:, 0]
+        out.append(lp[len(prompt) - 1:].numpy())
+    return out
+
+
+@pytest.fixture
+def prefix(monkeypatch):
+    p = f"t{uuid.uuid4().hex[:8]}."
+    monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", p)
+    return p
+
+
+@pytest.mark.integration
+async def test_the_reference_service_scores_every_token_as_transformers_does_and_waits_out_a_reference_that_is_down(
+        kafka_settings, vllm_server, prefix):
+    import torch
+    from transformers import AutoTokenizer
+
+    from consumers.runner import System
+    from consumers.settings import ServiceSettings
+    from policy.hf import FAMILY, prepare_model
+    from producers.weights import VllmWeights, probe_tolerance
+    from schemas.policy import PolicyRevision
+    from streams.local_broker import free_port
+    from test_eos_pipeline import read_all
+
+    kw = kafka_settings.client_kwargs()
+    async with httpx.AsyncClient(timeout=120) as http:  # the shared server serves the packaged weights again
+        await VllmWeights(vllm_server.base_url).load(http, PolicyRevision(
+            run_id="t", producer="test", family=FAMILY, revision=0, checkpoint=prepare_model().checkpoint))
+    tok = AutoTokenizer.from_pretrained(vllm_server.model_dir)
+    texts = [("Reverse the text: hello world", "dlrow olleh"), ("What is 12+7?", "12+7 is 19."),
+             ("Name a colour.", "Blue, like the sky on a clear day."), ("Say hi.", "Hi!")]
+    pairs = [(tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=False), add_special_tokens=False)["input_ids"],
+              tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) for q, a in texts]
+    port = free_port()
+    teacher = Reference(model=vllm_server.served_model_name, base_url=f"http://127.0.0.1:{port}/v1")
+    refs = References(by_source={"rt-grpo": None, "rt-opd": teacher})
+    opd = [_scored(f"o{i}", f"go{i // 2}", "rt-opd", p, c, 0.0) for i, (p, c) in enumerate(pairs)]
+    grpo = [_scored(f"g{i}", "gg", "rt-grpo", *pairs[0], float(i)) for i in range(2)]
+    too_big = _scored("bad", "gb", "rt-opd", pairs[0][0], [10 ** 7], 0.0, group_size=1)  # no such token id
+    frames = [serde.to_message(s) for s in [*opd, *grpo, too_big]] + [(b"go0", b"RLEV\x01garbage", [])]
+    cfg = ServiceSettings(family=FAMILY, references=refs, credit="grpo", credit_params={"scale_std": False})
+    assert cfg.needs_reference
+    await topics.create_topics(kw)
+    from aiokafka import AIOKafkaProducer
+
+    prod = AIOKafkaProducer(**kw)
+    await prod.start()
+    try:
+        for key, value, headers in frames:
+            await prod.send_and_wait(topics.SCORES.name, value, key=key, headers=headers)
+    finally:
+        await prod.stop()
+    t0 = time.monotonic()
+    async with System(["reference", "credit"], cfg, kw):
+        await asyncio.sleep(4.0)  # the reference is down: connections refused, the service waits
+        proxy = await _proxy(port, vllm_server.base_url.split("//", 1)[1].split("/", 1)[0])
+        up_at = time.monotonic() - t0
+        try:
+            records = await read_all(kw, topics.TRAINING_RECORDS.name, until=lambda rs: len(rs) >= 6, timeout_s=120)
+            referenced = await read_all(kw, topics.REFERENCED.name, until=lambda rs: len(rs) >= 4, timeout_s=30)
+            letters = await read_all(kw, topics.DEAD_LETTERS.name, until=lambda rs: len(rs) >= 3, timeout_s=30)
+        finally:
+            proxy.close()
+    took = time.monotonic() - t0
+    recs = {r.rollout_id: r for r in (codec.decode(x.value) for x in records)}
+    assert sorted(recs) == ["g0", "g1", "o0", "o1", "o2", "o3"]  # nothing dropped while the reference was down
+    assert [recs[f"g{i}"].advantage for i in range(2)] == [-0.5, 0.5] and recs["g0"].ref_logprobs is None
+    refd = [codec.decode(x.value) for x in referenced]
+    assert {e.scored.rollout_id for e in refd} == {"o0", "o1", "o2", "o3"}
+    assert all(e.reference.model == teacher.model and e.reference.revision for e in refd)  # which model scored them
+    # each token's logprob as transformers gives it (float32), within the served dtype's rounding: the bound the
+    # arena's probe holds a served revision to (mean), and bf16's worst token as measured there (max 0.34)
+    dtype = getattr(vllm_server, "dtype", "bfloat16")
+    worst = {}
+    for name, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        d = np.concatenate([recs[f"o{i}"].ref_logprobs - want for i, want in
+                            enumerate(_transformers_logprobs(vllm_server.model_dir, torch_dtype, pairs))])
+        worst[name] = (float(np.abs(d).mean()), float(np.abs(d).max()))
+    print(f"\n[reference] served {dtype}; up after {up_at:.1f}s, all {len(recs)} records after {took:.1f}s; "
+          f"|vLLM - transformers| (mean, max) over {sum(len(c) for _, c in pairs)} tokens: {worst}")
+    assert worst["float32"][0] < probe_tolerance(dtype)
+    assert worst["float32"][1] < (1e-3 if dtype == "float32" else 0.35)
+    # malformed input and tokens the reference refuses are dead-lettered with their reason, by this service
+    mine = [codec.decode(x.value) for x in letters]
+    mine = {d.error_type: d for d in mine if d.service == "reference"}
+    assert set(mine) == {"EventDecodeError", "ReferenceRefused"}, mine
+    assert "refused the tokens: HTTP 400" in mine["ReferenceRefused"].error_message
