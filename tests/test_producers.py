@@ -190,6 +190,31 @@ async def test_single_turn_arithmetic_rollouts(policy_server):
         assert s.prompt[-1].role == "user" and s.completion[0].name == "solver"
 
 
+async def test_each_rollout_names_the_training_source_it_was_sampled_for_and_its_score_carries_it(policy_server):
+    """Two sources of one environment (prime-rl's mixed grpo + opd recipe): only the source's name tells which
+    algorithm trains a rollout, so every rollout, a sub-episode's too, and its score name it."""
+    import tomllib
+
+    from consumers import scoring
+    from schemas.plan_compiler import compile_plan_dict
+
+    source = ('[[orchestrator.train.source]]\nname = "{0}"\n[orchestrator.train.source.env.taskset]\n'
+              'id = "arithmetic"\nnum_examples = 20\n')
+    plan = compile_plan_dict(tomllib.loads('[model]\nname = "m"\n[orchestrator]\ngroup_size = 2\n'
+                                           + source.format("a-grpo") + source.format("a-opd")
+                                           + '[orchestrator.train.source.algo]\ntype = "opd"\n'
+                                             'teacher = { name = "t", base_url = "http://t/v1" }\n'), "mixed.toml")
+    em = MemoryEmitter()
+    async with Arena(plan, emitter=em, policy_base_url=policy_server.base_url, seed=1) as arena:
+        await arena.run(num_groups=6)
+    by_group = {r.group_id: r.train_source for r in em.rollouts}
+    assert set(by_group.values()) == {"a-grpo", "a-opd"} and len(by_group) == 6
+    ro = em.rollouts[0]
+    steps = [s for s in em.steps if s.rollout_id == ro.rollout_id]
+    scored = scoring.to_scored(ro, steps, await scoring.score(ro, steps), producer="test")
+    assert scored.train_source == ro.train_source
+
+
 async def test_debate_alternates_and_routes_train_one(policy_server):
     em = MemoryEmitter()
     async with Arena(_plan("debate", policy_server.base_url), emitter=em, policy_base_url=policy_server.base_url,
@@ -228,6 +253,8 @@ async def test_proposer_solver_hierarchy_links(policy_server):
         assert all(c.artifacts["scoring"]["kind"] == "exact_match" and c.members == {"solver": True} for c in kids)
     # a tree is emitted as one unit: children then the parent
     assert all(len(list(res.walk())) == 5 for res in em.results)
+    [source] = {r.train_source for r in em.rollouts}  # a sub-episode trains as its source does
+    assert source is not None
 
 
 class CountdownEpisode(MultiTurnEpisode):
