@@ -139,7 +139,7 @@ def _lists(col: pa.ChunkedArray | pa.Array) -> Iterator[np.ndarray]:
 _RECORD_COLS = ("record_id, run_id, schema_version, rollout_id, step_ids, member_id, group_id, environment, "
                 "policy_family, policy_revision, policy_checkpoint_digest, prompt_token_ids, completion_token_ids, "
                 "completion_logprobs, loss_mask, reward, advantage, credit, record_digest, _partition, _offset, "
-                "source_run_id, source_topic, source_partition, source_offset, source_digest")
+                "source_run_id, source_topic, source_partition, source_offset, source_digest, ref_logprobs")
 
 
 def replayed_records(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[TrainingRecord, str, int, int]]:
@@ -164,7 +164,8 @@ def replayed_records(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[TrainingR
                 reward=py["reward"][i], advantage=py["advantage"][i], credit=py["credit"][i],
                 source=SourceEvent.model_construct(
                     run_id=py["source_run_id"][i], topic=py["source_topic"][i], partition=py["source_partition"][i],
-                    offset=py["source_offset"][i], digest=py["source_digest"][i]) if py["source_run_id"][i] else None)
+                    offset=py["source_offset"][i], digest=py["source_digest"][i]) if py["source_run_id"][i] else None,
+                ref_logprobs=None if py["ref_logprobs"][i] is None else np.asarray(py["ref_logprobs"][i], "<f4"))
             yield rec, py["record_digest"][i], py["_partition"][i], py["_offset"][i]
 
 

@@ -207,6 +207,8 @@ def training_records(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, 
         "n_trained_tokens": pa.array([int(np.count_nonzero(m)) for m in masks], type=T.I32),
         "record_digest": [record_digest(e) for e in events],
         **_source([e.source for e in events]),
+        "ref_logprobs": pa.array([None if e.ref_logprobs is None else e.ref_logprobs.tolist() for e in events],
+                                 type=pa.list_(pa.float32())),
     } | _kafka(metas)
     return {"training_records": _table(T.TRAINING_RECORDS, cols)}
 

@@ -242,6 +242,24 @@ def test_audit_catches_a_database_row_edited_after_replay(run):
     assert ("record_digest", rid) in found and ("record_mismatch", rid) in found
 
 
+def test_a_records_reference_logprobs_are_replayed_into_its_digest_and_an_edit_of_them_is_caught(run):
+    """An opd source's record carries the reference's logprobs: replayed as a column, they are part of the digest
+    the audit recomputes (a record without them keeps its pinned digest)."""
+    from replay.audit import replayed_records
+    from schemas.digests import record_digest
+
+    rec = run.events("training-records")[0]
+    ref = np.linspace(-2.0, -0.1, len(rec.completion_token_ids)).astype(np.float32)
+    with_ref = rec.model_copy(update={"ref_logprobs": ref, "credit": "ref_kl"})
+    con = load([("training-records", with_ref)])
+    [(back, stored, _, _)] = list(replayed_records(con))
+    assert record_digest(back) == stored == record_digest(with_ref) != record_digest(rec)
+    assert back.ref_logprobs.tolist() == ref.tolist()
+    con.execute("UPDATE training_records SET ref_logprobs = list_transform(ref_logprobs, lambda x: x + 1)")
+    [(back, stored, _, _)] = list(replayed_records(con))
+    assert record_digest(back) != stored
+
+
 def test_audit_catches_a_batch_naming_a_record_not_on_the_log(run):
     rid = run.events("training-records")[3].record_id
     items = [(k, e) for k, e in flat(run) if not (k == "training-records" and e.record_id == rid)]
