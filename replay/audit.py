@@ -22,6 +22,9 @@ Violations (the audit fails):
 * ``revision_conflict``   a revision published twice with different checkpoints;
 * ``undecodable``         a message of the run that could not be decoded (see replay_errors);
 * ``evaluation_trained``  a training record (or batched record) of an evaluation rollout, which is held out;
+* ``served_unverified``   trainable steps not stamped exact (``policy_exact`` false) for a revision that carries a
+                          logprob probe: the arena could check the served weights against it after the load, and
+                          they were not shown equal (a server serving other weights than the revision it names);
 * ``revision_chain``      a broken link walking from each family's latest revision back to revision 0:
                           revision N -> its parent N-1 -> the batch it names (on the log, same digest, trained
                           by no other revision, targeting a revision before N) -> the batch's records -> their
@@ -57,7 +60,7 @@ from schemas.policy import PolicyRef
 VIOLATIONS = ("record_digest", "record_conflict", "batch_digest", "lineage_digest", "batch_sources", "record_mismatch",
               "replayed_lineage", "batch_record_missing", "batch_conflict", "record_unbatched", "record_multi_batch",
               "off_policy", "unknown_revision", "checkpoint_mismatch", "revision_conflict", "undecodable",
-              "evaluation_trained", "revision_chain")
+              "evaluation_trained", "revision_chain", "served_unverified")
 WARNINGS = ("missing_step", "dead_letter", "re_emitted", "inexact_policy", "unnamed_batches", "pending_records")
 
 
@@ -334,6 +337,12 @@ def audit(con: duckdb.DuckDBPyConnection) -> AuditReport:
         report.add("inexact_policy", f"{fam}@r{rev}", f"{n} steps ({trainable} trainable) attributed to {fam}@r{rev} "
                    "are not known to come from it exactly (policy_exact = false)")
     report.checked["inexact_steps"] = n_inexact
+    for fam, rev, n in con.execute(
+            "SELECT s.policy_family, s.policy_revision, count(*) FROM steps s WHERE s.trainable AND NOT s.policy_exact "
+            "AND EXISTS (SELECT 1 FROM policy_revisions p WHERE p.family = s.policy_family "
+            "AND p.revision = s.policy_revision AND p.probed) GROUP BY ALL ORDER BY ALL").fetchall():
+        report.add("served_unverified", f"{fam}@r{rev}", f"{n} trainable steps name {fam}@r{rev}, but what the server "
+                   "served was not shown equal to its checkpoint (its logprob probe disagreed or went unanswered)")
 
     _revision_chain(con, report)
 

@@ -119,6 +119,7 @@ def policy_revisions(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, 
         **{name: [e.metrics.get(name) for e in events] for name in T.REVISION_METRIC_COLUMNS},
         "objective_type": [e.objective.get("type") if e.objective else None for e in events],
         "objective": [json.dumps(e.objective, sort_keys=True) if e.objective else None for e in events],
+        "probed": [e.probe is not None for e in events],
         **_policy([e.fork for e in events], "fork"), **_source([e.source for e in events]),
     } | _kafka(metas)
     return {"policy_revisions": _table(T.POLICY_REVISIONS, cols)}

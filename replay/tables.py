@@ -71,12 +71,13 @@ POLICY_REVISIONS = _table("policy_revisions", [
     column("batch_id", STR, "NULL"), column("batch_digest", STR, "NULL"),
     column("metrics", pa.map_(STR, F64), "NULL"),
     *(column(name, F64, "NULL") for name in REVISION_METRIC_COLUMNS),
-    column("objective_type", STR, "NULL"), column("objective", STR, "NULL"),
+    column("objective_type", STR, "NULL"), column("objective", STR, "NULL"), column("probed", pa.bool_(), "false"),
     column("fork_family", STR, "NULL"), column("fork_revision", I64, "NULL"),
     column("fork_checkpoint_digest", STR, "NULL"), *source_fields(),
 ], "PolicyRevision events: which weights exist (family, revision, checkpoint) and the trainer's statistics "
    "for the step that made them (metrics; mismatch_* copied out of it) and the objective it optimized "
-   "(objective_type, and its settings as JSON); a derived run's first revision names "
+   "(objective_type, and its settings as JSON), whether it carries a logprob probe its servers were checked against "
+   "(probed); a derived run's first revision names "
    "the source revision it forked from (fork_*, source_*)")
 
 STEPS = _table("steps", [

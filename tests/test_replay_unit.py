@@ -465,6 +465,23 @@ def test_audit_warns_about_inexact_steps_and_catches_trained_evaluation(eval_run
     assert "trainable step ghost" in next(f.message for f in report.violations if f.subject == "ghost")
 
 
+def test_audit_fails_when_a_probed_revisions_trainable_steps_were_not_shown_exact(eval_run):
+    """A revision that carries a logprob probe was checked against what the server served after the load: its
+    trainable steps not stamped exact mean the served weights were not shown equal. A violation, per revision; the
+    same steps under revisions without a probe (imported traces, other engines) stay a warning."""
+    from schemas.policy import LogprobProbe
+
+    probe = LogprobProbe(token_ids=[1, 2, 3], logprobs=[-0.5, -0.25])
+    items = [(k, e.model_copy(update={"probe": probe}) if k == "policy-revisions" and e.revision else e)
+             for k, e in flat(eval_run)]
+    report = audit(load(items, eval_run.run_id))
+    unverified = {f.subject: int(f.message.split()[0]) for f in report.violations if f.kind == "served_unverified"}
+    inexact = [s for s in eval_run.events("steps") if not s.policy_exact and s.trainable and s.policy.revision]
+    assert inexact and unverified == {f"toy@r{r}": sum(s.policy.revision == r for s in inexact)
+                                      for r in {s.policy.revision for s in inexact}}
+    assert not report.ok
+
+
 def test_report_shows_evaluation_and_mismatch_or_says_there_is_none(run, eval_run):
     page = build_report(load(flat(eval_run), eval_run.run_id))
     assert '"text": "Held-out evaluation by policy revision"' in page
