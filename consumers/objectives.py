@@ -241,13 +241,18 @@ class Objective:
 
     def scales(self, loss_mask: Tensor, ref_rows: Tensor) -> tuple[Tensor, Tensor]:
         """The whole batch's denominators of its two components, as prime-rl's ``rl_scale`` and ``ref_kl_scale``:
-        this objective's ``scale`` over the rows without reference logprobs, and the loss tokens of the rows with."""
-        return self.scale(loss_mask[~ref_rows]), loss_mask[ref_rows].sum().float().clamp(min=1.0)
+        this objective's ``scale`` over the rows without reference logprobs, and the loss tokens of the rows with;
+        0 for a component the batch does not have."""
+        none = torch.zeros((), device=loss_mask.device)
+        return (self.scale(loss_mask[~ref_rows]) if bool((~ref_rows).any()) else none,
+                loss_mask[ref_rows].sum().float().clamp(min=1.0) if bool(ref_rows.any()) else none)
 
     def component_loss(self, inputs: LossInputs, ref_rows: Tensor, scales: tuple[Tensor, Tensor]) -> LossOutputs:
         """prime-rl's ``compute_loss``: each row trains with its own component (``ref_kl_loss`` where the record
         carries the reference's logprobs, an opd source's; this objective elsewhere), each component's sum divided
-        by its own ``scales`` entry, so that neither dilutes the other."""
+        by its own ``scales`` entry, so that neither dilutes the other. A component the batch has and these rows
+        lack still names its metrics (0): every micro-batch of a batch, on every rank of a group, reports the same
+        ones."""
         total: Tensor | float = inputs.trainer_logprobs.sum() * 0.0  # a backward-able loss when no row trains
         metrics: dict[str, Tensor] = {}
         for rows, fn, scale in ((~ref_rows, self.loss, scales[0]), (ref_rows, _ref_kl, scales[1])):
@@ -255,6 +260,8 @@ class Objective:
                 out = fn(inputs if bool(rows.all()) else _select(inputs, rows))
                 total = total + out.loss / scale
                 metrics.update(out.metrics)
+            elif bool(scale > 0):
+                metrics.update({k: torch.zeros_like(v) for k, v in fn(_select(inputs, rows)).metrics.items()})
         return LossOutputs(total, metrics)
 
 

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from consumers.objectives import LossInputs, Objective, ref_kl_loss
+from consumers.objectives import LossInputs, Objective, _select, ref_kl_loss
 from schemas.objectives import (CustomLoss, DefaultLoss, IpoLoss, ObjectiveError, PpoClipLoss, TrlLoss, CeLoss,
                                 describe)
 from schemas.plan import PlanError
@@ -194,6 +194,11 @@ def test_a_mixed_batch_trains_each_row_with_its_sources_component_each_normalise
     only_rl = objective.component_loss(inputs, torch.zeros(3, dtype=torch.bool), objective.scales(
         inputs.loss_mask, torch.zeros(3, dtype=torch.bool)))
     assert only_rl.loss.item() == pytest.approx(objective.loss(inputs).loss.item() / 11, rel=1e-12)
+    assert not any(k.startswith("ref_kl") for k in only_rl.metrics)  # a batch without opd rows: rl's alone
+    # a micro-batch of the mixed batch with its grpo row alone still names ref_kl's metrics (0): a torchrun group's
+    # ranks sum the same vector of them
+    part = objective.component_loss(_select(inputs, torch.tensor([True, False, False])), torch.tensor([False]), scales)
+    assert part.metrics.keys() == out.metrics.keys() and part.metrics["ref_kl"].item() == 0.0
 
 
 PRIME_RL_CUSTOM = '''
