@@ -66,6 +66,30 @@ def test_credit_trains_a_ref_kl_sources_score_from_its_reference_and_credits_the
                           steps=[StepReference(step_id="o1-000", ref_logprobs=ref[:2])])
 
 
+async def test_credit_takes_a_ref_kl_sources_score_from_the_reference_service_only_and_never_twice():
+    from types import SimpleNamespace
+
+    from consumers.settings import ServiceSettings
+    from consumers.tasks.credit import CreditTask
+
+    def rec(topic, event, offset=0):
+        return SimpleNamespace(topic=topic, partition=0, offset=offset, key=b"k", headers=[],
+                               value=codec.encode(event))
+
+    opd = _scored("o1", "go", "rt-opd", [1, 2], [3], 0.0)
+    ev = RolloutReferenced(run_id="run", producer="reference", scored=opd, root_group_id="go", reference=TEACHER,
+                           steps=[StepReference(step_id="o1-000", ref_logprobs=np.array([-0.5], np.float32))])
+    task = CreditTask(0, ServiceSettings(references=REFS))
+    assert await task.process(rec(topics.SCORES.name, opd)) == []  # the reference service's to score
+    [out] = await task.process(rec(topics.REFERENCED.name, ev))
+    assert out.event.ref_logprobs.tolist() == [-0.5] and out.event.credit == "ref_kl"
+    # a credit service whose plan names no reference credits the score itself, and refuses the referenced copy
+    unaware = CreditTask(0, ServiceSettings(credit="per_step"))
+    assert [o.event.credit for o in await unaware.process(rec(topics.SCORES.name, opd))] == ["per_step"]
+    [letter] = await unaware.process(rec(topics.REFERENCED.name, ev))
+    assert letter.event.error_type == "PlanError" and "credited from the scores topic" in letter.event.error_message
+
+
 # -- the service on a real broker, with vLLM as the reference ------------------------------------------------------
 
 

@@ -42,6 +42,9 @@ class CreditTask(TaskDefaults):
         except EventDecodeError as e:
             return [dead_letter(rec, NAME, type(e).__name__, str(e))]
         if referenced:
+            if not self._from_reference(scored.scored):  # credited from the scores topic already: not twice
+                return [dead_letter(rec, NAME, "PlanError", f"source {scored.scored.train_source!r} has no reference "
+                                    "in credit's plan: its score is credited from the scores topic", scored.run_id)]
             return [Out(topics.TRAINING_RECORDS.name, r) for r in self.assigner.add_referenced(scored)] \
                 + self._refunds()
         if self._from_reference(scored):
