@@ -68,9 +68,9 @@ def completion_logprobs(answer: dict[str, Any], token_ids: Sequence[int], start:
 class ReferenceScorer:
     """Prefill-scores token ids under a reference, over one HTTP client; names what each reference serves."""
 
-    def __init__(self, client: httpx.AsyncClient, retry_s: float = RETRY_S) -> None:
+    def __init__(self, client: httpx.AsyncClient, retry_s: float | None = None) -> None:
         self.client = client
-        self.retry_s = retry_s
+        self.retry_s = RETRY_S if retry_s is None else retry_s
         self._served: dict[Reference, Reference] = {}
 
     def _headers(self, ref: Reference) -> dict[str, str]:

@@ -138,8 +138,13 @@ def prefix(monkeypatch):
 
 @pytest.mark.integration
 async def test_the_reference_service_scores_every_token_as_transformers_does_and_waits_out_a_reference_that_is_down(
-        kafka_settings, vllm_server, prefix):
+        kafka_settings, vllm_server, prefix, monkeypatch):
+    """The reference is down for 4 s: longer than a request tries (1 s here), so the processor also waits the fault
+    out (1 s here) and tries the scores again, aborting what it held; nothing is dropped or doubled."""
     import torch
+
+    from consumers import reference
+    from streams import transactions
     from transformers import AutoTokenizer
 
     from consumers.runner import System
@@ -150,6 +155,8 @@ async def test_the_reference_service_scores_every_token_as_transformers_does_and
     from streams.local_broker import free_port
     from test_eos_pipeline import read_all
 
+    monkeypatch.setattr(reference, "RETRY_S", 1.0)
+    monkeypatch.setattr(transactions, "ENVIRONMENT_RETRY_S", 1.0)
     kw = kafka_settings.client_kwargs()
     async with httpx.AsyncClient(timeout=120) as http:  # the shared server serves the packaged weights again
         await VllmWeights(vllm_server.base_url).load(http, PolicyRevision(
@@ -180,7 +187,7 @@ async def test_the_reference_service_scores_every_token_as_transformers_does_and
     finally:
         await prod.stop()
     t0 = time.monotonic()
-    async with System(["reference", "credit"], cfg, kw):
+    async with System(["reference", "credit"], cfg, kw) as system:
         await asyncio.sleep(4.0)  # the reference is down: connections refused, the service waits
         proxy = await _proxy(port, vllm_server.base_url.split("//", 1)[1].split("/", 1)[0])
         up_at = time.monotonic() - t0
@@ -188,11 +195,14 @@ async def test_the_reference_service_scores_every_token_as_transformers_does_and
             records = await read_all(kw, topics.TRAINING_RECORDS.name, until=lambda rs: len(rs) >= 6, timeout_s=120)
             referenced = await read_all(kw, topics.REFERENCED.name, until=lambda rs: len(rs) >= 4, timeout_s=30)
             letters = await read_all(kw, topics.DEAD_LETTERS.name, until=lambda rs: len(rs) >= 3, timeout_s=30)
+            aborted = system.processors["reference"].stats.aborted  # the fault waited out, its scores tried again
         finally:
             proxy.close()
     took = time.monotonic() - t0
+    records = await read_all(kw, topics.TRAINING_RECORDS.name, idle_s=2.0)  # all of them: none twice
+    assert aborted >= 1
     recs = {r.rollout_id: r for r in (codec.decode(x.value) for x in records)}
-    assert sorted(recs) == ["g0", "g1", "o0", "o1", "o2", "o3"]  # nothing dropped while the reference was down
+    assert sorted(recs) == ["g0", "g1", "o0", "o1", "o2", "o3"] and len(records) == 6  # nothing dropped or doubled
     assert [recs[f"g{i}"].advantage for i in range(2)] == [-0.5, 0.5] and recs["g0"].ref_logprobs is None
     refd = [codec.decode(x.value) for x in referenced]
     assert {e.scored.rollout_id for e in refd} == {"o0", "o1", "o2", "o3"}
@@ -205,7 +215,8 @@ async def test_the_reference_service_scores_every_token_as_transformers_does_and
         d = np.concatenate([recs[f"o{i}"].ref_logprobs - want for i, want in
                             enumerate(_transformers_logprobs(vllm_server.model_dir, torch_dtype, pairs))])
         worst[name] = (float(np.abs(d).mean()), float(np.abs(d).max()))
-    print(f"\n[reference] served {dtype}; up after {up_at:.1f}s, all {len(recs)} records after {took:.1f}s; "
+    print(f"\n[reference] served {dtype}; up after {up_at:.1f}s ({aborted} transactions given up meanwhile), all "
+          f"{len(recs)} records after {took:.1f}s; "
           f"|vLLM - transformers| (mean, max) over {sum(len(c) for _, c in pairs)} tokens: {worst}")
     assert worst["float32"][0] < probe_tolerance(dtype)
     assert worst["float32"][1] < (1e-3 if dtype == "float32" else 0.35)
