@@ -90,6 +90,17 @@ async def test_credit_takes_a_ref_kl_sources_score_from_the_reference_service_on
     assert letter.event.error_type == "PlanError" and "credited from the scores topic" in letter.event.error_message
 
 
+def test_a_run_starts_the_reference_service_only_for_a_plan_with_an_opd_source():
+    from consumers.registry import SERVICES
+    from consumers.settings import build
+    from schemas.plan_compiler import compile_plan
+
+    wanted = lambda plan: [n for n, s in SERVICES.items() if s.needed(build(plan=plan, credit=True))]  # noqa: E731
+    mixed = compile_plan("tests/fixtures/prime-rl-2026-08/configs_debug_algo_mixed_grpo_opd.toml")
+    assert wanted(mixed) == ["verifier", "credit", "batcher", "trainer", "reference"]
+    assert wanted(compile_plan("examples/plans/arithmetic.toml")) == ["verifier", "credit", "batcher", "trainer"]
+
+
 # -- the service on a real broker, with vLLM as the reference ------------------------------------------------------
 
 
