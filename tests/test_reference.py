@@ -150,8 +150,8 @@ def prefix(monkeypatch):
 @pytest.mark.integration
 async def test_the_reference_service_scores_every_token_as_transformers_does_and_waits_out_a_reference_that_is_down(
         kafka_settings, vllm_server, prefix, monkeypatch):
-    """The reference is down for 4 s: longer than a request tries (1 s here), so the processor also waits the fault
-    out (1 s here) and tries the scores again, aborting what it held; nothing is dropped or doubled."""
+    """The reference is down for 4 s: longer than a request tries (1 s here), so the transaction is given up and the
+    partition's waiting scores tried again (the processor's wait: 1 s here); nothing is dropped or doubled."""
     import torch
 
     from consumers import reference
