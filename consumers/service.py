@@ -60,8 +60,8 @@ class Service:
 
 
 class TaskDefaults:
-    """What a partition task that buffers no input, keeps no state, has no timers or nothing to do after a commit
-    inherits: override the rest."""
+    """What a partition task that buffers no input, keeps no state, has no timers, nothing to do after a commit or
+    nothing running when dropped inherits: override the rest."""
 
     def restore(self, rec: Any) -> None:
         raise AssertionError(f"{type(self).__name__} buffers nothing, so a snapshot never lists input to restore")
@@ -82,6 +82,9 @@ class TaskDefaults:
         pass
 
     def committed(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 

@@ -63,6 +63,9 @@ class PartitionTask(Protocol):
 
     def load_state(self, state: dict[str, Any]) -> None: ...
 
+    def close(self) -> None:
+        """The task is dropped (its partition taken over again, or given away): stop the work it started."""
+
     def committed(self) -> None:
         """The transaction holding everything processed so far, and ``state()``, is committed: what only the state
         before it needed may go now (a trainer's older training states). Not called for an aborted one."""

@@ -261,7 +261,9 @@ class TransactionalProcessor:
     def _drop(self, p: int) -> None:
         self.inbox.pop(p, None)
         self.inbox_pos.pop(p, None)
-        self.tasks.pop(p, None)
+        task = self.tasks.pop(p, None)
+        if task is not None:
+            task.close()
         self.committed.pop(p, None)
         self.snap_written.pop(p, None)
 

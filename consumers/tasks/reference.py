@@ -101,6 +101,12 @@ class ReferenceTask(TaskDefaults):
     def buffered(self) -> dict[str, list[int]]:
         return {topics.SCORES.name: sorted(self.scoring)}
 
+    def close(self) -> None:
+        """Dropped: its prefills stop (they would hold the scorer's slots); the partition's next owner starts them
+        again."""
+        for _, _, job in self.scoring.values():
+            job.cancel()
+
 
 @asynccontextmanager
 async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIterator[TaskFactory]:
