@@ -445,14 +445,15 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
     return rc
 
 
-async def _lags(kw) -> dict[str, int]:
-    """Each service's lag; a poll that Kafka failed (a connection not ready yet) counts as lag, asked again."""
+async def _lags(kw, running: list[str]) -> dict[str, int]:
+    """The lag of each service this run started (a service it did not start, e.g. the reference of a plan without
+    one, never reads its input); a poll that Kafka failed (a connection not ready yet) counts as lag, asked again."""
     from aiokafka.errors import KafkaError
 
     from consumers.status import service_lag
 
     try:
-        return {r["service"]: r["lag"] for r in await service_lag(kw, sample_s=0.2)}
+        return {r["service"]: r["lag"] for r in await service_lag(kw, sample_s=0.2) if r["service"] in running}
     except KafkaError as e:
         log.warning("draining: the services' lag not read (%s: %s); asked again", type(e).__name__, e)
         return {"?": 1}
@@ -492,7 +493,8 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
     # the plan on revision 0, with the learning rate it trains at: what a derived run evaluates and trains by
     ran = plan.model_copy(update={"trainer": {**plan.trainer, "lr": cfg.lr}})
     await publish(kw, rev0.model_copy(update={"plan": ran.model_dump(mode="json")}))
-    async with System([n for n, s in SERVICES.items() if s.needed(cfg)], cfg, kw):
+    running = [n for n, s in SERVICES.items() if s.needed(cfg)]
+    async with System(running, cfg, kw):
         stop_tail = asyncio.Event()
         tail = asyncio.create_task(_tail(kw, progress, stop_tail))
         env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
@@ -524,11 +526,11 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
                 done.get("rollouts", 1) % plan.batch_size == 0
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
-                if not any((await _lags(kw)).values()):
+                if not any((await _lags(kw, running)).values()):
                     if whole:
                         break
                     await asyncio.sleep(cfg.flush_after_s + 1.0)
-                    if not any((await _lags(kw)).values()):
+                    if not any((await _lags(kw, running)).values()):
                         break
                 await asyncio.sleep(1.0)
         except asyncio.TimeoutError:
