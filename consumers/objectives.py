@@ -193,7 +193,7 @@ def custom_loss(spec: CustomLoss) -> Callable[[LossInputs, Any], LossOutputs]:
         total: Tensor | int = 0
         metrics: dict[str, list[Tensor]] = {}
         for i in range(inputs.loss_mask.shape[0]):
-            row = LossInputs(**{k: None if v is None else v[i] for k, v in vars(inputs).items() if k != "old_logprobs"})
+            row = _select(inputs, i)
             try:
                 out = fn(row, **spec.kwargs)
                 loss = out.loss
@@ -222,11 +222,6 @@ class Objective:
     def __init__(self, spec: Any) -> None:
         self.spec = spec
         self._fn = custom_loss(spec) if isinstance(spec, CustomLoss) else REGISTRY[spec.type]
-
-    @property
-    def per_row(self) -> bool:
-        """Normalised by rows (TRL's grpo and dr_grpo), not by tokens."""
-        return isinstance(self.spec, TrlLoss) and self.spec.loss_type in ("grpo", "dr_grpo")
 
     def scale(self, loss_mask: Tensor) -> Tensor:
         """The whole batch's denominator: its loss tokens, its rows (grpo), or rows x max_completion_length."""
