@@ -34,8 +34,8 @@ async def service_lag(client_kwargs: dict[str, Any], *, sample_s: float = 1.0, s
                 names = [(n, t) for t in service.inputs
                          for n in (settings.reads(t) if settings is not None else (t.name,))]
                 tps = [TopicPartition(n, p) for n, t in names for p in range(t.partitions) if n in existing]
-                if not tps:
-                    continue
+                if not tps or (service.runs_when is not None and group not in groups):
+                    continue  # a service only some runs start (the reference), never started here: no lag to owe
                 ends = await cons.end_offsets(tps)
                 committed = await admin.list_consumer_group_offsets(group) if group in groups else {}
                 out[svc] = {"end": sum(ends.values()),

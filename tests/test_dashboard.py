@@ -178,6 +178,8 @@ async def test_dashboard_in_chromium_follows_a_running_pipeline(kafka_settings, 
     plan = compile_plan(str(plan_path))
     assert (plan.batch_size, plan.group_size) == (16, 4)
     cfg = service_settings.build({"checkpoint_dir": str(tmp_path / "ck"), "flush_after_s": 5.0}, plan, credit=True)
+    names = [n for n, s in SERVICES.items() if s.needed(cfg)]  # as the demo starts them: no reference here
+    assert len(names) == 4
     await topics.create_topics(kw)
     offsets = [metrics.OFFSETS["arena"], metrics.SERVICE_OFFSET + list(SERVICES).index("trainer")]
     base = free_base(offsets)
@@ -197,7 +199,7 @@ async def test_dashboard_in_chromium_follows_a_running_pipeline(kafka_settings, 
     try:
         t0 = time.monotonic()
         stage = lambda what: print(f"[{time.monotonic() - t0:5.1f}s] {what}")  # noqa: E731
-        async with System(SERVICES, cfg, kw) as system:
+        async with System(names, cfg, kw) as system:
             stage("services started")
             trainer_endpoint = system.metrics["trainer"]
             assert trainer_endpoint.port == base + offsets[1] and trainer_endpoint._server is not None, \

@@ -11,10 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
-from policy.hf import FAMILY, load_model, logprob_probe, prepare_model, save_checkpoint, token_logprobs
+from policy.hf import FAMILY, checkpoint_folder, load_model, logprob_probe, prepare_model, save_checkpoint, token_logprobs
 from producers.arena import Arena
 from producers.dataset import Example
 from producers.emitter import MemoryEmitter
@@ -197,8 +198,11 @@ async def test_an_adapter_revision_is_loaded_as_prime_rl_loads_it_and_every_step
             await _publish_revision(kw, revisions, rev1)  # swapped while calls are in flight
             stats = await asyncio.wait_for(run, 400)
         assert arena.learner_model == "r16-a32.0"  # prime-rl's name: rank 16, alpha 32
+        served = httpx.get(f"{server.base_url}/models", timeout=30).json()["data"]
+        adapter = {m["id"]: m for m in served}.get("r16-a32.0")  # the server lists the adapter under the plan's name
+        assert adapter is not None, served
+        assert Path(adapter["root"]).resolve() == checkpoint_folder(rev1.checkpoint).resolve()
     assert stats.failed == 0 and arena.current_policy.revision == 1 and len(arena.reload_s) == 2
-    assert "Loaded new LoRA adapter: name 'r16-a32.0'" in (tmp_path / "vllm.log").read_text()
     steps = [e for *_, e in await read_all(kw, pipeline_topics[0], expect=48)]
     assert len(steps) == 48 and all(s.policy_exact for s in steps)
     by_rev = {r: [s for s in steps if s.policy.revision == r] for r in (0, 1)}
