@@ -280,7 +280,7 @@ def _raw_subject(raw: bytes) -> tuple[str | None, str | None]:
 def dead_letters(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, pa.Table]:
     subjects = [_raw_subject(e.raw) for e in events]
     cols = _envelope(events) | _same(events, "origin_topic origin_partition origin_offset origin_key raw error_type "
-                                             "error_message service") | {
+                                             "error_message service partial") | {
         "raw_event_type": [s[0] for s in subjects],
         "raw_subject_id": [s[1] for s in subjects],
     } | _kafka(metas)

@@ -165,9 +165,10 @@ BATCH_SOURCES = _table("batch_sources", [
 DEAD_LETTERS = _table("dead_letters", [
     pa.field("origin_topic", STR), pa.field("origin_partition", I32), pa.field("origin_offset", I64),
     pa.field("origin_key", pa.binary()), pa.field("raw", pa.binary()), pa.field("error_type", STR),
-    pa.field("error_message", STR), pa.field("service", STR),
+    pa.field("error_message", STR), pa.field("service", STR), pa.field("partial", pa.bool_()),
     pa.field("raw_event_type", STR), pa.field("raw_subject_id", STR),
-], "DeadLetter events; raw_event_type/raw_subject_id are read from `raw` when it decodes (record_id, rollout_id...)")
+], "DeadLetter events; raw_event_type/raw_subject_id are read from `raw` when it decodes (record_id, rollout_id...); "
+   "partial: one record of an input the service otherwise processed (a batch trained without its stale records)")
 
 ADMISSIONS = _table("admissions", [
     pa.field("event_type", STR), pa.field("claim_id", STR), pa.field("arena_id", STR), pa.field("family", STR),

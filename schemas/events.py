@@ -264,6 +264,8 @@ class DeadLetter(Event):
     error_type: str
     error_message: str
     service: str
+    partial: bool = Field(False, description="only this part of the input (one record of a batch) was refused; the "
+                                             "rest of it was processed (the batch trained without it)")
 
 
 ALL_EVENTS: tuple[type[Event], ...] = (

@@ -23,14 +23,14 @@ class Out:
 
 
 def dead_letter(rec: Any, service: str, error_type: str, message: str, run_id: str | None = None, *,
-                raw: bytes | None = None) -> Out:
+                raw: bytes | None = None, partial: bool = False) -> Out:
     """The dead letter for input record ``rec``: its bytes (or ``raw``, the part of it refused: one record of a
-    batch), where it came from and why it was refused."""
+    batch), where it came from and why it was refused; ``partial``: the rest of ``rec`` was processed."""
     run = run_id or serde.header(rec.headers, "run_id") or "unknown"
     return Out(topics.DEAD_LETTERS.name, DeadLetter(
         run_id=run, producer=service, origin_topic=rec.topic, origin_partition=rec.partition,
         origin_offset=rec.offset, origin_key=rec.key, raw=(rec.value or b"") if raw is None else raw,
-        error_type=error_type, error_message=message[:4000], service=service))
+        error_type=error_type, error_message=message[:4000], service=service, partial=partial))
 
 
 class EnvironmentFault(Exception):

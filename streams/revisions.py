@@ -150,7 +150,7 @@ class RevisionFollower:
 
 class DroppedBatches:
     """Side input: the trainer batches the trainer dead-lettered (poison, past the run's last revision, refused
-    whole), each of which will never become a revision. A derived run's batcher paces itself on the trainer's
+    whole; not those it trained without some stale records), each of which will never become a revision. A derived run's batcher paces itself on the trainer's
     revisions (``consumers.batching.HISTORY_AHEAD``) and counts these as gone, not as still ahead of the trainer."""
 
     def __init__(self, client_kwargs: Mapping[str, Any]) -> None:
@@ -167,7 +167,8 @@ class DroppedBatches:
         self._task = asyncio.create_task(self._follower.follow(self._see), name="dropped-batches")
 
     def _see(self, letter: DeadLetter) -> None:
-        if letter.origin_topic == topics.TRAINER_BATCHES.name:
+        # a partial refusal (stale records of a batch that trained) is not a dropped batch: its revision counts it
+        if letter.origin_topic == topics.TRAINER_BATCHES.name and not letter.partial:
             self.seen.add((letter.origin_partition, letter.origin_offset))
 
     async def stop(self) -> None:

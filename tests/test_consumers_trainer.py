@@ -225,6 +225,8 @@ async def test_each_batch_is_one_step_named_by_its_revision_and_rechecked_agains
     from schemas import codec
     from schemas.events import DeadLetter, TrainingRecord
     from schemas.policy import PolicyRevision
+    from streams import topics
+    from streams.revisions import DroppedBatches
 
     rev0 = initial_revision("tiny", tmp_path, seed=0)
     model = load_checkpoint(rev0.checkpoint)
@@ -249,7 +251,19 @@ async def test_each_batch_is_one_step_named_by_its_revision_and_rechecked_agains
     assert {codec.decode(d.raw, TrainingRecord).record_id for d in letters[2]} == \
            {x.record_id for x in batches[2].records}
     assert all(d.error_type == "StaleRecordError" and "2 revisions behind target r2" in d.error_message
-               and d.origin_offset == 2 for d in letters[2])
+               and d.origin_offset == 2 and not d.partial for d in letters[2])
+    # part of a batch stale: it trains without those records, whose letters say so (``DeadLetter.partial``), so the
+    # batcher's ``DroppedBatches`` does not count the batch as dropped beside its revision
+    mixed = batch_of([_record(20 + i, model, list(b"2+2="), list(b"4"), 1.0 if i % 2 else -1.0, rev=i // 2)
+                      for i in range(4)], testing.revision(1).model_copy(update={"checkpoint": rev0.checkpoint}))
+    outs = await task.process(Rec(3, codec.encode(mixed)))
+    assert [o.event.revision for o in outs if isinstance(o.event, PolicyRevision)] == [3]
+    partial = [o.event for o in outs if isinstance(o.event, DeadLetter)]
+    assert len(partial) == 2 and all(d.partial and d.origin_offset == 3 for d in partial)
+    dropped = DroppedBatches({})
+    for d in letters[2] + partial:
+        dropped._see(d.model_copy(update={"origin_topic": topics.TRAINER_BATCHES.name}))
+    assert dropped.count == 1  # the third batch, refused whole; not the fourth, trained
 
 
 def test_nothing_a_take_over_may_need_is_removed_before_the_commit_that_supersedes_it(tmp_path):
