@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-from typing import Callable
+from typing import Any, Awaitable, Callable
 
 PR_SET_PDEATHSIG = 1
 ORPHAN_GRACE_S = 10.0  # what a child whose parent died gets to stop by itself (``end_group_after_parent``)
@@ -57,3 +57,50 @@ def end_group_after_parent(grace_s: float = ORPHAN_GRACE_S, every_s: float = 0.5
         os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=watch, name="end-group-after-parent", daemon=True).start()
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a live process of group ``pgid`` is left: a zombie, whose memory is already freed and which a
+    container's init may never reap, does not count (Linux's ``/proc``; elsewhere any member does)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if not os.path.isdir("/proc/self"):
+        return True
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+async def end_group(pgid: int, leader_exit: Awaitable[Any], grace_s: float, every_s: float = 0.1) -> None:
+    """SIGTERM process group ``pgid``, whether or not its leader still lives; SIGKILL whatever of it is left after
+    ``grace_s``. ``leader_exit``: the wait that reaps the leader (our child), so it is no zombie of the group."""
+    import asyncio
+    import time
+
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace_s
+    try:
+        await asyncio.wait_for(leader_exit, grace_s)
+    except asyncio.TimeoutError:
+        pass
+    while group_alive(pgid) and time.monotonic() < deadline:
+        await asyncio.sleep(every_s)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    while group_alive(pgid) and time.monotonic() < deadline + 5.0:  # the kernel's reaping of what was killed
+        await asyncio.sleep(every_s)

