@@ -103,3 +103,12 @@ async def test_the_new_service_runs_and_reports_lag(registered, kafka_settings, 
     letters = [codec.decode(r.value, DeadLetter) for r in raw]
     assert sent > 0 and len(letters) == sent and {d.error_type for d in letters} == {"LowReward"}
     assert lag["reward-gate"]["lag"] == 0 and lag["reward-gate"]["committed"] == 16
+
+
+def test_the_batcher_is_granted_the_dead_letters_its_dropped_batch_count_follows():
+    """``DroppedBatches`` reads the dead letters in the batcher: a side input of its declaration, so ``rollout
+    kafka acls`` grants READ on it (without it, on a secured cluster, the count stayed 0 and a derived run
+    stalled)."""
+    from streams.security import Acl, service_acls
+
+    assert Acl("User:batcher", "READ", "TOPIC", topics.DEAD_LETTERS.name) in service_acls(SERVICES["batcher"])
