@@ -150,8 +150,9 @@ class RevisionFollower:
 
 class DroppedBatches:
     """Side input: the trainer batches the trainer dead-lettered (poison, past the run's last revision, refused
-    whole; not those it trained without some stale records), each of which will never become a revision. A derived run's batcher paces itself on the trainer's
-    revisions (``consumers.batching.HISTORY_AHEAD``) and counts these as gone, not as still ahead of the trainer."""
+    whole; not those it trained without some stale records), each of which will never become a revision. A derived
+    run's batcher paces itself on the trainer's revisions (``consumers.batching.HISTORY_AHEAD``) and counts these as
+    gone, not as still ahead of the trainer."""
 
     def __init__(self, client_kwargs: Mapping[str, Any]) -> None:
         self.seen: set[tuple[int, int]] = set()  # (partition, offset) of each dropped batch

@@ -218,8 +218,8 @@ class TrainerTask(TaskDefaults):
             log.error("the objective refused batch %s: %s", batch.batch_id, e)
             self.refused += len(batch.records)
             return [dead_letter(rec, NAME, "ObjectiveError", f"batch {batch.batch_id}: {e}", batch.run_id)]
-        outs = [dead_letter(rec, NAME, "StaleRecordError", why, batch.run_id, raw=codec.encode(r), partial=step is not None)
-                for r, why in refused]
+        outs = [dead_letter(rec, NAME, "StaleRecordError", why, batch.run_id, raw=codec.encode(r),
+                            partial=step is not None) for r, why in refused]
         self.refused += len(outs)
         if step is None:
             log.warning("refused a whole batch", extra={"fields": {"service": NAME, "batch_id": batch.batch_id,
