@@ -275,6 +275,17 @@ def wait_for_training_states() -> None:
     _STATE_WRITER.submit(lambda: None).result()
 
 
+def group_refusal(lora: Any, optimizer: Any) -> str | None:
+    """Why a torchrun group cannot train with these settings (None: it can); ``rollout serve trainer`` asks at its
+    start, before a batch is read (refused at the first batch, a group restarts into a poison dead letter)."""
+    if lora is not None:
+        return "LoRA training runs on one trainer process, not a torchrun group: start the trainer without torchrun"
+    if optimizer is not None and optimizer.type == "muon":
+        return ("the muon optimizer orthogonalizes whole matrices, and a torchrun group's ranks hold shards of them: "
+                "train it on one process (start the trainer without torchrun)")
+    return None
+
+
 class ReferenceTrainer:
     """The plan's objective (``consumers.objectives``), normalised over the whole batch, on the checkpoint's model.
 
@@ -309,10 +320,11 @@ class ReferenceTrainer:
         settings (``policy.optimizers``; default AdamW, gradients clipped at norm 1). ``objective``: what the step
         optimizes (``schemas.objectives``; default prime-rl's DPPO+KL); a derived batch's history rule overrides it."""
         self.base: CheckpointRef | None = None  # the base checkpoint each published adapter names (None: whole weights)
+        if group is not None and (why := group_refusal(lora, optimizer)):
+            raise ValueError(why)
         if lora is not None:
-            if kind is not HFPolicy or group is not None:
-                raise ValueError("LoRA training needs the HF model on one trainer process (not the tiny model, not a "
-                                 "torchrun group)")
+            if kind is not HFPolicy:
+                raise ValueError("LoRA training needs the HF model (not the tiny model)")
             inject(model, lora)
             if lora.serving == "adapter":
                 if ref is None:
@@ -321,9 +333,6 @@ class ReferenceTrainer:
                 self.base = base_of(ref) if ref.adapter else ref
         elif has_adapters(model):
             model = merged_model(model)
-        if optimizer is not None and optimizer.type == "muon" and group is not None:
-            raise ValueError("the muon optimizer orthogonalizes whole matrices, and a torchrun group's ranks hold "
-                             "shards of them: train it on one process")
         # the model trained is on ``device``, and in a data-parallel group (``consumers.distributed``) it is FSDP2's
         # shard of it; rank 0 (or the only process) keeps the whole model on the CPU as well: what it writes as
         # checkpoints (the same object when training alone on the CPU)

@@ -6,6 +6,7 @@ rank dies is tested on the broker in ``tests/test_trainer_restart.py`` (``torchr
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,22 @@ def test_a_service_that_scales_by_instances_refuses_torchrun():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "only the trainer trains data-parallel" in done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("optim", ["lora", "muon"])
+def test_a_trainer_plan_a_torchrun_group_cannot_train_is_refused_at_start(tmp_path, optim):
+    """LoRA and muon train on one process: under torchrun the trainer says so when it starts, before it joins a
+    group or reads a batch (it once refused the first batch, and its group restarted into a poison dead letter)."""
+    plan = (ROOT / "examples/plans/arithmetic-smollm2-lora.toml").read_text()
+    if optim == "muon":
+        plan = re.sub(r"(?m)^\[trainer\.model\.lora\][^\[]*", "", plan).replace("[trainer.optim]", '[trainer.optim]\ntype = "muon"')
+    (tmp_path / "plan.toml").write_text(plan)
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "consumers", "serve", "trainer", "--plan", str(tmp_path / "plan.toml")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("rollout serve trainer: ") and ("LoRA" if optim == "lora" else "muon") in last, done.stderr
 
 
 def test_a_training_state_written_before_states_were_sharded_still_resumes(tmp_path):
