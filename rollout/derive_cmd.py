@@ -227,6 +227,16 @@ def evaluation_plan(revisions: list[Any], recipe: str | None):
     return None
 
 
+def changed_settings(before: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    """The settings (and shaping flags) a resumed derived run gives otherwise than its start recorded: a flag given
+    then and left off now (``--gate``) differs too. A start that recorded no flags is compared on its derivation."""
+    before = dict(before)
+    flags = settings["flags"]
+    before_flags = before.pop("flags", flags)
+    return sorted([k for k in settings if k != "flags" and before.get(k) != settings[k]] +
+                  [k for k in {**before_flags, **flags} if before_flags.get(k) != flags.get(k)])
+
+
 async def publish_fork(kw: dict[str, Any], family: str, derivation, source, where, checkpoint,
                        flags: dict[str, Any]) -> bool:
     """The derived chain's first revision, with the derivation's settings and the flags that shape its training
@@ -240,11 +250,7 @@ async def publish_fork(kw: dict[str, Any], family: str, derivation, source, wher
     async with RevisionFollower(kw, family) as follower:
         have = next((rev for _, rev in await follower.read_to_end() if rev.fork is not None), None)
     if have is not None:
-        before = dict(have.derivation or {})
-        before_flags = before.pop("flags", flags)
-        changed = sorted([k for k in settings if k != "flags" and before.get(k) != settings[k]] +
-                         [k for k in flags if before_flags.get(k) != flags[k]])
-        if changed:
+        if changed := changed_settings(dict(have.derivation or {}), settings):
             raise DeriveError(f"derived run {derivation.run_id} was started with other settings ({', '.join(changed)}"
                               f" differ): resume it with its first flags, or start a new run without --run-id")
         return True

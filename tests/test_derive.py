@@ -368,3 +368,18 @@ def test_a_derived_run_is_evaluated_on_its_sources_questions_at_its_cadence(kafk
     assert sorted(rows) == sorted((family, r, 16) for family in ("tiny-byte-lm", f"tiny-byte-lm.{derived}")
                                   for r in (0, 2, 3))
     assert same == (16, 16)  # the same 16 questions; at the fork (the same weights, greedy) the same answers
+
+
+def test_a_resumed_derived_run_that_leaves_off_a_flag_it_started_with_is_refused():
+    """``--gate`` given at the start and left off at the resume: a difference, as a flag given only now is (it once
+    passed, and the resumed run trained without its gates)."""
+    from rollout.derive_cmd import changed_settings
+
+    flags = {"credit": None, "lr": None, "flush_after_s": 0.5}
+    started = {"run_id": "d", "rescore": None, "flags": {**flags, "gates": [[0.0, 0.0]]}}
+    assert changed_settings(started, {"run_id": "d", "rescore": None, "flags": flags}) == ["gates"]
+    assert changed_settings(started, {"run_id": "d", "rescore": None, "flags": {**flags, "gates": [[0.0, 0.0]]}}) == []
+    assert changed_settings(started, {"run_id": "d", "rescore": "x", "flags": {**flags, "lr": 0.5, "gates": [[0.0, 0.0]]}}) \
+        == ["lr", "rescore"]
+    unrecorded = {"run_id": "d", "rescore": None}  # started before flags were recorded: its derivation alone
+    assert changed_settings(unrecorded, {"run_id": "d", "rescore": None, "flags": {**flags, "lr": 0.5}}) == []
