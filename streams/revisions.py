@@ -24,6 +24,7 @@ from schemas.events import DeadLetter
 from schemas.policy import PolicyRevision
 from streams import topics
 from streams.aiokafka_internals import stop_consumer
+from streams.poison import ProcessMustRestart
 from streams.serde import from_message
 
 POLL_MS = 200
@@ -148,35 +149,59 @@ class RevisionFollower:
         return out
 
 
-class DroppedBatches:
-    """Side input: the trainer batches the trainer dead-lettered (poison, past the run's last revision, refused
-    whole; not those it trained without some stale records), each of which will never become a revision. A derived
-    run's batcher paces itself on the trainer's revisions (``consumers.batching.HISTORY_AHEAD``) and counts these as
-    gone, not as still ahead of the trainer."""
+class SideInput:
+    """A topic every instance of a service reads whole, without a group (``Service.side_inputs``), folded by
+    ``_see`` in a background task between ``start`` and ``stop``. ``check`` raises ``ProcessMustRestart`` once
+    that task has died (a missing READ permission, a broker error it cannot ride out): the service stops loudly
+    for its supervisor instead of computing on with what it saw last."""
 
-    def __init__(self, client_kwargs: Mapping[str, Any]) -> None:
-        self.seen: set[tuple[int, int]] = set()  # (partition, offset) of each dropped batch
-        self._follower = RevisionFollower(client_kwargs, topic=topics.DEAD_LETTERS.name, event=DeadLetter)
+    name = "side-input"
+
+    def __init__(self, follower: RevisionFollower) -> None:
+        self._follower = follower
         self._task: asyncio.Task | None = None
 
-    @property
-    def count(self) -> int:
-        return len(self.seen)
+    def _see(self, event: Any) -> None:
+        raise NotImplementedError
 
     async def start(self) -> None:
         await self._follower.start()
-        self._task = asyncio.create_task(self._follower.follow(self._see), name="dropped-batches")
+        self._task = asyncio.create_task(self._follower.follow(self._see), name=self.name)
 
-    def _see(self, letter: DeadLetter) -> None:
-        # a partial refusal (stale records of a batch that trained) is not a dropped batch: its revision counts it
-        if letter.origin_topic == topics.TRAINER_BATCHES.name and not letter.partial:
-            self.seen.add((letter.origin_partition, letter.origin_offset))
+    def check(self) -> None:
+        t = self._task
+        if t is not None and t.done() and not t.cancelled() and t.exception() is not None:
+            e = t.exception()
+            raise ProcessMustRestart(f"the {self.name} side input stopped reading {self._follower.topic}: "
+                                     f"{type(e).__name__}: {e}")
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self._follower.stop()
+
+
+class DroppedBatches(SideInput):
+    """Side input: the trainer batches the trainer dead-lettered (poison, past the run's last revision, refused
+    whole; not those it trained without some stale records), each of which will never become a revision. A derived
+    run's batcher paces itself on the trainer's revisions (``consumers.batching.HISTORY_AHEAD``) and counts these as
+    gone, not as still ahead of the trainer."""
+
+    name = "dropped-batches"
+
+    def __init__(self, client_kwargs: Mapping[str, Any]) -> None:
+        super().__init__(RevisionFollower(client_kwargs, topic=topics.DEAD_LETTERS.name, event=DeadLetter))
+        self.seen: set[tuple[int, int]] = set()  # (partition, offset) of each dropped batch
+
+    @property
+    def count(self) -> int:
+        return len(self.seen)
+
+    def _see(self, letter: DeadLetter) -> None:
+        # a partial refusal (stale records of a batch that trained) is not a dropped batch: its revision counts it
+        if letter.origin_topic == topics.TRAINER_BATCHES.name and not letter.partial:
+            self.seen.add((letter.origin_partition, letter.origin_offset))
 
 
 async def latest_revision(client_kwargs: Mapping[str, Any], family: str, *, idle_polls: int = 2,
@@ -202,26 +227,16 @@ async def publish(client_kwargs: Mapping[str, Any], revision: PolicyRevision) ->
         await producer.stop()
 
 
-class RevisionWatcher:
-    """Side input: ``latest`` holds the newest revision with a checkpoint of each family, kept current by a
-    background task between ``start`` and ``stop``."""
+class RevisionWatcher(SideInput):
+    """Side input: ``latest`` holds the newest revision with a checkpoint of each family."""
+
+    name = "revision-watcher"
 
     def __init__(self, client_kwargs: Mapping[str, Any]) -> None:
+        super().__init__(RevisionFollower(client_kwargs))
         self.latest: dict[str, PolicyRevision] = {}
-        self._follower = RevisionFollower(client_kwargs)
-        self._task: asyncio.Task | None = None
-
-    async def start(self) -> None:
-        await self._follower.start()
-        self._task = asyncio.create_task(self._follower.follow(self._see), name="revision-watcher")
 
     def _see(self, rev: PolicyRevision) -> None:
         cur = self.latest.get(rev.family)
         if rev.checkpoint is not None and (cur is None or rev.revision > cur.revision):
             self.latest[rev.family] = rev
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        await self._follower.stop()

@@ -383,8 +383,8 @@ async def test_the_batcher_task_owes_a_place_to_a_running_group_and_none_to_one_
 
     ledger = MemoryLedger()
     cfg = ServiceSettings(family=testing.FAMILY, batch_records=4, flush_after_s=30, max_off_policy_steps=1)
-    task = BatcherTask(0, cfg, SimpleNamespace(latest={testing.FAMILY: testing.revision(1)}),
-                       SimpleNamespace(count=0), ledger=ledger)
+    task = BatcherTask(0, cfg, SimpleNamespace(latest={testing.FAMILY: testing.revision(1)}, check=lambda: None),
+                       SimpleNamespace(count=0, check=lambda: None), ledger=ledger)
 
     def claim(group: str) -> AdmissionClaim:
         return AdmissionClaim(run_id="run", producer="a", claim_id=group, arena_id="a", family=testing.FAMILY,

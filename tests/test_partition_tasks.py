@@ -37,6 +37,9 @@ class Rec:
 class NoRevisions:
     latest: dict = {}
 
+    def check(self) -> None:
+        pass
+
 
 def verifier_inputs() -> list[tuple[str, Any]]:
     """Rollouts without their steps, steps without their rollouts, and a parent whose children have reported."""
@@ -76,7 +79,7 @@ def _factories(tmp: Path) -> dict[str, tuple]:
         "verifier": (base, lambda s: lambda p: VerifierTask(p, s), verifier_inputs),
         "credit": (base, lambda s: lambda p: CreditTask(p, s), scored_inputs),
         "batcher": (base.model_copy(update={"batch_records": 1000, "flush_after_s": 3600}),
-                    lambda s: lambda p: BatcherTask(p, s, NoRevisions(), SimpleNamespace(count=0)),
+                    lambda s: lambda p: BatcherTask(p, s, NoRevisions(), SimpleNamespace(count=0, check=lambda: None)),
                     lambda: [(topics.TRAINING_RECORDS.name, testing.training_record(i)) for i in range(10)]),
         "trainer": (base, lambda s: lambda p: TrainerTask(p, s.family, s.checkpoint_dir,
                                                           target_checkpoint=lambda target: rev0.checkpoint),

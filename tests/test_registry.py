@@ -112,3 +112,22 @@ def test_the_batcher_is_granted_the_dead_letters_its_dropped_batch_count_follows
     from streams.security import Acl, service_acls
 
     assert Acl("User:batcher", "READ", "TOPIC", topics.DEAD_LETTERS.name) in service_acls(SERVICES["batcher"])
+
+
+async def test_a_side_input_that_stopped_reading_ends_its_service_loudly():
+    """A side input's follow task that died (here: its consumer refused, as a missing READ permission is) makes
+    ``check`` raise ``ProcessMustRestart``: the batcher's tick ends the service with the reason (it once counted on
+    with what it had seen, and a derived run stalled)."""
+    from streams.poison import ProcessMustRestart
+    from streams.revisions import DroppedBatches
+
+    async def refused(_see):
+        raise PermissionError("TopicAuthorizationFailedError: dead-letters")
+
+    dropped = DroppedBatches({})
+    dropped.check()  # not started: nothing to say
+    dropped._task = asyncio.create_task(refused(dropped._see))
+    await asyncio.gather(dropped._task, return_exceptions=True)
+    with pytest.raises(ProcessMustRestart, match=r"dropped-batches side input stopped reading .*dead-letters.*"
+                                                 r"PermissionError: TopicAuthorizationFailedError"):
+        dropped.check()

@@ -87,6 +87,8 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records and the
         self._add(rec, decode(rec, TrainingRecord))
 
     def tick(self, now: float) -> list[Out]:
+        self.revisions.check()  # a side input that stopped reading ends the service, not the batcher's judgement
+        self.dropped.check()
         owes, coming = self._ledger_view()
         batches, refusals = self.batcher.poll(self.revisions.latest.get(self.family), now, dropped=self.dropped.count,
                                               owes=owes, coming=coming)
