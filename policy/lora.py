@@ -34,6 +34,9 @@ def targets_present(model: Any, spec: LoraSpec) -> list[str]:
     return found
 
 
+INIT_SEED = 0  # the adapters' initial draw (``inject``)
+
+
 def inject(model: Any, spec: LoraSpec) -> Any:
     """``model`` with LoRA adapters (rank, alpha, dropout) on the spec's target modules, every other weight frozen.
     A model loaded from an adapter checkpoint (``load_adapter``) keeps its adapter, which must be the spec's."""
@@ -50,7 +53,13 @@ def inject(model: Any, spec: LoraSpec) -> Any:
                              f"on {sorted(config.target_modules)})")
         held.lora_dropout = spec.dropout  # how it trains, not what it serves
     else:
-        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        import torch
+
+        # lora_A is drawn at random (lora_B starts at zero): from a fixed seed, so a trainer that takes over before
+        # any training state was written draws the adapter its predecessor trained from, not a new one
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(INIT_SEED)
+            inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
     model.enable_input_require_grads()  # gradient checkpointing over frozen embeddings still reaches the adapters

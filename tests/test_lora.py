@@ -120,3 +120,19 @@ def test_a_trainer_without_lora_on_an_adapter_checkpoint_trains_the_merged_model
     ids = torch.tensor([[1, 5, 9, 2, 7]])
     with torch.no_grad():
         assert torch.allclose(trainer.model(ids).logits, model(ids).logits, atol=1e-5)
+
+
+def test_a_fresh_adapter_is_drawn_the_same_in_every_trainer_life():
+    """``inject`` on the same base in two processes' lives (a take-over before any training state was written)
+    gives the same ``lora_A`` (it was unseeded: the successor trained a different adapter from r0 on), and leaves
+    the caller's random stream where it was."""
+    spec = LoraSpec(rank=4, alpha=8)
+    first = dict(lora.inject(_model(), spec).named_parameters())
+    base = _model()
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    second = dict(lora.inject(base, spec).named_parameters())
+    assert torch.equal(torch.rand(3), before)  # the global stream untouched by the draw
+    a = [n for n in first if "lora_A" in n]
+    assert a and all(torch.equal(first[n], second[n]) for n in a)
