@@ -83,24 +83,22 @@ def group_alive(pgid: int) -> bool:
 
 async def end_group(pgid: int, leader_exit: Awaitable[Any], grace_s: float, every_s: float = 0.1) -> None:
     """SIGTERM process group ``pgid``, whether or not its leader still lives; SIGKILL whatever of it is left after
-    ``grace_s``. ``leader_exit``: the wait that reaps the leader (our child), so it is no zombie of the group."""
+    ``grace_s``; then reap the leader (our child) with ``leader_exit``. The group is watched, not the leader's wait:
+    asyncio's also waits for the leader's pipes, which an orphan of the group may hold open."""
     import asyncio
     import time
 
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while (alive := group_alive(pgid)) and time.monotonic() < deadline:
+            await asyncio.sleep(every_s)
+        if not alive:
+            break
     try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + grace_s
-    try:
-        await asyncio.wait_for(leader_exit, grace_s)
+        await asyncio.wait_for(leader_exit, 5.0)
     except asyncio.TimeoutError:
         pass
-    while group_alive(pgid) and time.monotonic() < deadline:
-        await asyncio.sleep(every_s)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    while group_alive(pgid) and time.monotonic() < deadline + 5.0:  # the kernel's reaping of what was killed
-        await asyncio.sleep(every_s)

@@ -170,8 +170,7 @@ class SideInput:
 
     def check(self) -> None:
         t = self._task
-        if t is not None and t.done() and not t.cancelled() and t.exception() is not None:
-            e = t.exception()
+        if t is not None and t.done() and not t.cancelled() and (e := t.exception()) is not None:
             raise ProcessMustRestart(f"the {self.name} side input stopped reading {self._follower.topic}: "
                                      f"{type(e).__name__}: {e}")
 
