@@ -9,7 +9,7 @@ Canonical encoding of a value (version 1):
 * datetimes as ISO 8601, bytes as base64;
 * write metadata left out (``event_id``, ``created_at``, ``producer``, ``causation_id``): a
   record re-emitted after a crash has a new event id but the same content digest;
-* an optional field added after v1 (``ADDED_OPTIONAL``) left out while unset.
+* an optional field added after v1 (``ADDED_OPTIONAL``) left out while at its default (None, or False for a flag).
 
 Each digest hashes a domain tag (``rollout-log/<kind>/v1``), a newline, then the encoding.
 """
@@ -29,18 +29,25 @@ from pydantic import BaseModel
 from schemas.policy import PolicyRef
 
 WRITE_METADATA = frozenset({"event_id", "created_at", "producer", "causation_id"})
-# Optional fields added to an event after its digests were pinned: left out of the encoding while unset, so an
-# event that never had them (every one written before) keeps its digest.
+# Optional fields added to an event after its digests were pinned: left out of the encoding while at their default,
+# so an event that never had them (every one written before) keeps its digest.
 ADDED_OPTIONAL = frozenset({"served_model", "source", "history", "fork", "derivation", "plan", "objective",
-                            "probe", "ref_logprobs", "train_source"})
+                            "probe", "ref_logprobs", "train_source", "partial"})
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
+_ALWAYS = object()  # a value no field holds: the field is always encoded
+
+
 @functools.cache
-def _content_fields(cls: type[BaseModel]) -> tuple[str, ...]:
-    return tuple(k for k in cls.model_fields if k not in WRITE_METADATA)
+def _content_fields(cls: type[BaseModel]) -> tuple[tuple[str, Any], ...]:
+    """Each content field with the value that leaves it out: if added after v1, its default (None where it has none);
+    else a sentinel."""
+    return tuple((k, _ALWAYS if k not in ADDED_OPTIONAL else None if f.is_required() else f.default)
+                 for k, f in cls.model_fields.items() if k not in WRITE_METADATA)
+
 
 
 def _plain(value: Any) -> Any:
@@ -48,8 +55,7 @@ def _plain(value: Any) -> Any:
     if type(value) in _SCALARS:
         return value
     if isinstance(value, BaseModel):
-        return {k: _plain(v) for k in _content_fields(type(value))
-                if (v := getattr(value, k)) is not None or k not in ADDED_OPTIONAL}
+        return {k: _plain(v) for k, unset in _content_fields(type(value)) if (v := getattr(value, k)) is not unset}
     if isinstance(value, np.ndarray):
         le = value.astype(value.dtype.newbyteorder("<"), copy=False)
         return {"dtype": le.dtype.str, "n": int(le.shape[0]), "sha256": hashlib.sha256(le.tobytes()).hexdigest()}

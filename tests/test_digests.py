@@ -192,3 +192,6 @@ def test_an_added_optional_field_counts_only_when_set() -> None:
     assert rev.served_model is None and digest("record", rev) == PINNED["policy_revision"]
     stood_in = rev.model_copy(update={"served_model": "SmolLM2-135M-Instruct standing in for org/model"})
     assert digest("record", stood_in) != PINNED["policy_revision"]
+    letter = fixture_events()["dead_letter"]  # DeadLetter.partial, a flag added later: False digests as before
+    assert letter.partial is False and digest("record", letter) == PINNED["dead_letter"]
+    assert digest("record", letter.model_copy(update={"partial": True})) != PINNED["dead_letter"]
