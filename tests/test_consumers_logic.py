@@ -632,3 +632,35 @@ async def test_a_derived_verifier_scores_its_own_held_out_answers_and_not_its_so
     assert scored["train"].rewards == {"solver": 0.0}  # re-scored (the buggy sum never rewards the sum)
     assert scored["own"].rewards == {"solver": 1.0}  # the environment's exact match, not the re-scoring
     assert all(not offsets for offsets in task.buffered().values())
+
+
+@pytest.mark.parametrize("credit, held", [("grpo", False), ("per_step", True), ("reinforce_baseline", True)])
+async def test_a_group_credited_rollout_by_rollout_is_owed_until_all_its_rollouts_came(credit: str, held: bool):
+    """Per-rollout strategies emit each rollout as it is scored: two rollouts of a four-rollout group on hand do
+    not make the group come, so the batch for r1 waits for the other two (before, the group stopped being owed at
+    its first record, and its other rollouts landed a batch later, refused as stale). A group strategy credits the
+    group in one transaction: its first record is the whole group."""
+    from types import SimpleNamespace
+
+    from consumers.settings import ServiceSettings
+    from consumers.tasks.batcher import BatcherTask
+    from schemas.admission import AdmissionClaim, AdmissionDone
+    from streams.admissions import MemoryLedger
+
+    ledger = MemoryLedger()
+    cfg = ServiceSettings(family=testing.FAMILY, batch_records=2, flush_after_s=30, max_off_policy_steps=1,
+                          credit=credit)
+    task = BatcherTask(0, cfg, SimpleNamespace(latest={testing.FAMILY: testing.revision(1)}, check=lambda: None),
+                       SimpleNamespace(count=0, check=lambda: None), ledger=ledger)
+    await ledger.append(AdmissionClaim(run_id="run", producer="a", claim_id="c0", arena_id="a", family=testing.FAMILY,
+                                       group_id="g-0", rollouts=4, seen_revision=0, batch_size=2,
+                                       max_off_policy_steps=1, lease_s=60))
+    await ledger.append(AdmissionDone(run_id="run", producer="a", claim_id="c0", arena_id="a"))
+    for i in range(2):  # rollouts ro-0, ro-1 of g-0: a whole batch of two records
+        task._add(SimpleNamespace(offset=i), testing.training_record(i, revision_=0))
+    assert (task.tick(0.0) == []) is held
+    if held:
+        for i in (2, 3):
+            task._add(SimpleNamespace(offset=i), testing.training_record(i, revision_=0))
+        outs = task.tick(0.0)
+        assert sorted(r.rollout_id for o in outs for r in o.event.records) == ["ro-0", "ro-1", "ro-2", "ro-3"]

@@ -4,6 +4,9 @@ The latest revision is a side input (``streams.revisions``, read_committed, no c
 instance sees every revision, and the off-policy bound is checked against it (``consumers.batching``). So is the
 admissions ledger (``streams.admissions``): a batch waits for the admitted groups it must take, and a partial
 batch for every admitted group (``AdmissionBook.coming``), less those whose records came (``arrived``, by group).
+A group strategy (grpo) credits a group in one transaction, so its first record means the whole group came; a
+per-rollout one (per_step, reinforce_baseline, ema_per_member) emits each rollout as it is scored, so a group has
+come once records of all its claim's rollouts have.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
 from consumers.batching import BatchPolicy, Batcher
+from consumers.credit import STRATEGIES
 from consumers.service import TaskDefaults, TaskFactory, dead_letter, decode
 from consumers.settings import ServiceSettings
 from schemas.errors import EventDecodeError
@@ -36,7 +40,9 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records and the
         self.revisions = revisions
         self.dropped = dropped  # the batches the trainer dead-lettered: never revisions, not ahead of it
         self.ledger = ledger  # a live run's admissions, folded as the arenas fold them
-        self.arrived: dict[str, float] = {}  # group -> when its records came, while the ledger may still owe it
+        # group -> (when its first record came, the rollouts whose records came), while the ledger may still owe it
+        self.arrived: dict[str, tuple[float, set[str]]] = {}
+        self.whole_groups = STRATEGIES[cfg.credit].buffers  # a group's records come together
         self.batcher: Batcher[Any] = Batcher(BatchPolicy(
             family=cfg.family, max_off_policy_steps=cfg.max_off_policy_steps,
             batch_records=None if cfg.batch_tokens else cfg.batch_records, batch_tokens=cfg.batch_tokens,
@@ -46,7 +52,8 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records and the
 
     def _add(self, rec: Any, record: TrainingRecord):
         self.batcher.run_id = record.run_id
-        self.arrived[record.group_id] = time.monotonic()  # a sub-episode's records name its own group: not owed
+        # a sub-episode's records name its own group, which no claim names: not owed
+        self.arrived.setdefault(record.group_id, (time.monotonic(), set()))[1].add(record.rollout_id)
         return self.batcher.add(record, time.monotonic(), rec)
 
     def _ledger_view(self) -> tuple[Callable[[int], int], int]:
@@ -58,16 +65,19 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records and the
             return (lambda revision: 0), 0
         book, now, grace = self.ledger.book, self.ledger.now(), self.batcher.policy.flush_after_s
         coming = book.coming(self.family, now, grace)  # (which settles what can no longer come)
-        for g, came in list(self.arrived.items()):
+        come = set()
+        for g, (first, rollouts) in list(self.arrived.items()):
             claim_id = book.by_group.get(g)
-            if claim_id not in book.unsettled and (claim_id is not None or time.monotonic() - came > UNCLAIMED_KEEP_S):
+            if claim_id not in book.unsettled and (claim_id is not None or time.monotonic() - first > UNCLAIMED_KEEP_S):
                 del self.arrived[g]
+            elif self.whole_groups or claim_id is None or len(rollouts) >= book.claims[claim_id].claim.rollouts:
+                come.add(g)
         bound = self.batcher.policy.max_off_policy_steps
 
         def owes(revision: int) -> int:
-            return len(book.coming(self.family, now, grace, seen_at_most=revision - bound) - self.arrived.keys())
+            return len(book.coming(self.family, now, grace, seen_at_most=revision - bound) - come)
 
-        return owes, len(coming - self.arrived.keys())
+        return owes, len(coming - come)
 
     async def process(self, rec: Any) -> list[Out]:
         try:
