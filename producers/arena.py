@@ -74,6 +74,7 @@ from producers.environment import environment_from_spec
 from producers.environment_types import Environment
 from producers.episodes import Episode, EpisodeState, GenerateResult
 from producers.inference import Completion, InferenceClient, InferenceError
+from producers.limits import ADMISSION_LEASE_S, ROLLOUT_TIMEOUT_S, STOP_GRACE_S
 from producers.pacer import AdmissionPacer, default_arena_id, until_first
 from producers.pool import InferencePool
 from producers.weights import LocalPolicyWeights, PoolWeights, RevisionGate, WeightLoader, WeightLoadError
@@ -85,9 +86,6 @@ from streams.admissions import MemoryLedger
 from streams.revisions import RevisionFollower
 
 log = logging.getLogger("rollout.arena")
-# a stopped arena (SIGTERM, Ctrl-C) lets its episodes in flight finish and be emitted for this long, then cuts the
-# rest short, so that a command stops within 10 s of SIGTERM whatever its episodes wait on
-STOP_GRACE_S = 5.0
 KEEPALIVE_S = 2.0  # an idle connection to a server kept this long, under its own keep-alive (``Arena.start``)
 
 
@@ -220,9 +218,10 @@ class Arena:
                  base_revision: int | None = None,
                  client_options: Mapping[str, Any] | None = None, manage_emitter: bool = True,
                  evaluate: bool = False, eval_sampling: Mapping[str, Any] | None = None,
-                 admissions: MemoryLedger | None = None, admission_lease_s: float = 600.0,
+                 admissions: MemoryLedger | None = None, admission_lease_s: float = ADMISSION_LEASE_S,
                  arena_id: str | None = None, eval_environments: Sequence[tuple[Any, Environment]] | None = None,
-                 max_failed_groups: int = 8, eval_concurrency: int = 64) -> None:
+                 max_failed_groups: int = 8, eval_concurrency: int = 64,
+                 rollout_timeout_s: float = ROLLOUT_TIMEOUT_S) -> None:
         """``policy_base_url``: the learner's server, or several (a pool: ``producers.pool``), when the plan's
         learner names none. ``weights``: what loads a revision into one of them (``VllmWeights``,
         ``LocalPolicyWeights``: called with each server's URL); "auto": the local policy server's loader when the
@@ -231,8 +230,12 @@ class Arena:
         its events say produced them. ``max_failed_groups``: stop (``RunFailing``) after this many training groups
         in a row whose every rollout failed (0: never). ``eval_concurrency``: held-out answers in flight at most,
         beside the training rollouts' ``concurrency``: the demo's 48 questions in one wave, not two (at 32 the
-        last evaluation took 9.5 s where 48 at once take 5 s; benchmarks/RESULTS.md)."""
+        last evaluation took 9.5 s where 48 at once take 5 s; benchmarks/RESULTS.md). ``rollout_timeout_s``: a
+        rollout's deadline (its setup and episode, sub-episodes included; its cleanup gets as long again): one past it
+        is recorded failed with that reason, so a hung tool call or sandbox cannot hold its group, and the batch that
+        owes it, for ever (0: none)."""
         self.plan = plan
+        self.rollout_timeout_s = rollout_timeout_s or None
         self.max_failed_groups = max_failed_groups
         # keyed by the source's name: two sources of one environment (different args, ratios) stay two
         self.env_specs = {spec.display_name: spec for spec in getattr(plan, "environments", []) or []}
@@ -505,17 +508,21 @@ class Arena:
         artifacts: dict[str, Any] = {}
         self.stats.in_flight += 1
         try:
+            deadline = asyncio.timeout(self.rollout_timeout_s)
             try:
-                await episode.setup_state(state)
-                await episode.rollout(ctx, state)
+                async with deadline:
+                    await episode.setup_state(state)
+                    await episode.rollout(ctx, state)
                 artifacts = episode.finalize(state)
             except InferenceError as e:
                 failure = f"inference: {e}"
             except Exception as e:  # noqa: BLE001 - a buggy episode is recorded, not lost
-                failure = f"episode error: {type(e).__name__}: {e}"
+                failure = (f"deadline: the rollout ran past {self.rollout_timeout_s:g} s (--rollout-timeout)"
+                           if deadline.expired() else f"episode error: {type(e).__name__}: {e}")
             finally:
                 try:
-                    await episode.cleanup_state(state)
+                    async with asyncio.timeout(self.rollout_timeout_s):
+                        await episode.cleanup_state(state)
                 except Exception as e:  # noqa: BLE001
                     failure = failure or f"cleanup error: {type(e).__name__}: {e}"
         finally:

@@ -35,6 +35,7 @@ import math
 import time
 from typing import Any
 
+from producers.limits import ADMISSION_LEASE_S
 from schemas.admission import AdmissionBook, AdmissionClaim, AdmissionDone, AdmissionRelease, AdmissionRenew
 from schemas.envelope import new_id
 from streams.admissions import MemoryLedger
@@ -58,7 +59,7 @@ class AdmissionPacer:
 
     def __init__(self, batch_size: int, max_off_policy_steps: int, base_revision: int = 0, *,
                  ledger: MemoryLedger | None = None, family: str = "default", arena_id: str | None = None,
-                 run_id: str = "arena", lease_s: float = 600.0) -> None:
+                 run_id: str = "arena", lease_s: float = ADMISSION_LEASE_S) -> None:
         self.batch_size = batch_size
         self.bound = max_off_policy_steps
         self.trainer_revision = base_revision

@@ -34,6 +34,7 @@ import asyncio
 import signal
 import sys
 
+from producers.limits import ADMISSION_LEASE_S, ROLLOUT_TIMEOUT_S
 from rollout.argtypes import at_least
 
 
@@ -79,9 +80,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "a row failed (a server that refuses every call, an environment that always raises): "
                         "nothing could be trained, and a loop would wait for a revision for ever (default 8; 0: "
                         "never)")
-    p.add_argument("--admission-lease-s", type=float, default=600.0, metavar="SECONDS",
+    p.add_argument("--rollout-timeout", type=float, default=ROLLOUT_TIMEOUT_S, metavar="SECONDS",
+                   help="a rollout still running this long (a hung tool call, sandbox or verifiers program) is "
+                        "cut short and recorded failed with the reason, so its group, and the batch waiting for "
+                        f"it, go on without it (default {ROLLOUT_TIMEOUT_S:g}; 0: no deadline)")
+    p.add_argument("--admission-lease-s", type=float, default=ADMISSION_LEASE_S, metavar="SECONDS",
                    help="a group not fully emitted this long after its claim may be released by any arena "
-                        "(longer than a group takes; default 600)")
+                        f"(longer than a group takes; default {ADMISSION_LEASE_S:g})")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     p.add_argument("--run-id", help="run id stamped on every event (default: random); every arena of a run shares it")
     p.add_argument("--arena-id", help="this arena among the run's (default: the run id and a random part, a new one "
@@ -195,7 +200,8 @@ async def _main(args: argparse.Namespace) -> int:
                       weights=weights, evaluate=args.evaluate, client_options=client_options,
                       admissions=KafkaLedger(settings.client_kwargs()), admission_lease_s=args.admission_lease_s,
                       arena_id=arena_id, producer_name=f"arena-{arena_id}",
-                      max_failed_groups=args.max_failed_groups, eval_concurrency=args.eval_concurrency)
+                      max_failed_groups=args.max_failed_groups, eval_concurrency=args.eval_concurrency,
+                      rollout_timeout_s=args.rollout_timeout)
         from producers.metrics import arena_samples, endpoint, policy_server_samples, vllm_samples
 
         metrics = endpoint("arena", args.metrics_port, ("arena", lambda: arena_samples(arena, emitter)),

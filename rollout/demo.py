@@ -478,7 +478,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
     from consumers import settings as service_settings
     from consumers.registry import SERVICES
     from consumers.runner import System
-    from producers.arena import STOP_GRACE_S
+    from producers.limits import STOP_GRACE_S
     from producers.children import die_with_parent_at
     from producers.vllm_server import STARTUP_TIMEOUT_S
     from streams import topics
