@@ -26,6 +26,7 @@ import copy
 import ctypes
 import logging
 import os
+import re
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -265,6 +266,35 @@ LEGACY_TRAINING_STATE_SUFFIX = ".train.pt"
 """What the training state was before it was sharded: one ``torch.save`` file, still read."""
 
 
+def state_write_path(folder: Path, family: str, revision: int) -> Path:
+    """Where a training state is written before it is renamed to its place (hidden: not a checkpoint)."""
+    from policy.checkpoint import checkpoint_stem
+
+    return folder / f".{checkpoint_stem(family, revision)}.train.tmp{os.getpid()}"
+
+
+def revision_files(folder: Path, family: str) -> list[tuple[int, str, Path]]:
+    """The family's files in a checkpoint folder, by revision and kind: ``checkpoint`` (a ``.pt`` file or an HF
+    folder), ``state`` (a training state), ``writing`` (a checkpoint write never renamed into place) and
+    ``writing-state`` (a training state's; before they named their family, ``.train-r<N>.tmp<pid>``)."""
+    from schemas.policy import family_slug
+
+    stem = re.escape(family_slug(family)) + r"-r(\d{6})"
+    kinds = [("checkpoint", rf"{stem}-[0-9a-f]{{12}}(?:\.pt)?"),
+             ("state", rf"{stem}-[0-9a-f]{{12}}(?:{re.escape(TRAINING_STATE_SUFFIX)}|"
+                       rf"{re.escape(LEGACY_TRAINING_STATE_SUFFIX)})"),
+             ("writing", rf"{stem}\.tmp\d+"),
+             ("writing-state", rf"\.{stem}\.train\.tmp\d+|\.train-r(\d+)\.tmp\d+")]
+    patterns = [(kind, re.compile(p)) for kind, p in kinds]
+    out = []
+    for path in folder.iterdir():
+        for kind, pattern in patterns:
+            if m := pattern.fullmatch(path.name):
+                out.append((int(next(g for g in m.groups() if g is not None)), kind, path))
+                break
+    return out
+
+
 _STATE_WRITER = ThreadPoolExecutor(1, thread_name_prefix="training-state")
 """Training states are written here, one at a time, while the trainer goes on (``ReferenceTrainer``)."""
 
@@ -476,7 +506,7 @@ class ReferenceTrainer:
         another number. In a group each rank writes its own shards: nothing is gathered. Flushed to the disk
         before the commit that names it; removed only after a commit names a newer one (``prune``)."""
         self._wait_for_state()  # one at a time, in order
-        where = (self.training_state_path(ref), self.dir / f".train-r{self.revision}.tmp{os.getpid()}") \
+        where = (self.training_state_path(ref), state_write_path(self.dir, self.family, self.revision)) \
             if ref is not None else None
         if self.group is not None:  # the ranks' writes are one collective: written here, on every rank at once
             where = self.group.agree(where)
@@ -654,15 +684,29 @@ class ReferenceTrainer:
                               objective=self.trained_with.spec.model_dump(mode="json") if batch else None, probe=probe,
                               metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)})
 
-    def prune(self, revision: int, state_revision: int | None) -> None:
-        """After the commit that names ``revision`` and the training state at ``state_revision``: remove the
-        training states this trainer wrote before that one, and (``keep_checkpoints``) its checkpoints older than
-        the newest kept. A take-over needs only what that commit names; nothing newer than it is touched."""
-        for old in [r for r in self.states if state_revision is not None and r < state_revision]:
-            shutil.rmtree(self.training_state_path(self.states.pop(old)), ignore_errors=True)
-        if self.keep_checkpoints:
-            for old in sorted(r for r in self.written if r <= revision)[:-max(2, self.keep_checkpoints)]:
-                self.kind.remove(self.written.pop(old))
+    def prune(self, revision: int, base: int, *, fresh: bool = False) -> None:
+        """After the commit that names ``revision`` and the training state at ``base`` (``fresh``: none yet, the run's
+        first weights at ``base``): remove what no take-over can need any more, whoever wrote it (an earlier life of
+        this trainer, before a restart, an aborted transaction or a rebalance, or a writer killed mid-write). Read
+        from the disk, not from what this trainer wrote, so a take-over does not leave its predecessor's files for
+        ever (1.6 GB a training state for SmolLM2). Removed: training states older than ``base``, unfinished
+        state writes older than it, unfinished checkpoint writes up to ``revision``, and (``keep_checkpoints``)
+        checkpoints older than the newest kept, never revision 0, the fresh base or a LoRA run's base. Nothing newer than the commit is touched (a state being written is
+        named by a later one). Rank 0 alone looks: the folder is the group's. The folder is one run's: two runs of
+        one family sharing a checkpoint folder would prune each other's files."""
+        self.states = {r: ref for r, ref in self.states.items() if r >= base}
+        if self.whole is None or not self.dir.is_dir():
+            return
+        keep_from = revision - max(2, self.keep_checkpoints) + 1 if self.keep_checkpoints else None
+        lora_base = self.kind.location(self.base).resolve() if self.base is not None else None
+        for n, kind, path in revision_files(self.dir, self.family):
+            if kind == "state" and n < base or kind == "writing-state" and n < base or \
+                    kind == "writing" and n <= revision or \
+                    kind == "checkpoint" and keep_from is not None and 0 < n < keep_from and \
+                    not (fresh and n == base) and path.resolve() != lora_base:
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+                self.written = {r: ref for r, ref in self.written.items()
+                                if self.kind.location(ref).resolve() != path.resolve()}
 
 
 def open_trainer(*, ref: CheckpointRef, revision: int, family: str, checkpoint_dir: str, group: Group | None = None,

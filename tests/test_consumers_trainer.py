@@ -296,6 +296,39 @@ def test_nothing_a_take_over_may_need_is_removed_before_the_commit_that_supersed
     assert (tmp_path / "r0").exists() and any((tmp_path / "r0").iterdir())  # never one it did not write
 
 
+def test_an_earlier_lifes_states_checkpoints_and_unfinished_writes_are_pruned_by_the_commit(tmp_path):
+    """A take-over (here a second ``ReferenceTrainer`` on the same folder) finds its predecessor's files: that life's
+    training states, a state it wrote that no commit named, its kept checkpoints, and writes it was killed in
+    (a checkpoint's ``.tmp<pid>``, a state's, in the old and the new naming). Once a commit names revision 6 and the
+    state at 6, only what a take-over from it may need is left: before, ``prune`` removed only what the pruning
+    trainer itself wrote, and all of these stayed for ever."""
+    rev0 = initial_revision("tiny", tmp_path / "ck", seed=0)
+    model = load_checkpoint(rev0.checkpoint)
+    recs = [_record(i, model, list(b"2+2="), list(b"4"), 1.0 if i % 2 else -1.0) for i in range(4)]
+    b = batch_of(recs, rev0)
+    first = ReferenceTrainer(model, "tiny", 0, tmp_path / "ck", keep_checkpoints=2, state_every=2)
+    for _ in range(4):  # the first life: r1..r4, states at r2 and r4; killed before any commit pruned
+        first.step(to_tensors(b), b)
+        first.publish(run_id="run", batch=b)
+    wait_for_training_states()
+    ck = tmp_path / "ck"
+    (ck / "tiny-r000005.tmp4242").write_bytes(b"half a checkpoint")  # killed mid-write
+    (ck / ".train-r3.tmp4242").mkdir()  # a state's write, as named before
+    (ck / ".tiny-r000004.train.tmp4242").mkdir()
+    second = ReferenceTrainer(load_checkpoint(first.written[4]), "tiny", 4, ck, keep_checkpoints=2, state_every=2)
+    assert second.load_training_state(first.written[4])
+    revs = []
+    for _ in range(2):  # the second life: r5, r6 (state at r6), and the commit naming r6 and its state
+        second.step(to_tensors(b), b)
+        revs.append(second.publish(run_id="run", batch=b))
+    wait_for_training_states()
+    second.prune(6, 6)
+    left = sorted(p.name for p in ck.iterdir())
+    want = sorted([Path(rev0.checkpoint.uri).name, *(Path(r.checkpoint.uri).name for r in revs),
+                   Path(revs[-1].checkpoint.uri).name.replace(".pt", TRAINING_STATE_SUFFIX)])
+    assert left == want, left
+
+
 def test_no_training_state_is_written_at_the_runs_last_revision(tmp_path):
     """Nothing trains after the run's last revision (its max_steps), so its state is not written there: states every
     2 revisions over a 4-revision run leave r2's only."""

@@ -96,8 +96,8 @@ class TrainerTask(TaskDefaults):
 
     def committed(self) -> None:
         if self.trainer is not None and self.current:
-            self.trainer.prune(int(self.current["revision"]), None if self.base.get("fresh")
-                               else self.base.get("revision"))
+            base = self.base or {"revision": self.current["revision"]}  # a state from before bases were named
+            self.trainer.prune(int(self.current["revision"]), int(base["revision"]), fresh=bool(base.get("fresh")))
 
     def _open(self, ref: CheckpointRef, revision: int) -> ReferenceTrainer:
         from consumers import distributed
