@@ -64,8 +64,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rubric", action="append", metavar="MODULE:FUNCTION[*WEIGHT]",
                    help="re-score with these reward functions instead of the rollouts' own (repeatable)")
     p.add_argument("--scoring-kind", help="re-score with this verifier kind (consumers.scoring.VERIFIERS)")
-    p.add_argument("--credit", help="credit strategy (default: grpo)")
-    p.add_argument("--batch-records", type=at_least(1), help="records per batch (default: the plan default)")
+    p.add_argument("--credit", help="credit strategy (default: the source run's, when its plan is recorded; else grpo)")
+    p.add_argument("--batch-records", type=at_least(1),
+                   help="records per batch (default: the source run's batch size, when its plan is recorded; else the "
+                        "batcher's)")
     p.add_argument("--max-off-policy-steps", type=at_least(0), default=DEFAULT_MAX_LAG,
                    help=f"refuse records whose generating revision is further than this from the target revision "
                         f"(default {DEFAULT_MAX_LAG})")
@@ -206,20 +208,42 @@ def _span(revs: list[int]) -> str:
     return "none" if not revs else f"r{revs[0]}" if len(revs) == 1 else f"r{revs[0]}..r{revs[-1]}"
 
 
-def recorded_lr(revisions: list[Any]) -> float | None:
-    """The learning rate the source run trained at, as its revision 0's plan records it (None: not recorded)."""
-    plan = next((rev.plan for rev in revisions if rev.revision == 0 and rev.plan), None)
-    return ((plan or {}).get("trainer") or {}).get("lr")
+# what a derived run trains with as its source did, unless a flag says otherwise: the rest of a recorded plan is the
+# source's generation (its model, environments, run length, LoRA), which a derived run does not repeat
+TRAINING_SETTINGS = ("credit", "credit_params", "batch_records", "batch_tokens", "lr", "weight_decay", "optimizer")
 
 
-def evaluation_plan(revisions: list[Any], recipe: str | None):
-    """The plan the derived run is evaluated by (``rollout.derived_evaluation.plan_for``); None, said in one line,
-    when there is none."""
-    from rollout.derived_evaluation import NoPlan, plan_for
+def training_settings(revisions: list[Any], *, credit: str | None = None, batch_records: int | None = None,
+                      lr: float | None = None) -> dict[str, Any]:
+    """A derived run's training settings: the flags given, else the source run's as its revision 0's plan records
+    them (``TRAINING_SETTINGS``), else the services' defaults (left out). Another credit strategy drops the source's
+    parameters; a batch size in records replaces a token budget. Epochs are not recorded (``rollout rl --epochs``):
+    the trainer's default."""
+    from consumers.settings import plan_values
+    from schemas.plan import GenerationPlan
+
+    raw = next((rev.plan for rev in revisions if rev.revision == 0 and rev.plan), None)
+    values = plan_values(GenerationPlan.model_validate(raw), credit=False) if raw is not None else {}
+    out = {k: values[k] for k in TRAINING_SETTINGS if values.get(k) is not None}
+    if credit is not None and credit != out.get("credit"):
+        out.pop("credit_params", None)
+        out["credit"] = credit
+    if batch_records is not None:
+        out.pop("batch_tokens", None)
+        out["batch_records"] = batch_records
+    if lr is not None:
+        out["lr"] = lr
+    return out
+
+
+def evaluation_plan(revisions: list[Any], recipe: str | None, fork: int):
+    """The plan the derived run is evaluated by (``rollout.derived_evaluation.plan_for``), as its server is started
+    for it (``server_plan``); None, said in one line, when there is none."""
+    from rollout.derived_evaluation import NoPlan, plan_for, server_plan
     from schemas.plan import PlanError
 
     try:
-        return plan_for(revisions, recipe)
+        return server_plan(plan_for(revisions, recipe), revisions, fork)
     except NoPlan as e:
         print(f"not evaluated: {e}; give --plan RECIPE to evaluate on its held-out questions", file=sys.stderr)
     except PlanError as e:
@@ -272,16 +296,18 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
     lo, hi = _revision_range(args.revisions)
     rescore = rescore_of(args.rubric, args.scoring_kind)
     gates = gates_of(args.gate)
-    try:
-        check_gates(args.credit or service_settings.ServiceSettings.model_fields["credit"].default, gates)
-    except ValueError as e:
-        raise DeriveError(f"--gate: {e}") from None
     run_id = args.run_id or f"derive-{uuid.uuid4().hex[:8]}"
     kw = kafka.client_kwargs()
     source_prefix = await find_source(kafka, args.source)
     pairs = await source_revisions(kw, source_prefix, args.source)
     source, where, checkpoint = fork_revision(pairs, args.source, args.fork, args.fork_checkpoint)
-    plan = None if args.no_evaluate else evaluation_plan([rev for _, rev in pairs], args.plan)
+    flags = training_settings([rev for _, rev in pairs], credit=args.credit, batch_records=args.batch_records,
+                              lr=args.lr)
+    try:
+        check_gates(flags.get("credit", service_settings.ServiceSettings.model_fields["credit"].default), gates)
+    except ValueError as e:
+        raise DeriveError(f"--gate: {e}") from None
+    plan = None if args.no_evaluate else evaluation_plan([rev for _, rev in pairs], args.plan, args.fork)
     family = f"{source.family}.{run_id}"
     derivation = Derivation(run_id=run_id, source_run_id=args.source, source_prefix=source_prefix, fork=source.ref(),
                             from_revision=lo, to_revision=hi, since=args.since, until=args.until, rescore=rescore)
@@ -291,16 +317,13 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
                "max_off_policy_steps": args.max_off_policy_steps, "flush_after_s": args.flush_after_s,
                **({"gates": [[g.reject_min, g.reject_max] for g in gates]} if gates else {})}
     resumed = await publish_fork(kw, family, derivation, source, where, checkpoint, shaping)
-    # the learning rate: the flag, else the source run's (its recorded plan's), else the trainer's
-    lr = args.lr if args.lr is not None else recorded_lr([rev for _, rev in pairs])
-    flags = {k: v for k, v in (("credit", args.credit), ("batch_records", args.batch_records), ("lr", lr))
-             if v is not None}
     cfg = service_settings.build(flags, family=family, derivation=derivation, flush_after_s=args.flush_after_s,
                                  max_off_policy_steps=args.max_off_policy_steps, group_timeout_s=args.group_timeout_s,
                                  admission_gates=gates,
                                  checkpoint_dir=args.checkpoint_dir or str(Path(".state/derived") / run_id))
     print(f"derived run {run_id}: from run {args.source} (topics {source_prefix}*), training {family} from "
-          f"{source.family}@r{source.revision} at lr {cfg.lr:g}", file=sys.stderr)
+          f"{source.family}@r{source.revision} at lr {cfg.lr:g}, credit {cfg.credit}, batches of "
+          f"{cfg.batch_records or cfg.batch_tokens} {'records' if cfg.batch_records else 'tokens'}", file=sys.stderr)
     print(f"history rule: {derivation.rule().importance} (clip {derivation.rule().clip:g}) against the recorded "
           f"logprobs; at most {HISTORY_AHEAD} batches ahead of the trainer; records more than {cfg.max_off_policy_steps} revisions from the "
           f"target refused",
@@ -315,7 +338,7 @@ async def run_derived(args: argparse.Namespace, kafka: Any) -> dict[str, Any]:
             # resumed: from the newest revision on (those before were answered in an earlier life)
             first = await newest_revision(kw, family) if resumed else source.revision
             arena = await stack.enter_async_context(evaluating(
-                plan, family, first, [rev for _, rev in pairs], kw, run_id, Path(cfg.checkpoint_dir)))
+                plan, family, first, kw, run_id, Path(cfg.checkpoint_dir), [rev for _, rev in pairs]))
             print(f"evaluation: {plan.source}'s held-out questions, revision {first} and every "
                   f"{plan.eval_interval} after, and the last", file=sys.stderr)
         last, still = None, time.monotonic()

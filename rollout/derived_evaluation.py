@@ -53,11 +53,26 @@ def served_folder(source_revisions: list[PolicyRevision]) -> Path:
     return folder
 
 
+def server_plan(plan: GenerationPlan, source_revisions: list[PolicyRevision], fork: int) -> GenerationPlan:
+    """The plan the evaluation's server is started for: it answers to the source's model name, as its requests name
+    it. A derived run trains every weight (its revisions are whole checkpoints: an adapter it starts from is merged),
+    so it serves no LoRA adapter, unless its fork is one (a LoRA source that served adapters, ``--fork`` >= 1): then
+    the server serves that adapter first and loads the derived revisions' whole weights after it."""
+    at_fork = next((rev.checkpoint for rev in source_revisions if rev.revision == fork and rev.checkpoint), None)
+    if at_fork is None or not at_fork.adapter:
+        return plan.model_copy(update={"lora": None})
+    if plan.lora is None:
+        raise NoPlan(f"the fork r{fork} is a LoRA adapter and the evaluation's plan has no [trainer.model.lora] to "
+                     "serve it under (give --plan the source's recipe)")
+    return plan
+
+
 @asynccontextmanager
-async def evaluating(plan: GenerationPlan, family: str, fork: int, source_revisions: list[PolicyRevision],
-                     kw: dict[str, Any], run_id: str, log_dir: Path) -> AsyncIterator[Any]:
-    """An arena answering ``plan``'s held-out questions with each revision of ``family`` (from ``fork`` on) due at
-    the plan's cadence; ``evaluate_last`` it with the run's last revision."""
+async def evaluating(plan: GenerationPlan, family: str, first: int, kw: dict[str, Any], run_id: str, log_dir: Path,
+                     source_revisions: list[PolicyRevision]) -> AsyncIterator[Any]:
+    """An arena answering ``plan``'s held-out questions (its server started for ``plan``: ``server_plan``) with each
+    revision of ``family`` (from ``first`` on: the fork, or where a resumed run left off) due at the plan's
+    cadence; ``evaluate_last`` it with the run's last revision."""
     from producers.arena import Arena
     from producers.emitter import KafkaEmitter
     from producers.environment import environment_from_spec
@@ -66,9 +81,7 @@ async def evaluating(plan: GenerationPlan, family: str, fork: int, source_revisi
     from streams.revisions import RevisionFollower
 
     require_runnable(plan)
-    # the server answers to the source's model name, as its requests name it; a derived run trains every weight
-    # (its revisions are whole checkpoints, never adapters), so its server serves no LoRA adapter
-    served = plan.model_copy(update={"lora": None})
+    served = plan
     plan = served.model_copy(update={"family": family})  # the derived chain's revisions, under the learner's name
     environments = {s.display_name: environment_from_spec(s) for s in plan.environments}
     eval_environments = [(s, environment_from_spec(s)) for s in plan.eval_environments]
@@ -94,10 +107,10 @@ async def evaluating(plan: GenerationPlan, family: str, fork: int, source_revisi
             await vllm.start()
             stack.push_async_callback(vllm.stop)
             print(f"evaluation: vLLM ready in {time.monotonic() - t0:.0f}s (log {log_dir / 'vllm.log'})", flush=True)
-            url, weights, options = vllm.base_url, VllmWeights, dict(CPU_CLIENT_OPTIONS)
+            url, weights, options = vllm.base_url, VllmWeights.for_plan(served), dict(CPU_CLIENT_OPTIONS)
         arena_id = f"{run_id}-eval"
         arena = Arena(plan, environments, eval_environments=eval_environments,
                       emitter=KafkaEmitter(kw, f"arena-{arena_id}"), policy_base_url=url, run_id=run_id,
-                      revisions=RevisionFollower(kw, family), weights=weights, evaluate=True, base_revision=fork,
+                      revisions=RevisionFollower(kw, family), weights=weights, evaluate=True, base_revision=first,
                       client_options=options, arena_id=arena_id, producer_name=f"arena-{arena_id}")
         yield await stack.enter_async_context(arena)

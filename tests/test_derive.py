@@ -383,3 +383,47 @@ def test_a_resumed_derived_run_that_leaves_off_a_flag_it_started_with_is_refused
         == ["lr", "rescore"]
     unrecorded = {"run_id": "d", "rescore": None}  # started before flags were recorded: its derivation alone
     assert changed_settings(unrecorded, {"run_id": "d", "rescore": None, "flags": {**flags, "lr": 0.5}}) == []
+
+
+def test_a_derived_run_forked_from_an_adapter_is_evaluated_on_a_server_that_serves_adapters():
+    """A LoRA source that served adapters: its revisions from r1 on are adapters alone. A derived run forked at r1
+    starts its evaluation there, so its server is started with LoRA (``VllmServer.for_plan``: ``--enable-lora``);
+    before, it was started without, refused the fork's adapter, and ``derive`` failed after training. Forked at r0
+    (whole weights) it serves no adapter, as a derived run's own revisions are whole; a plan without LoRA cannot
+    serve the adapter fork, and says so instead of failing later."""
+    from rollout.derived_evaluation import NoPlan, server_plan
+    from schemas.plan_compiler import compile_plan
+    from schemas.policy import ADAPTER_WEIGHTS, CheckpointRef
+
+    plan = compile_plan(ROOT / "examples/plans/arithmetic-smollm2-lora.toml")
+    assert plan.lora is not None and plan.lora.serving == "adapter"
+
+    def revision(n: int, weights: str) -> PolicyRevision:
+        return PolicyRevision(run_id="src", producer="trainer", family=plan.family, revision=n, checkpoint=CheckpointRef(
+            uri=f"file:///ck/r{n}/{weights}", digest=f"{n:064x}"))
+
+    source = [revision(0, "model.safetensors"), revision(1, ADAPTER_WEIGHTS), revision(2, ADAPTER_WEIGHTS)]
+    assert server_plan(plan, source, 1).lora == plan.lora
+    assert server_plan(plan, source, 0).lora is None
+    with pytest.raises(NoPlan, match="LoRA adapter"):
+        server_plan(plan.model_copy(update={"lora": None}), source, 2)
+
+
+def test_a_derived_run_trains_with_its_sources_recorded_credit_batch_size_and_lr_unless_told_otherwise(tmp_path):
+    """Before, a derived run took grpo, the batcher's batch size and the trainer's optimizer whatever its source ran
+    with: re-training a reinforce_baseline run with batches of 24 trained grpo on batches of the default size."""
+    from rollout.derive_cmd import training_settings
+    from schemas.plan_compiler import compile_plan
+
+    recipe = tmp_path / "source.toml"
+    recipe.write_text(TINY_EVAL_RECIPE.replace('type = "grpo"', 'type = "reinforce_baseline"\nalpha = 0.5')
+                      .replace("batch_size = 16", "batch_size = 24") + "\n[trainer.optim]\nlr = 3e-4\n")
+    plan = compile_plan(str(recipe))
+    source = [PolicyRevision(run_id="src", producer="trainer", family=plan.family, revision=0,
+                             plan=plan.model_dump(mode="json"))]
+    got = training_settings(source)
+    assert (got["credit"], got["batch_records"], got["lr"]) == ("reinforce_baseline", 24, 3e-4)
+    assert got["credit_params"]["alpha"] == 0.5
+    told = training_settings(source, credit="grpo", batch_records=8, lr=1e-3)
+    assert (told["credit"], told["batch_records"], told["lr"]) == ("grpo", 8, 1e-3) and "credit_params" not in told
+    assert training_settings([]) == {}  # nothing recorded: the services' defaults

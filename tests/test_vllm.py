@@ -202,6 +202,20 @@ async def test_an_adapter_revision_is_loaded_as_prime_rl_loads_it_and_every_step
         adapter = {m["id"]: m for m in served}.get("r16-a32.0")  # the server lists the adapter under the plan's name
         assert adapter is not None, served
         assert Path(adapter["root"]).resolve() == checkpoint_folder(rev1.checkpoint).resolve()
+        # then whole weights, as a derived run forked from the adapter trains them (``server_plan``): reloaded into
+        # the LoRA server and served under the base's name, as they are and not as the base
+        ids = _template_ids(_tokenizer(), [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "1"}])
+        rev2 = _noisy_revision(tmp_path, load_model(prepare_model().checkpoint), 2, ids)
+        async with httpx.AsyncClient() as http:
+            figures = await VllmWeights.for_plan(plan)(server.base_url).load(http, rev2)
+            whole = await _served_prompt_logprobs(http, server.base_url, ids)
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            near, far = ((whole - token_logprobs(load_model(r.checkpoint), x, torch.ones_like(x))[0]).abs().mean()
+                         for r in (rev2, rev0))
+        print(f"whole weights after an adapter: probe {figures.get('probe_dlogp')}, mean |dlogp| under r2 {near:.4f}, "
+              f"under r0 {far:.4f}")
+        assert not figures["inexact"] and near < far, (figures, near, far)
     assert stats.failed == 0 and arena.current_policy.revision == 1 and len(arena.reload_s) == 2
     steps = [e for *_, e in await read_all(kw, pipeline_topics[0], expect=48)]
     assert len(steps) == 48 and all(s.policy_exact for s in steps)
