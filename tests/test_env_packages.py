@@ -245,3 +245,25 @@ def test_an_endless_taskset_that_does_not_say_so_is_drawn_lazily_not_read_for_ev
     assert "does not declare itself endless (Taskset.INFINITE) but has more than 50 tasks" in caplog.text
     finite = verifiers_v1.verifiers_v1_environment(env, name="rlt-tally-duel", version="0", num_tasks=20)
     assert isinstance(finite.dataset, list) and len(finite.dataset) == 20  # a bounded view: read whole, as before
+
+
+async def test_sum_quiz_reward_faults_raise_and_hang_on_their_fraction_of_calls():
+    """The chaos benchmark's faults: at rate 1 every reward call raises, or never returns; the rates reach the
+    tasks through the config's wire form, as reward_bug does."""
+    import asyncio
+
+    for key in ("reward_error_rate", "reward_hang_rate"):
+        cfg = resolve_env_config({"taskset": {"id": "rlt-sum-quiz", "split": "test", key: 1.0}})
+        assert getattr(resolve_env_config(cfg.model_dump(mode="json")).taskset.task, key) == 1.0
+        task = list(load_environment(cfg).taskset)[0]
+        trace = quiz_trace(task, str(task.data.answer))
+        if key == "reward_error_rate":
+            with pytest.raises(vf.TaskError, match="reward_error_rate"):
+                await task.score(trace)
+        else:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(task.score(trace), 0.5)
+    clean = list(load_environment(resolve_env_config({"taskset": {"id": "rlt-sum-quiz", "split": "test"}})).taskset)[0]
+    trace = quiz_trace(clean, str(clean.data.answer))
+    await clean.score(trace)
+    assert trace.rewards["exact_answer"].score == 1.0

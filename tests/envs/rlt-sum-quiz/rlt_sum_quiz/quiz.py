@@ -7,15 +7,19 @@
 
 The one reward, `exact_answer`, is 1.0 when the last integer in the reply equals
 the answer, else 0.0. `reward_bug = true` makes it raise on purpose — to test how
-a raising reward function is handled downstream.
+a raising reward function is handled downstream; `reward_error_rate` makes it raise
+on that fraction of calls, and `reward_hang_rate` makes it wait for ever on that
+fraction (as a hung tool or sandbox would), for chaos runs.
 """
 
+import asyncio
 import json
+import random
 import re
 from importlib import resources
 from importlib.resources.abc import Traversable
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 import verifiers.v1 as vf
 
@@ -65,6 +69,10 @@ class SumQuizData(vf.TaskData):
 class SumQuizTaskConfig(vf.TaskConfig):
     reward_bug: bool = False
     """Make `exact_answer` raise (set through the taskset's `reward_bug`)."""
+    reward_error_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """The fraction of `exact_answer` calls that raise."""
+    reward_hang_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """The fraction of `exact_answer` calls that never return."""
 
 
 class SumQuizTask(vf.Task[SumQuizData, vf.State, SumQuizTaskConfig]):
@@ -79,6 +87,11 @@ class SumQuizTask(vf.Task[SumQuizData, vf.State, SumQuizTaskConfig]):
                 f"{DATASET}: reward_bug is set, so exact_answer raises on purpose "
                 f"(task {self.data.id})"
             )
+        draw = random.random()
+        if draw < self.config.reward_error_rate:
+            raise ValueError(f"{DATASET}: exact_answer raised on purpose (reward_error_rate, task {self.data.id})")
+        if draw > 1.0 - self.config.reward_hang_rate:
+            await asyncio.Event().wait()  # never set: hangs as a wedged tool would
         return 1.0 if last_int(trace.last_reply) == self.data.answer else 0.0
 
 
@@ -87,14 +100,20 @@ class SumQuizTasksetConfig(vf.TasksetConfig):
     """Which `data/<split>.jsonl` to load: `train` or `test`."""
     reward_bug: bool = False
     """Make the reward function raise (copied onto `task.reward_bug`)."""
+    reward_error_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """The fraction of reward calls that raise (copied onto the task's config)."""
+    reward_hang_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """The fraction of reward calls that never return (copied onto the task's config)."""
     task: SumQuizTaskConfig = SumQuizTaskConfig()
 
     @model_validator(mode="after")
-    def _reward_bug_reaches_tasks(self) -> "SumQuizTasksetConfig":
+    def _reward_faults_reach_tasks(self) -> "SumQuizTasksetConfig":
         # The task reads its own config (an env server rebuilds tasks from
-        # `taskset.task`), so the taskset-level flag is carried there.
-        if self.reward_bug and not self.task.reward_bug:
-            self.task = self.task.model_copy(update={"reward_bug": True})
+        # `taskset.task`), so the taskset-level settings are carried there.
+        update = {k: getattr(self, k) for k in ("reward_bug", "reward_error_rate", "reward_hang_rate")
+                  if getattr(self, k) and not getattr(self.task, k)}
+        if update:
+            self.task = self.task.model_copy(update=update)
         return self
 
 
