@@ -6,7 +6,8 @@ admissions ledger (``streams.admissions``): a batch waits for the admitted group
 batch for every admitted group (``AdmissionBook.coming``), less those whose records came (``arrived``, by group).
 A group strategy (grpo) credits a group in one transaction, so its first record means the whole group came; a
 per-rollout one (per_step, reinforce_baseline, ema_per_member) emits each rollout as it is scored, so a group has
-come once records of all its claim's rollouts have.
+come once records of all its claim's rollouts have (a rollout that yields none, a failed one, keeps its group owed
+until the ledger settles the claim: done ``flush_after_s`` ago).
 """
 
 from __future__ import annotations
