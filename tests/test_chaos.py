@@ -21,8 +21,9 @@ pytestmark = pytest.mark.integration
 
 def test_the_loop_under_chaos_loses_nothing_and_doubles_nothing(kafka_bootstrap):
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
-    out = subprocess.run([sys.executable, "-m", "benchmarks", "chaos", "--quick", "--reward-hang-rate", "0.1",
-                          "--rollout-timeout", "8"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "chaos", "--quick", "--max-steps", "5", "--kill-every",
+                          "3", "6", "--reward-hang-rate", "0.1", "--rollout-timeout", "8"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"\n[chaos] {json.dumps(figures)}")

@@ -44,10 +44,10 @@ from tests.test_eos_pipeline import group_record_ids, read_all, seed_groups
 
 pytestmark = pytest.mark.integration
 
-GROUPS, PER_CHUNK = 300, 10  # 1,200 rollouts (4 per group), written 40 at a time: 60 s of input
+GROUPS, PER_CHUNK = 240, 10  # 960 rollouts (4 per group), written 40 at a time: 48 s of input
 CHUNK_EVERY_S = 2.0  # 20 rollouts/s: below what the pipeline does here, so a backlog builds only in a fault
 FAULT_AT_CHUNK = 10  # and once the pipeline keeps up (its backlog this small): the fault hits it in its stride,
-# 20 s in, and a broker is back (12 s down, then its start) while input still flows
+# 20 s in, and a broker is back (12 s down, then its start: about 35 s in) while input still flows
 STEADY_BACKLOG = 3 * 40
 RESULTS: list[str] = []
 
