@@ -372,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-mb", type=int, help="the checkpoint tmpfs's size (default 64 tiny, 6144 smollm2)")
     p.add_argument("--reward-error-rate", type=float, default=0.05)
     p.add_argument("--reward-hang-rate", type=float, default=0.03)
-    p.add_argument("--rollout-timeout", type=float, default=15.0, help="the arena's --rollout-timeout (default 15)")
+    p.add_argument("--rollout-timeout", type=float,
+                   help="the arena's --rollout-timeout (default 15 tiny; 120 smollm2, whose rollouts queue behind "
+                        "two vLLMs and a trainer on the machine's cores)")
     p.add_argument("--timeout", type=float, help="give up after this many seconds (default 900 quick, 3600)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -381,8 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.kill_every = tuple(args.kill_every or ((4.0, 10.0) if args.quick else (15.0, 40.0)))
     args.timeout = args.timeout or (900.0 if args.quick else 3600.0)
+    args.rollout_timeout = args.rollout_timeout or (15.0 if args.model == "tiny" else 120.0)
     from benchmarks._shared import kafka_for, report
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: its processes stopped, its tmpfs unmounted
     settings = kafka_for("chaos")
     return report(lambda a: run(a, settings), args)
 
