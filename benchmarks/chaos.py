@@ -169,6 +169,7 @@ async def _drained(kw: dict, cfg: Any, services: list[str]) -> bool:
 async def run(args: argparse.Namespace, settings) -> dict:
     from consumers import settings as service_settings
     from consumers.trainer import initial_revision, revision_files
+    from policy.checkpoint import checkpoint_path
     from replay.audit import run_audit
     from replay.ingest import Replayer
     from schemas.plan_compiler import compile_plan
@@ -210,8 +211,6 @@ async def run(args: argparse.Namespace, settings) -> dict:
         for i in range(args.pool):
             port = free_port()
             urls.append(f"http://127.0.0.1:{port}/v1")
-            from policy.checkpoint import checkpoint_path
-
             server = ["serve", "policy", "--port", str(port), "--checkpoint", str(checkpoint_path(rev0.checkpoint)),
                       "--metrics-port", "0"] if tiny else \
                 ["serve", "vllm", "--port", str(port), "--max-model-len", "512", "--metrics-port", "0"]
