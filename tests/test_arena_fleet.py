@@ -105,9 +105,17 @@ async def run_fleet(kafka_settings, prefix: str, tmp_path: Path, *, arenas: int,
             ledger = KafkaLedger(kw)  # watched as the arenas fold it: a claim is open for a moment only
             await ledger.start()
             try:
-                while not _mid_group(ledger.book, "arena0", kill_after):
-                    assert procs[0].returncode is None, (await procs[0].communicate())[0].decode()[-3000:]
-                    await ledger.wait(0.01)
+                while True:  # frozen mid-group, then killed: a group it closes in the meantime does not count
+                    while not _mid_group(ledger.book, "arena0", kill_after):
+                        assert procs[0].returncode is None, (await procs[0].communicate())[0].decode()[-3000:]
+                        await ledger.wait(0.01)
+                    procs[0].send_signal(signal.SIGSTOP)
+                    settled = time.monotonic() + 1.0  # what it had sent before the stop lands in the ledger
+                    while time.monotonic() < settled:
+                        await ledger.wait(0.2)
+                    if _mid_group(ledger.book, "arena0", kill_after):
+                        break
+                    procs[0].send_signal(signal.SIGCONT)
             finally:
                 await ledger.stop()
             procs[0].send_signal(signal.SIGKILL)
