@@ -53,7 +53,7 @@ class Profile:
 
 PROFILES = {
     "vllm": Profile(str(ROOT / "examples" / "plans" / "arithmetic-smollm2.toml"), groups=96, lr=2e-5, epochs=1),
-    "tiny": Profile(str(ROOT / "examples" / "plans" / "arithmetic.toml"), groups=192, lr=2e-2, epochs=4),
+    "tiny": Profile(str(ROOT / "examples" / "plans" / "arithmetic.toml"), groups=192, lr=1e-2, epochs=4),
 }
 
 
