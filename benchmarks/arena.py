@@ -28,9 +28,9 @@ from benchmarks._shared import kafka_for, report
 
 
 def _env(tokens: int, n: int = 64):
-    from producers.dataset import Example
-    from producers.environment_types import Environment
-    from producers.episodes import SingleTurnEpisode
+    from producers.environments.dataset import Example
+    from producers.environments.types import Environment
+    from producers.environments.episodes import SingleTurnEpisode
     from schemas.scoring import ScoringSpec
 
     filler = "0123456789abcdefghijklmnopqrstuvwxyz "
@@ -42,8 +42,8 @@ def _env(tokens: int, n: int = 64):
 
 async def _arena_run(settings, plan, url: str, groups: int, tokens: int, concurrency: int, per_txn: int,
                      collect: bool = False) -> tuple[dict, list]:
-    from producers.arena import Arena
-    from producers.emitter import EmitterStats, KafkaEmitter, MemoryEmitter
+    from producers.arena.arena import Arena
+    from producers.arena.emitter import EmitterStats, KafkaEmitter, MemoryEmitter
 
     if per_txn == 0:  # no Kafka: episodes kept in memory (the arena + HTTP + episode cost alone)
         emitter = MemoryEmitter()
@@ -95,9 +95,9 @@ async def _raw(settings, messages: list) -> dict:
 async def run(args) -> dict:
     settings = kafka_for("arena")
     from policy import PolicyModel
-    from producers.echo_server import EchoServer
-    from producers.emitter import messages_for
-    from producers.policy_server import PolicyServer
+    from producers.inference.echo_server import EchoServer
+    from producers.arena.emitter import messages_for
+    from producers.inference.policy_server import PolicyServer
     from schemas.plan_compiler import compile_plan
     from streams import serde, topics
 

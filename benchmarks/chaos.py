@@ -82,7 +82,7 @@ class Proc:
         self.done = False  # exited 0 on its own, for good (the arena at the run's end)
 
     def start(self) -> None:
-        from producers.children import die_with_parent
+        from producers.inference.children import die_with_parent
 
         out = open(self.log, "ab")
         try:

@@ -5,7 +5,7 @@
 The recipe's first training source (an installed verifiers package, found by id: by default the endless two-seat
 game `rlt-tally-duel` of tests/envs) runs through the arena's own path (``environment_from_spec``: the seeded
 ``TaskStream`` shuffle buffer, verifiers' ``run_episode``, the capture harness) against an instant scripted
-endpoint (``producers.echo_server.ScriptedServer``: no model, so memory is the arena's and the taskset's).
+endpoint (``producers.inference.echo_server.ScriptedServer``: no model, so memory is the arena's and the taskset's).
 Episodes go to an emitter that counts and drops them (no Kafka: a kept log would be the memory measured).
 Baseline in the same run: the process with verifiers imported, before the environment is loaded; Python's heap is
 traced (tracemalloc) from then on with ``--trace-heap`` (off by default: it slows the run ~3x). Ends with one JSON
@@ -34,10 +34,10 @@ def _rss_mb() -> float:
 
 
 async def _run(recipe: Path, rollouts: int, every: int, concurrency: int, trace_heap: bool) -> dict:
-    from producers.arena import Arena
-    from producers.echo_server import ScriptedServer
-    from producers.emitter import Emitter, EmitterStats
-    from producers.environment import environment_from_spec
+    from producers.arena.arena import Arena
+    from producers.inference.echo_server import ScriptedServer
+    from producers.arena.emitter import Emitter, EmitterStats
+    from producers.environments.loader import environment_from_spec
     from schemas.plan_compiler import compile_plan
 
     class Dropping(Emitter):

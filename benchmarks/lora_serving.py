@@ -112,7 +112,7 @@ async def _wave(url: str, pid: int, model: str, prompts: list[str], body: dict, 
 
 
 async def _server(plan, path: Path) -> tuple[object, dict]:
-    from producers.vllm_server import VllmServer
+    from producers.inference.vllm_server import VllmServer
     from streams.local_broker import free_port
 
     server = VllmServer.for_plan(plan, path, port=free_port(), max_model_len=512, kv_cache_gb=0.5)
@@ -128,7 +128,7 @@ async def run(args) -> dict:
     import httpx
 
     from policy.hf import FAMILY, checkpoint_folder, prepare_model
-    from producers.weights import VllmWeights
+    from producers.inference.weights import VllmWeights
     from schemas.plan_compiler import compile_plan
 
     out: dict = {"cpus": os.cpu_count(), "requests": args.requests, "concurrency": args.concurrency,

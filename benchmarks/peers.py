@@ -5,7 +5,7 @@
 
 One job, both sides (issue 27): the demo's plan (``examples/plans/arithmetic-smollm2.toml`` through
 ``rollout.demo.PROFILES["vllm"]``) on the packaged SmolLM2-135M-Instruct; the arithmetic task and its
-held-out set from the plan's environment (``producers.environment.environment_from_spec``: one generator, the
+held-out set from the plan's environment (``producers.environments.loader.environment_from_spec``: one generator, the
 same 2,000 training and 48 held-out questions); exact-answer reward (``consumers.scoring.extract``, what the
 ExactMatch verifier runs); group size, records per step, learning rate, clip, epochs, max tokens, temperature,
 steps and the evaluation cadence from ``job()`` (the plan, the demo's profile, the reference trainer's defaults).
@@ -169,7 +169,7 @@ def exact_reward(text: str, answer: str) -> float:
 
 def task(plan: str) -> tuple[str | None, list[tuple[str, str]], list[tuple[str, str]]]:
     """(system prompt, training (question, answer)s, held-out (question, answer)s) of the plan's one environment."""
-    from producers.environment import environment_from_spec
+    from producers.environments.loader import environment_from_spec
     from schemas.plan_compiler import compile_plan
 
     specs = compile_plan(plan).environments

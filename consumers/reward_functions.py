@@ -12,8 +12,17 @@ import math
 from typing import Any, Callable, Mapping
 
 
+# Modules the log's scoring specs may name that have moved since (2026-12-05: producers split into rooms). A spec
+# is part of an immutable event, so a run written before a move is still scored, derived and replayed.
+MOVED_MODULES = {"producers.examples.": "producers.environments.examples.",
+                 "producers.verifiers_v1:": "producers.environments.verifiers_v1:"}
+
+
 def load_func(path: str) -> Callable[..., Any]:
     """The object ``path`` names: ``"module:attr"``, the attribute a dotted path inside the module."""
+    for old, new in MOVED_MODULES.items():
+        if path.startswith(old):
+            path = new + path[len(old):]
     mod, _, attr = path.partition(":")
     obj: Any = importlib.import_module(mod)
     for part in attr.split("."):

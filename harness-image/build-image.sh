@@ -6,7 +6,7 @@
 #      rollout-log/vf-harness:local: python3, the host's CA bundle, the venv's uv, verifiers' chat program with its
 #      dependencies synced (from PyPI, through uv, at build time only).
 # A seat whose runtime is `docker` with verifiers' default image runs in rollout-log/vf-harness:local
-# (producers/verifiers_loader.py, which checks the image's rollout-log.chat-program label against the chat program
+# (producers/environments/verifiers_loader.py, which checks the image's rollout-log.chat-program label against the chat program
 # of the verifiers it runs). Skips the build when an image with the same inputs exists.
 # Env: ROLLOUT_PYTHON (default .venv/bin/python: the verifiers and uv the pipeline runs), ROLLOUT_IMAGE_REBUILD=1,
 # and those of scripts/debian-base-image.sh.

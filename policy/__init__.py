@@ -1,6 +1,6 @@
 """The small local torch language model and its checkpoints.
 
-Used by the producers' local policy server (``producers.policy_server``) and the consumers'
+Used by the producers' local policy server (``producers.inference.policy_server``) and the consumers'
 reference trainer. Depends on ``schemas`` only.
 
     from policy import ByteTokenizer, PolicyModel, generate, token_logprobs, save_checkpoint, load_checkpoint

@@ -47,7 +47,7 @@ class PreparedModel:
 
 
 def model_dir() -> Path:
-    from streams.local_broker import cache_dir
+    from schemas.cache import cache_dir
 
     return Path(os.environ.get("ROLLOUT_MODEL_DIR") or cache_dir() / "models" / FAMILY)
 

@@ -15,7 +15,7 @@ The learner target (a plan's learner has no base_url) is served by ``--policy``:
 Topics are created if missing. ``--follow-revisions`` follows the policy-revisions topic: each new revision's
 checkpoint is loaded into the server without a restart (calls in flight drain first, so every Step names the
 revision that produced all of its tokens) and paces admission. Every arena of a run, on any machine, paces
-against the one admissions ledger on the log (``producers/arena.py``, "Admission pacing"): start as many as
+against the one admissions ledger on the log (``producers/arena/arena.py``, "Admission pacing"): start as many as
 there are inference servers, all with the run's ``--run-id``, each with its own ``--arena-id`` (its identity:
 restarting one under the same id gives back what its killed predecessor had claimed at once, a new id after
 ``--admission-lease-s``). ``--policy-url`` may name several servers (repeated or comma-separated): one arena
@@ -34,7 +34,7 @@ import asyncio
 import signal
 import sys
 
-from producers.limits import ADMISSION_LEASE_S, ROLLOUT_TIMEOUT_S
+from producers.arena.limits import ADMISSION_LEASE_S, ROLLOUT_TIMEOUT_S
 from rollout.argtypes import at_least
 
 
@@ -111,13 +111,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 async def _main(args: argparse.Namespace) -> int:
     import json
 
-    from producers.arena import Arena, RunFailing
-    from producers.pacer import default_arena_id
+    from producers.arena.arena import Arena, RunFailing
+    from producers.arena.pacer import default_arena_id
     from streams.admissions import KafkaLedger
     from streams.revisions import RevisionFollower
-    from producers.emitter import KafkaEmitter
+    from producers.arena.emitter import KafkaEmitter
     from schemas.envelope import new_id
-    from producers.environment import environment_from_spec
+    from producers.environments.loader import environment_from_spec
     from schemas.plan import require_runnable
     from schemas.plan_compiler import compile_plan
     from streams import topics
@@ -148,12 +148,12 @@ async def _main(args: argparse.Namespace) -> int:
     weights: object = "auto"
     client_options: dict = {}
     if args.policy == "vllm":
-        from producers.weights import VllmWeights
+        from producers.inference.weights import VllmWeights
 
         if not urls and not plan.learner.base_urls:
             from policy.hf import ModelUnavailable
             from policy.served import served_model
-            from producers.vllm_server import VllmServer
+            from producers.inference.vllm_server import VllmServer
             from rollout.demo import context_length
 
             try:
@@ -172,13 +172,13 @@ async def _main(args: argparse.Namespace) -> int:
             print(f"vLLM: {vllm.base_url} serving {plan.family}", flush=True)
         weights = VllmWeights.for_plan(plan)  # one per server of the learner's pool
         if args.cpu_vllm:
-            from producers.vllm_server import CPU_CLIENT_OPTIONS
+            from producers.inference.vllm_server import CPU_CLIENT_OPTIONS
 
             client_options = dict(CPU_CLIENT_OPTIONS)
     elif not urls and not plan.learner.base_urls:
         from policy import PolicyModel
         from policy.checkpoint import load_checkpoint_info
-        from producers.policy_server import PolicyServer
+        from producers.inference.policy_server import PolicyServer
 
         if args.checkpoint:
             model, info = load_checkpoint_info(args.checkpoint)
@@ -210,10 +210,10 @@ async def _main(args: argparse.Namespace) -> int:
         stop = asyncio.Event()  # SIGTERM/SIGINT: admit no more, finish and emit what is in flight, exit 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        from producers.weights import WeightLoadError
+        from producers.inference.weights import WeightLoadError
 
         if args.await_servers > 0:
-            from producers.pool import await_servers
+            from producers.inference.pool import await_servers
 
             waiting = asyncio.ensure_future(await_servers(urls or plan.learner.base_urls, args.await_servers))
             stopped = asyncio.ensure_future(stop.wait())

@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _raised(e, "duckdb", "IOException"):  # a database folder that does not exist, a file not DuckDB's
             print(f"rollout {args.command}: error: {e}", file=sys.stderr)
             return 1
-        unavailable = _raised(e, "producers.environment_types", "EnvironmentUnavailable")
+        unavailable = _raised(e, "producers.environments.types", "EnvironmentUnavailable")
         if _raised(e, "schemas.plan", "PlanError") or unavailable:
             print(f"rollout {args.command}: error: {e}", file=sys.stderr)
             return 1

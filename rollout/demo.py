@@ -140,9 +140,9 @@ def run_loop(args: argparse.Namespace, command: str) -> int:
     settings = settings.with_bootstrap(ensure_broker(settings))
     print(f"Kafka: {where} at {settings.bootstrap}", flush=True)
     from policy.hf import ModelUnavailable
-    from producers.vllm_server import VllmStartError
+    from producers.inference.vllm_server import VllmStartError
     from consumers.settings import PlanRefused
-    from producers.environment import EnvironmentUnavailable
+    from producers.environments.loader import EnvironmentUnavailable
     from schemas.plan import PlanError
 
     try:
@@ -337,7 +337,7 @@ def load_plan(args):
 
         served = served_model(plan.family, getattr(args, "model", None))
         plan = plan.model_copy(update={"served_model": served.note})
-    from producers.environment import environment_from_spec
+    from producers.environments.loader import environment_from_spec
 
     for spec in plan.environments + plan.eval_environments:  # fail here, in one line, not in the arena later
         environment_from_spec(spec)
@@ -375,7 +375,7 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
     try:
         if args.policy == "vllm":
             from producers.metrics import endpoint, vllm_samples
-            from producers.vllm_server import VllmServer
+            from producers.inference.vllm_server import VllmServer
 
             progress.phase = "preparing the model"
             rev0 = await computed(initial_revision, family, ckdir, run_id=run, served=served)
@@ -478,9 +478,9 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
     from consumers import settings as service_settings
     from consumers.registry import SERVICES
     from consumers.runner import System
-    from producers.limits import STOP_GRACE_S
-    from producers.children import die_with_parent_at
-    from producers.vllm_server import STARTUP_TIMEOUT_S
+    from producers.arena.limits import STOP_GRACE_S
+    from producers.inference.children import die_with_parent_at
+    from producers.inference.vllm_server import STARTUP_TIMEOUT_S
     from streams import topics
     from streams.revisions import publish
 

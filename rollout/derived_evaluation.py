@@ -73,9 +73,9 @@ async def evaluating(plan: GenerationPlan, family: str, first: int, kw: dict[str
     """An arena answering ``plan``'s held-out questions (its server started for ``plan``: ``server_plan``) with each
     revision of ``family`` (from ``first`` on: the fork, or where a resumed run left off) due at the plan's
     cadence; ``evaluate_last`` it with the run's last revision."""
-    from producers.arena import Arena
-    from producers.emitter import KafkaEmitter
-    from producers.environment import environment_from_spec
+    from producers.arena.arena import Arena
+    from producers.arena.emitter import KafkaEmitter
+    from producers.environments.loader import environment_from_spec
     from schemas.plan import require_runnable
     from streams.local_broker import free_port
     from streams.revisions import RevisionFollower
@@ -88,15 +88,15 @@ async def evaluating(plan: GenerationPlan, family: str, first: int, kw: dict[str
     async with AsyncExitStack() as stack:
         if served.family == TINY_FAMILY:
             from policy import PolicyModel
-            from producers.policy_server import PolicyServer
+            from producers.inference.policy_server import PolicyServer
 
             server = PolicyServer(PolicyModel.from_seed(0), family=family, port=free_port())
             await server.start()
             stack.push_async_callback(server.stop)
             url, weights, options = server.base_url, "auto", {}
         else:
-            from producers.vllm_server import CPU_CLIENT_OPTIONS, VllmServer
-            from producers.weights import VllmWeights
+            from producers.inference.vllm_server import CPU_CLIENT_OPTIONS, VllmServer
+            from producers.inference.weights import VllmWeights
             from rollout.demo import context_length
 
             folder = served_folder(source_revisions)

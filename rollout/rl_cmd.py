@@ -5,7 +5,7 @@
 
 The loop is `rollout demo`'s (broker, vLLM, verifier, credit, batcher, reference trainer, the arena with
 evaluation, the live line and the summary), driven by the recipe: its environments by id (installed verifiers
-packages, ``producers.verifiers_loader``), group and batch sizes, algorithm, sampling, evaluation sources and
+packages, ``producers.environments.verifiers_loader``), group and batch sizes, algorithm, sampling, evaluation sources and
 cadence, ``trainer.optim.lr``, ``seq_len`` and ``max_steps`` (the run stops after that many trained revisions).
 A recipe key that changes the run and that nothing here applies stops it before anything starts, naming the
 key (``rollout plan RECIPE`` lists them).

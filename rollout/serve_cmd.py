@@ -4,8 +4,8 @@ The pipeline services (verifier, credit, batcher, trainer, ...) come from ``cons
 this module adds the inference servers. Keep module top levels light (heavy imports inside the
 command functions).
 
-    rollout serve policy --port 8000      # the local policy server (producers.policy_server)
-    rollout serve vllm --port 8000        # vLLM on the packaged model (producers.vllm_server)
+    rollout serve policy --port 8000      # the local policy server (producers.inference.policy_server)
+    rollout serve vllm --port 8000        # vLLM on the packaged model (producers.inference.vllm_server)
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def register_servers(ssub: argparse._SubParsersAction) -> None:
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
-    from producers.policy_server import serve
+    from producers.inference.policy_server import serve
 
     asyncio.run(serve(args.host, args.port, checkpoint=args.checkpoint, family=args.family,
                       revision=args.revision, seed=args.seed, max_batch=args.max_batch,
@@ -59,7 +59,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
 def _register_vllm(ssub: argparse._SubParsersAction) -> None:
     p = ssub.add_parser(
         "vllm", help="vLLM's OpenAI-compatible server on the packaged SmolLM2-135M-Instruct (or --model DIR)",
-        description="Starts vLLM's OpenAI server (`python -m producers.vllm_launch`, vLLM's api_server with its "
+        description="Starts vLLM's OpenAI server (`python -m producers.inference.vllm_launch`, vLLM's api_server with its "
                     "engine core imported beside it) with VLLM_SERVER_DEV_MODE=1 (weight "
                     "reloads without a restart), waits until it answers, and stops it cleanly on SIGTERM/Ctrl-C. "
                     "Point an arena at it with `rollout arena PLAN --policy vllm --policy-url http://HOST:PORT/v1`.")
@@ -86,7 +86,7 @@ def cmd_vllm(args: argparse.Namespace) -> int:
 
     from policy.hf import ModelUnavailable, prepare_model
     from producers.metrics import endpoint, vllm_samples
-    from producers.vllm_server import VllmServer, VllmStartError
+    from producers.inference.vllm_server import VllmServer, VllmStartError
 
     async def main() -> int:
         try:

@@ -171,7 +171,7 @@ class EnvSpec(Record):
     gates: list[AdmissionGate] = Field(default_factory=list, description="this training source's admission gates")
     env_table: dict[str, JsonValue] | None = Field(
         default=None, description="the source's verifiers env table (prime-rl's ``env``) as written; resolved by "
-                                  "verifiers' own loader where the environment runs (producers.verifiers_loader)")
+                                  "verifiers' own loader where the environment runs (producers.environments.verifiers_loader)")
 
     @property
     def display_name(self) -> str:

@@ -59,7 +59,7 @@ from schemas.plan import (DEFAULT_BATCH_SIZE, DEFAULT_EVAL_INTERVAL, DEFAULT_GRO
                           Target, TrainOne)
 
 # Sampling keys we know: prime-rl's train/eval sampling configs (and the fork's), verifiers'
-# SamplingConfig and the request fields producers.inference sends. Any other key is a sampling
+# SamplingConfig and the request fields producers.inference.client sends. Any other key is a sampling
 # parameter for the server (vLLM takes extra ones), passed through in extra_body.
 SAMPLING_KEYS = frozenset({
     "temperature", "max_tokens", "max_completion_tokens", "top_p", "top_k", "min_p", "min_tokens",

@@ -77,7 +77,7 @@ class PolicyRef(Record):
 class LogprobProbe(Record):
     """A short token sequence and its float32 logprobs under a revision's weights exactly as its checkpoint stores
     them (``policy.hf.logprob_probe``), written by the trainer as it publishes the revision: what an inference server
-    that loaded the revision must answer for these tokens (``producers.weights``), within its dtype's rounding."""
+    that loaded the revision must answer for these tokens (``producers.inference.weights``), within its dtype's rounding."""
 
     token_ids: list[int] = Field(min_length=2)
     logprobs: list[float] = Field(description="log p(token_ids[t] | token_ids[:t]) for t >= 1")
@@ -127,7 +127,7 @@ class PolicyRevision(Event):
         "None for a revision no batch made"))
     probe: LogprobProbe | None = Field(default=None, description=(
         "a few tokens' float32 logprobs under this revision's checkpoint: the arena checks what its inference server "
-        "serves against them after loading the revision (producers.weights); None: nothing to check against"))
+        "serves against them after loading the revision (producers.inference.weights); None: nothing to check against"))
 
     @model_validator(mode="after")
     def _parent_precedes(self) -> PolicyRevision:

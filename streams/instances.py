@@ -22,7 +22,7 @@ import socket
 from pathlib import Path
 from typing import IO
 
-from streams.local_broker import cache_dir
+from schemas.cache import cache_dir
 
 MAX_SLOTS = 4096
 _HELD: dict[str, tuple[str, IO[str]]] = {}  # group -> (slot name, its open lock file): held for the process's life

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from streams.kafka_errors import KafkaError, KafkaUnreachable
+from schemas.cache import cache_dir
 
 # Keep in sync with <kafka.version> in kafka/pom.xml (tests/test_local_broker.py checks it).
 KAFKA_VERSION = "4.4.0"
@@ -40,10 +41,6 @@ LOG4J_CONFIG = REPO_ROOT / "kafka" / "log4j2.xml"
 
 class BrokerError(KafkaError):
     pass
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ROLLOUT_CACHE_DIR") or Path.home() / ".cache" / "rollout-log")
 
 
 def libs_dir(version: str = KAFKA_VERSION) -> Path:

@@ -8,12 +8,12 @@ transaction pauses after every message was sent (and acknowledged) but before th
 import asyncio
 import sys
 
-from producers.arena import Arena
-from producers.dataset import Example
-from producers.echo_server import EchoServer
-from producers.emitter import KafkaEmitter
-from producers.environment_types import Environment
-from producers.episodes import MultiTurnEpisode, user
+from producers.arena.arena import Arena
+from producers.environments.dataset import Example
+from producers.inference.echo_server import EchoServer
+from producers.arena.emitter import KafkaEmitter
+from producers.environments.types import Environment
+from producers.environments.episodes import MultiTurnEpisode, user
 from schemas.plan_compiler import compile_plan
 from schemas.scoring import ScoringSpec
 

@@ -278,7 +278,7 @@ async def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     VLLM_SERVER_DEV_MODE=1, able to read this machine's checkpoint paths). Tests that swap weights load the
     revision they need first: the server is shared."""
     from policy.hf import FAMILY, prepare_model
-    from producers.vllm_server import VllmServer
+    from producers.inference.vllm_server import VllmServer
 
     model = prepare_model()
     external = os.environ.get("ROLLOUT_VLLM_URL")

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from producers.pacer import AdmissionPacer
+from producers.arena.pacer import AdmissionPacer
 from schemas.admission import (AdmissionBook, AdmissionClaim, AdmissionDone, AdmissionRefund, AdmissionRelease,
                               AdmissionRenew)
 from streams.admissions import MemoryLedger
@@ -165,7 +165,7 @@ async def test_a_restarted_arena_releases_its_earlier_claims_and_joins_in():
 def test_arenas_started_without_an_id_never_share_one():
     """Issue 24, hole 7: with the run id as the default, two arenas started without --arena-id released each
     other's open claims as their own predecessor's, and their emitters fenced each other."""
-    from producers.pacer import default_arena_id
+    from producers.arena.pacer import default_arena_id
 
     ids = {default_arena_id("run7") for _ in range(5)}
     assert len(ids) == 5 and all(i.startswith("run7-") for i in ids)

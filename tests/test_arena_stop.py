@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from producers.limits import STOP_GRACE_S
+from producers.arena.limits import STOP_GRACE_S
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from producers.echo_server import ScriptedServer
-from producers.inference import Completion, InferenceClient
+from producers.inference.echo_server import ScriptedServer
+from producers.inference.client import Completion, InferenceClient
 from schemas.events import ChatMessage, ToolCall
 
 vf = pytest.importorskip("verifiers.v1")
 
-from producers.verifiers_v1 import SESSION_HEADER, CaptureProxy  # noqa: E402
+from producers.environments.verifiers_v1 import SESSION_HEADER, CaptureProxy  # noqa: E402
 
 CALL = ToolCall(id="call-1", name="words_lookup", arguments='{"word": "apple"}')
 

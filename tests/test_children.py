@@ -1,4 +1,4 @@
-"""A child started for a run ends with the run's process (``producers.children``): a parent SIGKILLed (as the
+"""A child started for a run ends with the run's process (``producers.inference.children``): a parent SIGKILLed (as the
 OOM killer does) leaves no server or arena behind. Real processes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 PARENT = """
 import subprocess, sys, time
-from producers.children import die_with_parent
+from producers.inference.children import die_with_parent
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
                          preexec_fn=die_with_parent)
 print(child.pid, flush=True)
@@ -46,7 +46,7 @@ async def test_a_server_group_whose_leader_died_first_is_ended_whole(tmp_path):
     engine core it forked, still in the group, is ended too (it once lived on, holding the model and the cores)."""
     import asyncio
 
-    from producers.vllm_server import VllmServer
+    from producers.inference.vllm_server import VllmServer
 
     proc = await asyncio.create_subprocess_exec(
         "sh", "-c", "sleep 300 & echo $!; wait", stdout=asyncio.subprocess.PIPE, start_new_session=True)

@@ -486,7 +486,7 @@ def test_batcher_every_record_exactly_once_or_refused(recs, size):
     assert sorted(out + refused) == sorted(f"rec-{i:06d}" for i in range(len(recs)))
 
 
-# -- the specs the arena's example environments write (producers/examples) --------------------------------
+# -- the specs the arena's example environments write (producers/environments/examples) --------------------------------
 async def test_exact_match_member_and_last_integer_params():
     spec = ScoringSpec(kind="exact_match", answer="12", params={"member": "solver", "extract": "last_integer"})
     ro, steps = one(spec.model_dump(mode="json"), text="3*4 gives 12, so the answer: 12.")

@@ -73,7 +73,7 @@ def test_what_waits_for_the_trainer_steps_back_and_the_broker_is_put_back():
     kernel groups sessions; each thread's otherwise)."""
     from pathlib import Path
 
-    from producers.children import die_with_parent_at
+    from producers.inference.children import die_with_parent_at
     from rollout.cores import BACKGROUND_NICE, step_back
 
     child = subprocess.run([sys.executable, "-c", "import os, threading; t = threading.Thread(target=lambda: "

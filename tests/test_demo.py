@@ -115,7 +115,7 @@ def _newest_revision(bootstrap: str, run: str) -> int:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_a_demo_killed_mid_run_leaves_no_process_behind(kafka_bootstrap, sig, tmp_path):
     """SIGKILL (the OOM killer), SIGTERM (a scheduler) or SIGINT (Ctrl-C) to `rollout demo` once its arena runs:
-    within 10 s no process it started is alive (its children end with it: ``producers.children``). SIGTERM and
+    within 10 s no process it started is alive (its children end with it: ``producers.inference.children``). SIGTERM and
     SIGINT are handled: the demo stops within 10 s with 128 + the signal and one line, and what it committed is
     intact (the run replays and audits clean)."""
     import time

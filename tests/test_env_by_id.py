@@ -295,13 +295,13 @@ async def test_raising_reward_is_dead_lettered_with_its_reason(kafka_settings, p
 # -- an endless taskset: lazily drawn, reproducible, bounded memory ------------------------------------------
 
 def _duel_environment():
-    from producers.environment import environment_from_spec
+    from producers.environments.loader import environment_from_spec
 
     return environment_from_spec(compile_plan(RECIPES / "rlt-tally-duel.toml").environments[0])
 
 
 def test_endless_taskset_draws_are_seeded_and_memory_is_bounded():
-    from producers.dataset import TaskStream
+    from producers.environments.dataset import TaskStream
 
     one, two, other = _duel_environment(), _duel_environment(), _duel_environment()
     assert isinstance(one.store, TaskStream)

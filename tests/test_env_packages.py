@@ -233,8 +233,8 @@ def test_an_endless_taskset_that_does_not_say_so_is_drawn_lazily_not_read_for_ev
     """rlt-tally-duel's endless taskset with its ``INFINITE`` declaration taken away (as a package that forgot it
     ships): it was read whole, spinning with memory growing until killed. Past ``EAGER_TASKS`` it is drawn lazily,
     with one warning naming ``INFINITE``."""
-    from producers import verifiers_v1
-    from producers.dataset import TaskStream
+    from producers.environments import verifiers_v1
+    from producers.environments.dataset import TaskStream
 
     cfg, env = load({"taskset": {"id": "rlt-tally-duel", "seed": 3}, "player0": SEAT, "player1": SEAT})
     monkeypatch.setattr(type(env.taskset), "INFINITE", False)

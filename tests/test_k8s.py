@@ -227,7 +227,7 @@ def run_problems(pod: Pod, c: dict[str, Any], argv: list[str], here: Callable, e
             pod.metrics_port = base + metrics.SERVICE_OFFSET + list(SERVICES).index(args.service)
             return kafka_problems(env, args.service)
         if args.command == "arena":
-            from producers.environment import environment_from_spec
+            from producers.environments.loader import environment_from_spec
             from schemas.plan import require_runnable
             from schemas.plan_compiler import compile_plan
             from streams.security import ARENA
@@ -357,9 +357,9 @@ def fleet_problems(pods: list[Pod], by: dict[tuple[str, str], dict[str, Any]], s
         out.append(f"arena 0 does not drive vLLM 0 (--policy vllm --gpu-vllm --policy-url {','.join(urls)})")
     if args.arena_id != f"{arena.name}-0" or not args.run_id:
         out.append("each arena needs its pod name as --arena-id and the run's --run-id")
-    # vLLM as producers/vllm_server.py runs it, under the names the plan's requests use, the model where
+    # vLLM as producers/inference/vllm_server.py runs it, under the names the plan's requests use, the model where
     # revision 0 says it is (copied from the app image by the init container)
-    from producers.vllm_server import VllmServer
+    from producers.inference.vllm_server import VllmServer
 
     ref = parse(vllm_parser(), VllmServer(vargs.model, host=vargs.host, port=vargs.port).command()[3:])
     for field in ("model", "served_model_name", "max_model_len", "disable_uvicorn_access_log"):

@@ -1,4 +1,4 @@
-"""The learner's inference pool (``producers.pool``, ``producers.weights.PoolWeights``): the pick rule; two local
+"""The learner's inference pool (``producers.inference.pool``, ``producers.inference.weights.PoolWeights``): the pick rule; two local
 policy servers, one stopped and started again fresh, which must load the current revision before it serves;
 two real vLLM servers behind one arena following revisions on a real broker, one SIGKILLed mid-run; `rollout
 arena` with several --policy-url."""
@@ -20,12 +20,12 @@ import pytest
 
 from policy import PolicyModel, save_checkpoint
 from policy.hf import FAMILY, prepare_model
-from producers.arena import Arena
-from producers.inference import InferenceClient, InferenceUnavailable
-from producers.policy_server import PolicyServer
-from producers.pool import InferencePool, await_servers, server_root
-from producers.vllm_server import CPU_CLIENT_OPTIONS, VllmServer
-from producers.weights import LocalPolicyWeights, PoolWeights, RevisionRefused, VllmWeights, WeightLoadError
+from producers.arena.arena import Arena
+from producers.inference.client import InferenceClient, InferenceUnavailable
+from producers.inference.policy_server import PolicyServer
+from producers.inference.pool import InferencePool, await_servers, server_root
+from producers.inference.vllm_server import CPU_CLIENT_OPTIONS, VllmServer
+from producers.inference.weights import LocalPolicyWeights, PoolWeights, RevisionRefused, VllmWeights, WeightLoadError
 from schemas.events import ChatMessage
 from schemas.policy import PolicyRevision
 from streams.local_broker import free_port

@@ -12,18 +12,18 @@ import torch
 
 from policy import PolicyModel, save_checkpoint, token_logprobs
 from policy.tokenizer import TOKENIZER
-from producers.arena import Arena
-from producers.echo_server import FlakyServer, ScriptedServer, tool_call
-from producers.emitter import MemoryEmitter
-from producers.dataset import ArtifactStore, Example
-from producers.environment import load_environment
-from producers.environment_types import Environment
-from producers.episodes import (MultiTurnEpisode, StatefulToolEpisode, ToolEpisode, stop,
+from producers.arena.arena import Arena
+from producers.inference.echo_server import FlakyServer, ScriptedServer, tool_call
+from producers.arena.emitter import MemoryEmitter
+from producers.environments.dataset import ArtifactStore, Example
+from producers.environments.loader import load_environment
+from producers.environments.types import Environment
+from producers.environments.episodes import (MultiTurnEpisode, StatefulToolEpisode, ToolEpisode, stop,
                                 user)
-from producers.inference import InferenceClient, InferenceRequestError, InferenceUnavailable
-from producers.pacer import AdmissionPacer
-from producers.policy_server import PolicyServer
-from producers.tools import ToolRegistry, tool_schema
+from producers.inference.client import InferenceClient, InferenceRequestError, InferenceUnavailable
+from producers.arena.pacer import AdmissionPacer
+from producers.inference.policy_server import PolicyServer
+from producers.environments.tools import ToolRegistry, tool_schema
 from schemas.plan import GenerationPlan
 from schemas.plan_compiler import compile_plan
 from schemas.scoring import ScoringSpec
@@ -393,7 +393,7 @@ async def test_dead_endpoint_gives_failed_rollouts_that_are_still_emitted():
 # -- environments and stores -----------------------------------------------------------------------------
 
 def test_load_environment_by_module_path_and_short_name():
-    env = load_environment("producers.examples.arithmetic:load_environment", num_examples=5)
+    env = load_environment("producers.environments.examples.arithmetic:load_environment", num_examples=5)
     assert env.ref == "arithmetic@1.2.0" and len(env.store) == 5
     assert load_environment("proposer-solver", num_solvers=2).ref == "proposer-solver@1.0.0"
     with pytest.raises(ImportError):
@@ -401,7 +401,7 @@ def test_load_environment_by_module_path_and_short_name():
 
 
 def test_arithmetic_reward_modes_and_shaped_parts():
-    from producers.examples import arithmetic as ar
+    from producers.environments.examples import arithmetic as ar
 
     ex = ar.make_dataset(1)[0]
     assert load_environment("arithmetic").scoring(ex).kind == "exact_match"
@@ -454,7 +454,7 @@ async def test_admission_pacer_abort_wakes_waiters():
 async def test_json_endpoints_answer_errors_in_the_openai_shape_and_keep_serving():
     import httpx
 
-    from producers.asgi_server import JSON, MAX_BODY, AppServer, body_json, json_app
+    from producers.inference.asgi_server import JSON, MAX_BODY, AppServer, body_json, json_app
 
     async def echo(req):
         return JSON({"got": await body_json(req), "x": float("-inf")})
@@ -488,7 +488,7 @@ async def test_json_endpoints_answer_errors_in_the_openai_shape_and_keep_serving
 
 
 async def test_client_times_out_and_retries_a_slow_endpoint():
-    from producers.asgi_server import JSON, AppServer, json_app
+    from producers.inference.asgi_server import JSON, AppServer, json_app
 
     calls = []
 

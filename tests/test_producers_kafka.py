@@ -17,10 +17,10 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from policy import PolicyModel, save_checkpoint
-from producers.arena import Arena
-from producers.echo_server import EchoServer, ScriptedServer
-from producers.emitter import KafkaEmitter
-from producers.policy_server import PolicyServer
+from producers.arena.arena import Arena
+from producers.inference.echo_server import EchoServer, ScriptedServer
+from producers.arena.emitter import KafkaEmitter
+from producers.inference.policy_server import PolicyServer
 from schemas.events import Rollout, Step
 from schemas.plan_compiler import compile_plan
 from schemas.policy import PolicyRevision
@@ -124,7 +124,7 @@ async def test_every_example_episode_through_kafka(kafka_settings, pipeline_topi
 
 async def test_tool_episode_through_kafka(kafka_settings, pipeline_topics):
     from test_producers import _env, _tool_script, add, single_plan
-    from producers.episodes import ToolEpisode
+    from producers.environments.episodes import ToolEpisode
 
     async with ScriptedServer(_tool_script) as server:
         async with Arena(single_plan(group_size=3), {"unit": _env(ToolEpisode([add]))},
@@ -217,8 +217,8 @@ async def test_producer_killed_mid_transaction_leaves_nothing_visible(kafka_sett
     # ...a new instance with the same transactional id fences the dead one (its transaction is aborted),
     async with EchoServer() as echo:
         from _kill_mid_transaction import TwoTurns  # noqa: F401  (same episode, committed this time)
-        from producers.dataset import Example
-        from producers.environment_types import Environment
+        from producers.environments.dataset import Example
+        from producers.environments.types import Environment
         from schemas.scoring import ScoringSpec
 
         env_ = Environment(name="killme", version="1", dataset=[Example(id="x", prompt="committed")],
@@ -236,7 +236,7 @@ async def test_producer_killed_mid_transaction_leaves_nothing_visible(kafka_sett
 
 
 async def test_producer_failure_surfaces_as_an_error(kafka_settings, pipeline_topics):
-    from producers.emitter import EmissionError
+    from producers.arena.emitter import EmissionError
     from test_producers import CountdownEpisode, _env, single_plan
 
     kw = kafka_settings.client_kwargs(request_timeout_ms=3000)
@@ -254,7 +254,7 @@ async def test_producer_failure_surfaces_as_an_error(kafka_settings, pipeline_to
 
 
 async def test_an_oversized_episode_fails_alone(kafka_settings, pipeline_topics):
-    from producers.emitter import EmissionError
+    from producers.arena.emitter import EmissionError
     from test_producers import CountdownEpisode, _env, single_plan
 
     em = _emitter(kafka_settings, pipeline_topics)
@@ -278,7 +278,7 @@ async def test_a_failed_transaction_discards_its_producer(kafka_settings, pipeli
     """A transaction that fails after its records were sent: the emitter opens a fresh producer with the same
     transactional id (its InitProducerId aborts the failed transaction on the broker, whatever aiokafka's local
     state), the failed episode is never visible, and the next episode commits alone."""
-    from producers.emitter import EmissionError
+    from producers.arena.emitter import EmissionError
     from test_producers import CountdownEpisode, _env, single_plan
 
     calls = []

@@ -161,7 +161,7 @@ async def test_the_reference_service_scores_every_token_as_transformers_does_and
     from consumers.runner import System
     from consumers.settings import ServiceSettings
     from policy.hf import FAMILY, prepare_model
-    from producers.weights import VllmWeights, probe_tolerance
+    from producers.inference.weights import VllmWeights, probe_tolerance
     from schemas.policy import PolicyRevision
     from streams.local_broker import free_port
     from test_eos_pipeline import read_all

@@ -134,9 +134,9 @@ async def test_replay_of_arena_episodes_through_the_services(kafka_settings, pre
     from pathlib import Path
 
     from policy import PolicyModel
-    from producers.arena import Arena
-    from producers.emitter import KafkaEmitter
-    from producers.policy_server import PolicyServer
+    from producers.arena.arena import Arena
+    from producers.arena.emitter import KafkaEmitter
+    from producers.inference.policy_server import PolicyServer
     from schemas.plan_compiler import compile_plan
 
     root = Path(__file__).resolve().parents[1]

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from policy import PolicyModel, token_logprobs
-from producers.arena import Arena
-from producers.policy_server import PolicyServer
+from producers.arena.arena import Arena
+from producers.inference.policy_server import PolicyServer
 from schemas.events import Rollout, Step
 from test_producers_kafka import _emitter, _plan, pipeline_topics, read_all  # noqa: F401 - fixture
 
 vf = pytest.importorskip("verifiers.v1")
 
 from consumers.scoring import score  # noqa: E402 - tests may use the verifier's scoring
-from producers.verifiers_v1 import chat_agent, register_plugin, verifiers_v1_environment  # noqa: E402
+from producers.environments.verifiers_v1 import chat_agent, register_plugin, verifiers_v1_environment  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -179,7 +179,7 @@ async def test_single_agent_taskset_env_on_the_broker(kafka_settings, pipeline_t
         assert rec["metrics"]["solver"]["reply_chars"] == len(_text(rs[0]))
         assert r.artifacts["final_by_member"]["solver"] == _text(rs[0])
         # and the verifier service's rubric scores exactly that
-        assert r.artifacts["scoring"]["funcs"] == [{"fn": "producers.verifiers_v1:verifiers_reward", "weight": 1.0}]
+        assert r.artifacts["scoring"]["funcs"] == [{"fn": "producers.environments.verifiers_v1:verifiers_reward", "weight": 1.0}]
         verdict = await score(r, rs)
         assert verdict.rewards == {"solver": pytest.approx(want)}
 
@@ -214,7 +214,7 @@ async def test_two_seat_game_each_seat_its_own_member(kafka_settings, pipeline_t
 
 
 async def test_endpoint_down_fails_the_rollout_with_the_reason():
-    from producers.emitter import MemoryEmitter
+    from producers.arena.emitter import MemoryEmitter
     from streams.local_broker import free_port
 
     env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset={"id": "rl_test_questions"}, agent=chat_agent()))
@@ -245,7 +245,7 @@ register_plugin("rl_test_two_turns", GameTaskset, TwoTurnsEnv)
 
 
 async def test_interaction_turns_of_one_seat_are_steps_of_one_member(policy_server_for_v1):
-    from producers.emitter import MemoryEmitter
+    from producers.arena.emitter import MemoryEmitter
 
     env = TwoTurnsEnv(ChatConfig(taskset={"id": "rl_test_two_turns"}))
     environment = verifiers_v1_environment(env, name="vf-two-turns", version="0.1", member="talker")
@@ -271,7 +271,7 @@ async def test_single_agent_env_on_real_vllm(vllm_server, kafka_settings, pipeli
     from transformers import AutoTokenizer
 
     from policy.hf import prepare_model
-    from producers.vllm_server import CPU_CLIENT_OPTIONS
+    from producers.inference.vllm_server import CPU_CLIENT_OPTIONS
     from schemas.plan_compiler import compile_plan
     from test_producers_kafka import ROOT
 

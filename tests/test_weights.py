@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from policy.checkpoint import file_sha256
-from producers.weights import RevisionRefused, VllmWeights, WeightLoadError
+from producers.inference.weights import RevisionRefused, VllmWeights, WeightLoadError
 from schemas.policy import CheckpointRef, PolicyRevision
 
 

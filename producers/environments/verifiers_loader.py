@@ -7,14 +7,14 @@ optional env ``id``, one table per agent seat. That table, as written, goes to
 ``verifiers.v1.utils.loaders.resolve_env_config`` (verifiers' one entry for its CLI, TOML files and env server):
 it imports the installed package by id (``my-env`` -> module ``my_env``; a hub id ``owner/name@version`` imports
 ``name``), narrows the config to the package's own ``EnvConfig`` and types every seat. ``load_environment``
-then builds the Env, and ``producers.verifiers_v1`` runs it as arena episodes.
+then builds the Env, and ``producers.environments.verifiers_v1`` runs it as arena episodes.
 
 Harnesses (who plays a seat), decided at start-up, per seat:
 
 * every seat's calls go to the capture endpoint, routed by the plan: a seat's own ``model``/``client`` (a fixed
   target in the plan) is taken off verifiers' config, so verifiers never calls an endpoint directly;
 * ``null`` (verifiers' tool-less chat program) runs in-process through the capture harness
-  (``producers.verifiers_v1.CHAT_HARNESS_ID``): no ``uv``, no runtime, no tunnel or login. Its runtime, as the
+  (``producers.environments.verifiers_v1.CHAT_HARNESS_ID``): no ``uv``, no runtime, no tunnel or login. Its runtime, as the
   recipe writes it, is not used (nothing is launched). A taskset that gives its agents tools is the exception:
   the in-process harness has no tools, so such a seat needs the real program (below);
 * any other harness runs as verifiers runs it, in the local ``subprocess`` runtime, when that harness can run
@@ -50,8 +50,8 @@ import shutil
 import subprocess
 from typing import Any
 
-from producers.environment_types import Environment, EnvironmentUnavailable
-from producers.verifiers_v1 import CHAT_HARNESS_ID, register_chat_harness, verifiers_v1_environment
+from producers.environments.types import Environment, EnvironmentUnavailable
+from producers.environments.verifiers_v1 import CHAT_HARNESS_ID, register_chat_harness, verifiers_v1_environment
 
 # verifiers' tool-less chat harnesses: run in-process by the capture harness
 IN_PROCESS_HARNESSES = frozenset({"null", CHAT_HARNESS_ID})

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from policy.tokenizer import END, TOKENIZER
-from producers.asgi_server import JSON, AppServer, Request, body_json, error, json_app
+from producers.inference.asgi_server import JSON, AppServer, Request, body_json, error, json_app
 from schemas.policy import PolicyRef
 
 

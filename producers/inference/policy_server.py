@@ -1,7 +1,7 @@
 """The local policy server: the tiny torch LM of ``policy/`` behind an OpenAI/vLLM-compatible HTTP API.
 
 For machines without a GPU, and the default learner target (a plan's learner with no base_url).
-The same ``producers.inference.InferenceClient`` talks to it and to vLLM.
+The same ``producers.inference.client.InferenceClient`` talks to it and to vLLM.
 
     rollout serve policy --port 8000 [--checkpoint PATH] [--family tiny-byte-lm] [--seed 0]
     server = PolicyServer(PolicyModel.from_seed(0), family="tiny-byte-lm"); await server.start()
@@ -43,7 +43,7 @@ from typing import Any
 from policy.checkpoint import load_checkpoint_info
 from policy.model import PolicyModel, generate_batch
 from policy.tokenizer import END, EOS, TOKENIZER
-from producers.asgi_server import JSON, AppServer, Request, body_json, error, json_app
+from producers.inference.asgi_server import JSON, AppServer, Request, body_json, error, json_app
 from schemas.policy import TINY_FAMILY, CheckpointRef, PolicyRef
 
 DEFAULT_MAX_TOKENS = 64

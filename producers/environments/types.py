@@ -1,6 +1,6 @@
 """What an environment is: a dataset of examples, an episode (the harness) and a scoring spec, under
 ``name@version`` (``Environment``), and ``EnvironmentUnavailable``, the one-line error of one that cannot be loaded
-or run here. Loading one by name is ``producers.environment``'s.
+or run here. Loading one by name is ``producers.environments.loader``'s.
 
     env.ref          # "arithmetic@1.1.0", recorded in every Rollout this environment produces
     env.store        # ArtifactStore of the examples (weighted seed sampling), or a TaskStream
@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from producers.dataset import ArtifactStore, Example, TaskStream
+from producers.environments.dataset import ArtifactStore, Example, TaskStream
 from schemas.events import ENV_REF
 from schemas.scoring import ScoringSpec
 
 if TYPE_CHECKING:
-    from producers.episodes import Episode, EpisodeState
+    from producers.environments.episodes import Episode, EpisodeState
 
 
 class EnvironmentUnavailable(Exception):

@@ -1,6 +1,6 @@
 """The examples an environment draws from: ``Example`` (one dataset row), ``ArtifactStore`` (a weighted sampling
 buffer, the default) and ``TaskStream`` (examples drawn lazily from a stream that may never end, with bounded
-memory). Episodes see examples; an ``Environment`` (``producers.environment_types``) holds one of these."""
+memory). Episodes see examples; an ``Environment`` (``producers.environments.types``) holds one of these."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ import math
 import time
 from typing import Any
 
-from producers.limits import ADMISSION_LEASE_S
+from producers.arena.limits import ADMISSION_LEASE_S
 from schemas.admission import AdmissionBook, AdmissionClaim, AdmissionDone, AdmissionRelease, AdmissionRenew
 from schemas.envelope import new_id
 from streams.admissions import MemoryLedger

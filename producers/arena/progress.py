@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from producers.pacer import AdmissionPacer
+from producers.arena.pacer import AdmissionPacer
 from schemas.policy import PolicyRef
 
 

@@ -11,7 +11,7 @@ platform sets its variables after this process began), and torch's own libgomp p
 spawned processes: https://github.com/vllm-project/vllm/issues/27369). Anything else in vLLM that asks for a
 process context (its multi-process executor, its data-parallel coordinator) still spawns.
 
-    python -m producers.vllm_launch <vllm api_server arguments>
+    python -m producers.inference.vllm_launch <vllm api_server arguments>
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import runpy
 import sys
 from importlib.util import find_spec
 
-from producers.children import end_group_after_parent
+from producers.inference.children import end_group_after_parent
 
 #: what an engine core's process runs, imported in the fork server ahead of time
 PRELOAD = ["vllm.entrypoints.openai.api_server", "vllm.v1.engine.core"]
@@ -65,7 +65,7 @@ def main(argv: list[str]) -> None:
     preload = os.environ.get("LD_PRELOAD", "")
     if gomp and not any(lib in preload for lib in ("libgomp", "libiomp", "libomp")):
         os.environ["LD_PRELOAD"] = f"{preload}:{gomp}" if preload else gomp
-        os.execv(sys.executable, [sys.executable, "-m", "producers.vllm_launch", *argv])  # loaded from the start
+        os.execv(sys.executable, [sys.executable, "-m", "producers.inference.vllm_launch", *argv])  # loaded from the start
     end_group_after_parent()  # a run killed mid-reload leaves no server waiting for ever on its engine core
     multiprocessing.set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()  # imports PRELOAD now, beside this process's own import
@@ -79,6 +79,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":  # the module by its name, so that its process class can be pickled to the fork server
-    from producers.vllm_launch import main as launch
+    from producers.inference.vllm_launch import main as launch
 
     launch(sys.argv[1:])

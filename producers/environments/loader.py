@@ -1,19 +1,19 @@
-"""Environments by name: what a plan's source names, loaded as an ``Environment`` (``producers.environment_types``:
+"""Environments by name: what a plan's source names, loaded as an ``Environment`` (``producers.environments.types``:
 a dataset of examples, an episode and a scoring spec, under ``name@version``).
 
-    env = load_environment("producers.examples.arithmetic:load_environment", num_examples=50)
+    env = load_environment("producers.environments.examples.arithmetic:load_environment", num_examples=50)
     env.ref          # "arithmetic@1.1.0", recorded in every Rollout this environment produces
 
 A plan's source names the environment (``environment_from_spec``):
 
 * a short name of this project's examples (``arithmetic``, ``debate``, ``proposer-solver``: dashes become
-  underscores, ``producers.examples.<name>``) or ``"pkg.mod:load_environment"`` (or ``"pkg.mod"``): called with
+  underscores, ``producers.environments.examples.<name>``) or ``"pkg.mod:load_environment"`` (or ``"pkg.mod"``): called with
   the source's ``args``;
 * anything else is a verifiers environment id (a taskset id, an env id, a hub id ``owner/name@version``),
-  resolved by verifiers' own loader from the source's env table (``producers.verifiers_loader``).
+  resolved by verifiers' own loader from the source's env table (``producers.environments.verifiers_loader``).
 
 A dataset is a list (or an ``ArtifactStore``: weighted sampling with replacement) or a ``TaskStream``: examples
-drawn lazily from a stream that may never end, with bounded memory (``producers.dataset``).
+drawn lazily from a stream that may never end, with bounded memory (``producers.environments.dataset``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-from producers.environment_types import Environment
-from producers.environment_types import EnvironmentUnavailable  # noqa: F401 - rollout/demo.py imports it from here
+from producers.environments.types import Environment
+from producers.environments.types import EnvironmentUnavailable  # noqa: F401 - rollout/demo.py imports it from here
 
 
 def _resolve(path: str) -> Callable[..., Environment]:
@@ -40,7 +40,7 @@ def load_environment(path: str, **args: Any) -> Environment:
     """Load ``package.module:load_environment`` (or a short example name) with keyword arguments."""
     candidates = [path]
     if ":" not in path and "." not in path:
-        candidates.insert(0, f"producers.examples.{path.replace('-', '_')}:load_environment")
+        candidates.insert(0, f"producers.environments.examples.{path.replace('-', '_')}:load_environment")
     errors = []
     for cand in candidates:
         try:
@@ -61,7 +61,7 @@ def is_own_environment(env_id: str) -> bool:
         return True
     if "/" in env_id or "@" in env_id or "+" in env_id:
         return False  # a hub id or a verifiers env+taskset pairing
-    name = env_id if "." in env_id else f"producers.examples.{env_id.replace('-', '_')}"
+    name = env_id if "." in env_id else f"producers.environments.examples.{env_id.replace('-', '_')}"
     try:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # a dotted name whose parent package is not installed
@@ -70,9 +70,9 @@ def is_own_environment(env_id: str) -> bool:
 
 def environment_from_spec(spec: Any) -> Environment:
     """An Environment from a plan's EnvSpec: one of ours by short name or module path, else a verifiers
-    environment resolved from the source's env table (``producers.verifiers_loader``)."""
+    environment resolved from the source's env table (``producers.environments.verifiers_loader``)."""
     if is_own_environment(spec.id):
         return load_environment(spec.id, **dict(spec.args or {}))
-    from producers.verifiers_loader import load_source  # the verifiers adapter: imported for its sources only
+    from producers.environments.verifiers_loader import load_source  # the verifiers adapter: imported for its sources only
 
     return load_source(spec)

@@ -12,7 +12,7 @@ entries. ``require_tokens=True`` (trainable calls) refuses a response without id
 Failures: a transport error (connect, read timeout), 429 or 5xx is retried with exponential
 backoff and jitter (``Retry-After`` honoured, capped); after ``max_attempts`` it raises
 ``InferenceUnavailable`` with the last reason. Another 4xx raises ``InferenceRequestError`` at once.
-Several ``base_urls`` are one ``producers.pool.InferencePool``: each attempt goes to the server with the fewest
+Several ``base_urls`` are one ``producers.inference.pool.InferencePool``: each attempt goes to the server with the fewest
 requests outstanding; a transport error or a 5xx takes that server out of the pool and the retry goes at once to
 another one (backing off only when none is left).
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from producers.pool import InferencePool, Server
+from producers.inference.pool import InferencePool, Server
 from schemas.events import ChatMessage, ToolCall
 from schemas.policy import PolicyRef
 
@@ -130,7 +130,7 @@ class InferenceClient:
             raise ValueError("InferenceClient needs at least one base_url")
         self.model = model
         self.api_key = api_key
-        self.seeded = seeded  # False: per-call seeds are not sent (see producers.vllm_server.CPU_CLIENT_OPTIONS)
+        self.seeded = seeded  # False: per-call seeds are not sent (see producers.inference.vllm_server.CPU_CLIENT_OPTIONS)
         self.timeout_s = timeout_s
         self.max_attempts = max(1, max_attempts)
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s

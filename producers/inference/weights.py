@@ -3,17 +3,17 @@ produced each token.
 
 Two servers take new weights without a restart:
 
-* the local policy server (``producers.policy_server``): ``POST /v1/load_weights``; it also names the
+* the local policy server (``producers.inference.policy_server``): ``POST /v1/load_weights``; it also names the
   revision behind every response, so its Steps are exact by themselves;
 * vLLM (``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc {"method": "reload_policy_weights"}`` with the
-  checkpoint folder (vLLM's ``reload_weights``, then its LM head packed again: ``producers.vllm_worker``; plain
+  checkpoint folder (vLLM's ``reload_weights``, then its LM head packed again: ``producers.inference.vllm_worker``; plain
   ``reload_weights`` on a server started without that worker extension), then ``/reset_prefix_cache`` (the
   prefix cache survives a reload: a cached prompt would otherwise reuse KV computed with the old weights) and
   ``/update_weight_version``. A LoRA run's revision
   that is its adapter alone (``CheckpointRef.adapter``, ``policy.lora``) is loaded as prime-rl loads it: ``POST
   /v1/load_lora_adapter`` with the PEFT folder, under the one adapter name of the plan (``LoraSpec.adapter_name``),
   over the base it names (reloaded first when the server does not hold it); the arena's learner requests then name
-  the adapter as their model (``producers.arena``).
+  the adapter as their model (``producers.arena.arena``).
 
 vLLM's responses do not say which weights produced them, so the arena makes the stamp exact itself with a
 ``RevisionGate``: every learner call holds the gate shared; a swap holds it exclusively, so new calls wait
@@ -22,7 +22,7 @@ revision that was current while its call held the gate, so no token generated un
 another's name. A swap that fails leaves the server's weights unknown: the gate stays shut with that
 error, and every later call fails with it (recorded as failed rollouts) instead of being stamped.
 
-Several servers (``producers.pool.InferencePool``) take each revision together: ``PoolWeights`` runs one loader
+Several servers (``producers.inference.pool.InferencePool``) take each revision together: ``PoolWeights`` runs one loader
 per server concurrently, behind the one gate, so every server in the pool holds the revision that calls are
 stamped with. A server that fails to load is taken out of the pool, and loads the current revision before it
 rejoins (its probe, ``InferencePool.rejoin``). The swap fails only when no server took the weights, or when the
@@ -41,7 +41,7 @@ from typing import Any, AsyncIterator, Protocol
 
 import httpx
 
-from producers.pool import InferencePool, Server, server_root
+from producers.inference.pool import InferencePool, Server, server_root
 from schemas.policy import CheckpointRef, PolicyRevision
 
 
@@ -227,11 +227,11 @@ class VllmWeights:
     async def _server_info(self, http: httpx.AsyncClient) -> None:
         """The server's configuration (``/server_info``, once: ~2 s on 2 cores): its dtype (``probe_tolerance``),
         and its reload: ``reload_policy_weights`` where it runs our worker extension (every server ``VllmServer``
-        starts): vLLM's reload, then the LM head packed again (``producers.vllm_worker``; without it a CPU server
+        starts): vLLM's reload, then the LM head packed again (``producers.inference.vllm_worker``; without it a CPU server
         keeps computing logits with the head it started with). vLLM's own ``reload_weights`` on any other server
         (one started by hand, e.g. on a GPU, where no packed copy is kept): a method the server lacks would stop
         it."""
-        from producers.vllm_server import WORKER_EXTENSION
+        from producers.inference.vllm_server import WORKER_EXTENSION
 
         if self.reload_method is not None:
             return

@@ -13,7 +13,7 @@ Kinds
   model turns, ``@stop`` methods as termination conditions, ``max_turns``.
 * ``AlternatingRolesEpisode``: two members take turns; each sees its own turns as ``assistant`` and
   the other's as ``user`` messages prefixed with the speaker.
-* ``ToolEpisode``: Python functions become OpenAI tools (``producers.tools``); calls are dispatched and
+* ``ToolEpisode``: Python functions become OpenAI tools (``producers.environments.tools``); calls are dispatched and
   their results fed back as ``tool`` messages; ends when the model answers without a tool call
   (completed) or at ``max_turns`` (truncated).
 * ``StatefulToolEpisode``: ``setup_state(state)`` per rollout (a sandbox, a connection),
@@ -35,12 +35,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from producers.tools import ToolError, ToolRegistry
+from producers.environments.tools import ToolError, ToolRegistry
 from schemas.events import ChatMessage, Rollout, Step, ToolCall
 
 if TYPE_CHECKING:
-    from producers.dataset import Example
-    from producers.inference import Completion
+    from producers.environments.dataset import Example
+    from producers.inference.client import Completion
     from schemas.scoring import ScoringSpec
 
 

@@ -1,5 +1,5 @@
 """vLLM's worker, extended with the weight reload the arena calls (``--worker-extension-cls``, which
-``producers.vllm_server.VllmServer`` passes): vLLM's own reload, then the LM head's kernel state rebuilt from the
+``producers.inference.vllm_server.VllmServer`` passes): vLLM's own reload, then the LM head's kernel state rebuilt from the
 weights it now holds.
 
 Why: on a CPU, vLLM's unquantized LM head (``UnquantizedEmbeddingMethod.process_weights_after_loading`` ->

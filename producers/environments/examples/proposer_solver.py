@@ -18,10 +18,10 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from producers.dataset import Example
-from producers.environment_types import Environment
-from producers.episodes import Episode, EpisodeState, SingleTurnEpisode, system, user
-from producers.examples.arithmetic import make_dataset
+from producers.environments.dataset import Example
+from producers.environments.types import Environment
+from producers.environments.episodes import Episode, EpisodeState, SingleTurnEpisode, system, user
+from producers.environments.examples.arithmetic import make_dataset
 from schemas.scoring import ScoringSpec
 
 VERSION = "1.0.0"

@@ -1,4 +1,4 @@
-"""The arena's time limits, read by ``producers.arena`` and by ``rollout arena``'s flags (a light module: a CLI's
+"""The arena's time limits, read by ``producers.arena.arena`` and by ``rollout arena``'s flags (a light module: a CLI's
 ``--help`` imports it without the arena)."""
 
 # a group not fully emitted this long after its claim may be released by any arena: longer than a group takes

@@ -13,7 +13,7 @@ gets fewer new ones. Ties go in turn.
 A server taken out is probed (``GET /health`` at its root: vLLM's, and the local policy server's) every
 ``probe_s``. When it answers (any status below 500: an endpoint without /health answers 404) the pool's
 ``rejoin`` runs first, holding ``membership``, and only then does the server take requests again: there
-``producers.weights.PoolWeights`` loads the current revision, so a restarted server never serves its old
+``producers.inference.weights.PoolWeights`` loads the current revision, so a restarted server never serves its old
 weights. A weight swap holds ``membership`` too, so no server joins or rejoins while one is in progress.
 
 A server that restarts while idle fails no request to say so: where the pool restores weights (``rejoin``), every

@@ -9,9 +9,9 @@ tie 0.
 
 from __future__ import annotations
 
-from producers.dataset import Example
-from producers.environment_types import Environment
-from producers.episodes import AlternatingRolesEpisode
+from producers.environments.dataset import Example
+from producers.environments.types import Environment
+from producers.environments.episodes import AlternatingRolesEpisode
 from schemas.scoring import ScoringSpec
 
 VERSION = "1.0.0"

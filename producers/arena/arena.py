@@ -18,16 +18,16 @@ Policy revisions
 ----------------
 ``revisions`` (a ``streams.revisions.RevisionFollower`` of ``plan.family``: read_committed, no consumer group)
 delivers the trainer's ``PolicyRevision`` events for ``plan.family``. On each new one the arena makes it
-current. When the arena owns the learner's weights (``weights``: a ``producers.weights.WeightLoader`` per
+current. When the arena owns the learner's weights (``weights``: a ``producers.inference.weights.WeightLoader`` per
 server; by default the local policy server's loader when the learner is the arena's own endpoint) it loads the
-checkpoint into every server of its learner pool (``producers.pool``: one or several servers, each call to the
+checkpoint into every server of its learner pool (``producers.inference.pool``: one or several servers, each call to the
 least busy) under the ``RevisionGate``: calls in flight finish first, new calls wait, so each Step is stamped
 with exactly the revision whose weights produced all of its tokens, whichever server answered. A LoRA run's
 revision that is its adapter alone is served under the adapter's name (``LoraSpec.adapter_name``): from the swap
 that loads it on, learner calls name that model (revision 0, the base, is served as the family). A server that
 fails is out of the pool until it answers again and has loaded the current revision (``PoolWeights``). A revision
 that carries a probe (``PolicyRevision.probe``) is checked after the load: when a server answers its tokens otherwise
-than the revision's weights would, beyond its dtype's rounding (``producers.weights.probe_tolerance``), the Steps of
+than the revision's weights would, beyond its dtype's rounding (``producers.inference.weights.probe_tolerance``), the Steps of
 that revision carry it with ``policy_exact=False``. A
 revision the serving endpoint reports in its response wins (it is the one that produced the tokens). When nothing
 proves the revision (an endpoint the arena does not load and that does not report it), Steps carry the
@@ -49,7 +49,7 @@ Admission pacing (backpressure)
 -------------------------------
 Any number of arenas share ONE off-policy bound through the admissions ledger: a group is admitted only when its
 claim is granted, so its last rollout lands in a batch at most ``max_off_policy_steps`` revisions ahead of the
-policy that generated it. The rule and its claims, renewals and leases are ``producers.pacer``'s
+policy that generated it. The rule and its claims, renewals and leases are ``producers.arena.pacer``'s
 (``AdmissionPacer``). If the revision feed dies (e.g. the policy server refuses a revision's checkpoint),
 admission stops and ``run`` raises that error rather than generating against a revision it cannot track.
 """
@@ -67,17 +67,17 @@ from typing import Any
 
 import httpx
 
-from producers.arena_progress import ArenaProgress, ArenaStats
-from producers.dataset import Example
-from producers.emitter import Emitter
-from producers.environment import environment_from_spec
-from producers.environment_types import Environment
-from producers.episodes import Episode, EpisodeState, GenerateResult
-from producers.inference import Completion, InferenceClient, InferenceError
-from producers.limits import ADMISSION_LEASE_S, ROLLOUT_TIMEOUT_S, STOP_GRACE_S
-from producers.pacer import AdmissionPacer, default_arena_id, until_first
-from producers.pool import InferencePool
-from producers.weights import LocalPolicyWeights, PoolWeights, RevisionGate, WeightLoader, WeightLoadError
+from producers.arena.progress import ArenaProgress, ArenaStats
+from producers.environments.dataset import Example
+from producers.arena.emitter import Emitter
+from producers.environments.loader import environment_from_spec
+from producers.environments.types import Environment
+from producers.environments.episodes import Episode, EpisodeState, GenerateResult
+from producers.inference.client import Completion, InferenceClient, InferenceError
+from producers.arena.limits import ADMISSION_LEASE_S, ROLLOUT_TIMEOUT_S, STOP_GRACE_S
+from producers.arena.pacer import AdmissionPacer, default_arena_id, until_first
+from producers.inference.pool import InferencePool
+from producers.inference.weights import LocalPolicyWeights, PoolWeights, RevisionGate, WeightLoader, WeightLoadError
 from schemas.envelope import new_id
 from schemas.events import ChatMessage, Rollout, Step
 from schemas.policy import PolicyRef, PolicyRevision
@@ -222,7 +222,7 @@ class Arena:
                  arena_id: str | None = None, eval_environments: Sequence[tuple[Any, Environment]] | None = None,
                  max_failed_groups: int = 8, eval_concurrency: int = 64,
                  rollout_timeout_s: float = ROLLOUT_TIMEOUT_S) -> None:
-        """``policy_base_url``: the learner's server, or several (a pool: ``producers.pool``), when the plan's
+        """``policy_base_url``: the learner's server, or several (a pool: ``producers.inference.pool``), when the plan's
         learner names none. ``weights``: what loads a revision into one of them (``VllmWeights``,
         ``LocalPolicyWeights``: called with each server's URL); "auto": the local policy server's loader when the
         learner is this arena's own endpoint; None: the arena loads nothing. ``arena_id``: this arena among the

@@ -16,9 +16,9 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from producers.dataset import Example
-from producers.environment_types import Environment
-from producers.episodes import SingleTurnEpisode
+from producers.environments.dataset import Example
+from producers.environments.types import Environment
+from producers.environments.episodes import SingleTurnEpisode
 from schemas.scoring import ScoringSpec, WeightedFunc
 
 VERSION = "1.2.0"

@@ -28,7 +28,7 @@ How it works (written against verifiers 0.4.0's own API, no private patching):
   weighted sum of the trace's reward functions/judges, plus what ``Env.finalize`` recorded) over that seat's
   traces (one trace for most seats; a hierarchical env's solver seat runs several), kept in
   ``artifacts["verifiers"]["rewards_by_member"]`` with each trace's reward, the named components and metrics.
-  The scoring spec is a ``rubric`` whose one function, ``producers.verifiers_v1:verifiers_reward``, reads
+  The scoring spec is a ``rubric`` whose one function, ``producers.environments.verifiers_v1:verifiers_reward``, reads
   that recorded reward for the scored member (it raises when the env recorded none: no guessed reward, and
   when the env's reward function raised: the verifier dead-letters the rollout with that error).
 * Seats -> members: ``members={"seat": "member"}`` (default: the seat name; ``SingleAgentEnv``'s one seat
@@ -49,11 +49,11 @@ import types
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from producers.dataset import Example, TaskStream
-from producers.environment_types import Environment
-from producers.episodes import Episode, EpisodeState
-from producers.asgi_server import JSON, AppServer, Request, Response, body_json, error, json_app
-from producers.inference import SAMPLING_KEYS, TOOL_KEYS, InferenceError, from_openai_message, to_openai_message
+from producers.environments.dataset import Example, TaskStream
+from producers.environments.types import Environment
+from producers.environments.episodes import Episode, EpisodeState
+from producers.inference.asgi_server import JSON, AppServer, Request, Response, body_json, error, json_app
+from producers.inference.client import SAMPLING_KEYS, TOOL_KEYS, InferenceError, from_openai_message, to_openai_message
 from schemas.events import ChatMessage
 from schemas.scoring import ScoringSpec, WeightedFunc
 
@@ -66,7 +66,7 @@ EAGER_TASKS = 100_000
 KEY_VAR = "ROLLOUT_VERIFIERS_V1_PROXY_KEY"
 SESSION_HEADER = "x-session-id"  # verifiers.v1.clients.client.SESSION_ID_HEADER: the seat's trace id
 CHAT_HARNESS_ID = "rollout_log_chat"
-REWARD_FN = "producers.verifiers_v1:verifiers_reward"
+REWARD_FN = "producers.environments.verifiers_v1:verifiers_reward"
 
 
 # -- the capture endpoint ------------------------------------------------------------------------------

@@ -1,0 +1,98 @@
+"""The folders are the architecture (docs/CONVENTIONS.md): every import of the project's own code, at any depth of
+a module (inside functions and ``TYPE_CHECKING`` blocks too), points the way the rooms allow. A move that adds an
+arrow the wrong way fails here, with the file, the line and the rule."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = ("schemas", "streams", "policy", "producers", "consumers", "replay", "rollout", "benchmarks")
+
+# room -> the rooms it may import (its own always). The most specific room of a module wins.
+ALLOWED: dict[str, set[str]] = {
+    "schemas": set(),
+    "streams": {"schemas"},
+    "policy": {"schemas"},
+    "producers.inference": {"schemas", "streams", "policy", "producers.metrics"},
+    "producers.environments": {"schemas", "streams", "policy", "producers.inference"},
+    "producers.arena": {"schemas", "streams", "policy", "producers.environments", "producers.inference",
+                        "producers.metrics"},
+    "producers.metrics": {"schemas", "streams"},
+    "producers": {"schemas", "streams", "policy"},
+    "consumers": {"schemas", "streams", "policy"},
+    "replay": {"schemas", "streams"},
+    "rollout": set(PROJECT),  # the composition root
+    "benchmarks": set(PROJECT),
+}
+# libraries a room must not import: the contracts know nothing of Kafka or torch
+FORBIDDEN_LIBS = {"schemas": {"aiokafka", "torch", "faststream"}}
+
+
+def room(module: str) -> str | None:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in ALLOWED:
+            return ".".join(parts[:n])
+    return None
+
+
+def _allowed(src: str, dst: str) -> bool:
+    return any(dst == a or dst.startswith(a + ".") for a in ALLOWED[src] | {src})
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):  # the project imports absolutely: a relative one is named as such
+            name = "." * node.level + (node.module or "")
+            out += [(node.lineno, f"{name}.{a.name}") for a in node.names]
+    return out
+
+
+def _modules():
+    for top in PROJECT:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            yield path, ".".join(parts)
+
+
+def test_every_import_points_the_way_the_rooms_allow():
+    wrong = []
+    for path, module in _modules():
+        src = room(module)
+        assert src, f"{module}: in no room of ALLOWED"
+        for line, target in _imports(path):
+            top = target.split(".")[0]
+            if not top:
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: a relative import ({target}): name the module whole")
+            if top in FORBIDDEN_LIBS.get(src, ()):
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: {src} imports {target} (no {top} in {src})")
+            if top not in PROJECT:
+                continue
+            dst = room(target)
+            if dst and not _allowed(src, dst):
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: {src} imports {target} ({dst})")
+    assert not wrong, "imports across the rooms the wrong way:\n" + "\n".join(wrong)
+
+
+def test_the_rule_sees_a_wrong_arrow(tmp_path):
+    """The check itself: an environment importing the arena, an inference module importing an environment and a
+    consumer importing a producer are each caught."""
+    cases = {"producers.environments.x": "from producers.arena.arena import Arena\n",
+             "producers.inference.x": "import producers.environments.episodes\n",
+             "consumers.x": "def f():\n    from producers.inference.client import InferenceClient\n",
+             "schemas.x": "import torch\n"}
+    for module, src in cases.items():
+        p = tmp_path / "m.py"
+        p.write_text(src)
+        (line, target), = _imports(p)
+        dst, top = room(target), target.split(".")[0]
+        assert top in FORBIDDEN_LIBS.get(room(module), ()) or not _allowed(room(module), dst), (module, target)
