@@ -42,6 +42,7 @@ def _env(tokens: int, n: int = 64):
 
 async def _arena_run(settings, plan, url: str, groups: int, tokens: int, concurrency: int, per_txn: int,
                      collect: bool = False) -> tuple[dict, list]:
+    from producers.arena.config import ArenaConfig
     from producers.arena.arena import Arena
     from producers.arena.emitter import EmitterStats, KafkaEmitter, MemoryEmitter
 
@@ -51,7 +52,8 @@ async def _arena_run(settings, plan, url: str, groups: int, tokens: int, concurr
     else:
         emitter = KafkaEmitter(settings.client_kwargs(), f"bench-arena-{uuid.uuid4().hex[:8]}",
                                max_episodes_per_txn=per_txn)
-    arena = Arena(plan, {"bench": _env(tokens)}, emitter=emitter, policy_base_url=url, concurrency=concurrency)
+    arena = Arena(plan, {"bench": _env(tokens)}, emitter=emitter,
+                  config=ArenaConfig(policy_base_url=url, concurrency=concurrency))
     async with arena:
         # warm up one group (connections, first batch), not counted
         await arena.run(num_groups=1)

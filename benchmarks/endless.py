@@ -34,6 +34,7 @@ def _rss_mb() -> float:
 
 
 async def _run(recipe: Path, rollouts: int, every: int, concurrency: int, trace_heap: bool) -> dict:
+    from producers.arena.config import ArenaConfig
     from producers.arena.arena import Arena
     from producers.inference.echo_server import ScriptedServer
     from producers.arena.emitter import Emitter, EmitterStats
@@ -68,8 +69,8 @@ async def _run(recipe: Path, rollouts: int, every: int, concurrency: int, trace_
     emitter = Dropping()
     samples = []
     async with ScriptedServer(lambda body: {"content": "7"}) as server:
-        arena = Arena(plan, {spec.display_name: env}, emitter=emitter, policy_base_url=server.base_url,
-                      concurrency=concurrency)
+        arena = Arena(plan, {spec.display_name: env}, emitter=emitter,
+                      config=ArenaConfig(policy_base_url=server.base_url, concurrency=concurrency))
         t0 = time.perf_counter()
         async with arena:
             while emitter.rollouts < rollouts:

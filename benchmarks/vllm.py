@@ -60,6 +60,7 @@ async def _raw(url: str, model: str, prompts: list[str], sampling: dict, concurr
 
 async def _arena(settings, url: str, model: str, prompts: list[str], sampling: dict, concurrency: int,
                  gated: bool) -> dict:
+    from producers.arena.config import ArenaConfig
     from producers.arena.arena import Arena
     from producers.environments.dataset import Example
     from producers.arena.emitter import KafkaEmitter
@@ -79,8 +80,8 @@ async def _arena(settings, url: str, model: str, prompts: list[str], sampling: d
                       episode=SingleTurnEpisode(member="solver"), scoring=ScoringSpec(kind="exact_match", answer="0"),
                       sampling=sampling)
     emitter = KafkaEmitter(settings.client_kwargs(), f"bench-vllm-{uuid.uuid4().hex[:8]}")
-    arena = Arena(plan, {"bench": env}, emitter=emitter, policy_base_url=url, concurrency=concurrency,
-                  weights=VllmWeights if gated else None, client_options=CPU_CLIENT_OPTIONS)
+    arena = Arena(plan, {"bench": env}, emitter=emitter, weights=VllmWeights if gated else None,
+                  config=ArenaConfig(policy_base_url=url, concurrency=concurrency, client_options=CPU_CLIENT_OPTIONS))
     async with arena:
         t0 = time.perf_counter()
         stats = await arena.run(num_groups=len(prompts) // group)

@@ -111,6 +111,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 async def _main(args: argparse.Namespace) -> int:
     import json
 
+    from producers.arena.config import ArenaConfig
     from producers.arena.arena import Arena, RunFailing
     from producers.arena.pacer import default_arena_id
     from streams.admissions import KafkaLedger
@@ -194,14 +195,15 @@ async def _main(args: argparse.Namespace) -> int:
         print(f"arena id: {arena_id}")
         emitter = KafkaEmitter(settings.client_kwargs(), f"arena-{arena_id}")
         follower = RevisionFollower(settings.client_kwargs(), plan.family) if args.follow_revisions else None
-        arena = Arena(plan, environments, eval_environments=eval_environments, emitter=emitter,
-                      policy_base_url=urls, concurrency=args.concurrency, progress=not args.no_progress,
-                      run_id=run_id, revisions=follower, seed=args.seed,
-                      weights=weights, evaluate=args.evaluate, client_options=client_options,
-                      admissions=KafkaLedger(settings.client_kwargs()), admission_lease_s=args.admission_lease_s,
-                      arena_id=arena_id, producer_name=f"arena-{arena_id}",
-                      max_failed_groups=args.max_failed_groups, eval_concurrency=args.eval_concurrency,
-                      rollout_timeout_s=args.rollout_timeout)
+        arena = Arena(plan, environments, eval_environments=eval_environments, emitter=emitter, revisions=follower,
+                      weights=weights, admissions=KafkaLedger(settings.client_kwargs()),
+                      config=ArenaConfig(policy_base_url=urls, concurrency=args.concurrency,
+                                         progress=not args.no_progress, run_id=run_id, seed=args.seed,
+                                         evaluate=args.evaluate, client_options=client_options,
+                                         admission_lease_s=args.admission_lease_s, arena_id=arena_id,
+                                         producer_name=f"arena-{arena_id}", max_failed_groups=args.max_failed_groups,
+                                         eval_concurrency=args.eval_concurrency,
+                                         rollout_timeout_s=args.rollout_timeout))
         from producers.metrics import arena_samples, endpoint, policy_server_samples, vllm_samples
 
         metrics = endpoint("arena", args.metrics_port, ("arena", lambda: arena_samples(arena, emitter)),

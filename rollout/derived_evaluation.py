@@ -73,6 +73,7 @@ async def evaluating(plan: GenerationPlan, family: str, first: int, kw: dict[str
     """An arena answering ``plan``'s held-out questions (its server started for ``plan``: ``server_plan``) with each
     revision of ``family`` (from ``first`` on: the fork, or where a resumed run left off) due at the plan's
     cadence; ``evaluate_last`` it with the run's last revision."""
+    from producers.arena.config import ArenaConfig
     from producers.arena.arena import Arena
     from producers.arena.emitter import KafkaEmitter
     from producers.environments.loader import environment_from_spec
@@ -110,7 +111,8 @@ async def evaluating(plan: GenerationPlan, family: str, first: int, kw: dict[str
             url, weights, options = vllm.base_url, VllmWeights.for_plan(served), dict(CPU_CLIENT_OPTIONS)
         arena_id = f"{run_id}-eval"
         arena = Arena(plan, environments, eval_environments=eval_environments,
-                      emitter=KafkaEmitter(kw, f"arena-{arena_id}"), policy_base_url=url, run_id=run_id,
-                      revisions=RevisionFollower(kw, family), weights=weights, evaluate=True, base_revision=first,
-                      client_options=options, arena_id=arena_id, producer_name=f"arena-{arena_id}")
+                      emitter=KafkaEmitter(kw, f"arena-{arena_id}"), revisions=RevisionFollower(kw, family),
+                      weights=weights,
+                      config=ArenaConfig(policy_base_url=url, run_id=run_id, evaluate=True, base_revision=first,
+                                         client_options=options, arena_id=arena_id, producer_name=f"arena-{arena_id}"))
         yield await stack.enter_async_context(arena)

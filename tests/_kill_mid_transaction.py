@@ -8,6 +8,7 @@ transaction pauses after every message was sent (and acknowledged) but before th
 import asyncio
 import sys
 
+from producers.arena.config import ArenaConfig
 from producers.arena.arena import Arena
 from producers.environments.dataset import Example
 from producers.inference.echo_server import EchoServer
@@ -35,7 +36,7 @@ async def main(bootstrap: str, txn_id: str, steps_topic: str, rollouts_topic: st
     emitter = KafkaEmitter({"bootstrap_servers": bootstrap}, txn_id, steps_topic=steps_topic,
                            rollouts_topic=rollouts_topic, before_commit=hang)
     async with EchoServer() as echo:
-        async with Arena(plan, {"k": env}, emitter=emitter, policy_base_url=echo.base_url) as arena:
+        async with Arena(plan, {"k": env}, emitter=emitter, config=ArenaConfig(policy_base_url=echo.base_url)) as arena:
             await arena.run(num_groups=1)
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from policy import PolicyModel, save_checkpoint
 from policy.hf import FAMILY, prepare_model
+from producers.arena.config import ArenaConfig
 from producers.arena.arena import Arena
 from producers.inference.client import InferenceClient, InferenceUnavailable
 from producers.inference.policy_server import PolicyServer
@@ -188,8 +189,9 @@ async def test_two_vllm_servers_one_killed_mid_run_nothing_lost_every_step_exact
     await _publish_revision(kw, revisions, revs[0])
     # the plan's learner lists both servers: one pool
     arena = Arena(_plan([vllm_server.base_url, second.base_url], batch_size=10**6), weights=VllmWeights,
-                  emitter=_emitter(kafka_settings, pipeline_topics), concurrency=16,
-                  revisions=RevisionFollower(kw, FAMILY, topic=revisions), client_options=CPU_CLIENT_OPTIONS)
+                  emitter=_emitter(kafka_settings, pipeline_topics),
+                  revisions=RevisionFollower(kw, FAMILY, topic=revisions),
+                  config=ArenaConfig(concurrency=16, client_options=CPU_CLIENT_OPTIONS))
     survivor, killed = arena.pool.servers
     stop = asyncio.Event()
     try:

@@ -12,6 +12,7 @@ import torch
 
 from policy import PolicyModel, save_checkpoint, token_logprobs
 from policy.tokenizer import TOKENIZER
+from producers.arena.config import ArenaConfig
 from producers.arena.arena import Arena
 from producers.inference.echo_server import FlakyServer, ScriptedServer, tool_call
 from producers.arena.emitter import MemoryEmitter
@@ -173,7 +174,7 @@ async def policy_server():
 async def test_single_turn_arithmetic_rollouts(policy_server):
     em = MemoryEmitter()
     async with Arena(_plan("arithmetic", policy_server.base_url), emitter=em,
-                     policy_base_url=policy_server.base_url) as arena:
+                     config=ArenaConfig(policy_base_url=policy_server.base_url)) as arena:
         stats = await arena.run(num_groups=2)
     assert stats.rollouts == 16 and stats.failed == 0
     by_group: dict[str, list] = {}
@@ -205,7 +206,7 @@ async def test_each_rollout_names_the_training_source_it_was_sampled_for_and_its
                                            + '[orchestrator.train.source.algo]\ntype = "opd"\n'
                                              'teacher = { name = "t", base_url = "http://t/v1" }\n'), "mixed.toml")
     em = MemoryEmitter()
-    async with Arena(plan, emitter=em, policy_base_url=policy_server.base_url, seed=1) as arena:
+    async with Arena(plan, emitter=em, config=ArenaConfig(policy_base_url=policy_server.base_url, seed=1)) as arena:
         await arena.run(num_groups=6)
     by_group = {r.group_id: r.train_source for r in em.rollouts}
     assert set(by_group.values()) == {"a-grpo", "a-opd"} and len(by_group) == 6
@@ -217,8 +218,8 @@ async def test_each_rollout_names_the_training_source_it_was_sampled_for_and_its
 
 async def test_debate_alternates_and_routes_train_one(policy_server):
     em = MemoryEmitter()
-    async with Arena(_plan("debate", policy_server.base_url), emitter=em, policy_base_url=policy_server.base_url,
-                     seed=5) as arena:
+    async with Arena(_plan("debate", policy_server.base_url), emitter=em,
+                     config=ArenaConfig(policy_base_url=policy_server.base_url, seed=5)) as arena:
         await arena.run(num_groups=2)
     assert len(em.rollouts) == 8
     for r in em.rollouts:
@@ -239,7 +240,7 @@ async def test_debate_alternates_and_routes_train_one(policy_server):
 async def test_proposer_solver_hierarchy_links(policy_server):
     em = MemoryEmitter()
     async with Arena(_plan("proposer_solver", policy_server.base_url), emitter=em,
-                     policy_base_url=policy_server.base_url) as arena:
+                     config=ArenaConfig(policy_base_url=policy_server.base_url)) as arena:
         await arena.run(num_groups=1)
     parents = [r for r in em.rollouts if r.parent_rollout_id is None]
     children = [r for r in em.rollouts if r.parent_rollout_id is not None]
@@ -278,13 +279,15 @@ def _env(episode, n=4, scoring=None) -> Environment:
 async def test_multi_turn_env_response_and_stop_condition(policy_server):
     em = MemoryEmitter()
     env = _env(CountdownEpisode(max_turns=10))
-    async with Arena(single_plan(), {"unit": env}, emitter=em, policy_base_url=policy_server.base_url) as arena:
+    async with Arena(single_plan(), {"unit": env}, emitter=em,
+                     config=ArenaConfig(policy_base_url=policy_server.base_url)) as arena:
         await arena.run(num_groups=1)
     for r in em.rollouts:
         assert r.status == "completed" and r.artifacts["stop_reason"] == "enough" and len(r.step_ids) == 2
     env2 = _env(CountdownEpisode(max_turns=1))
     em2 = MemoryEmitter()
-    async with Arena(single_plan(), {"unit": env2}, emitter=em2, policy_base_url=policy_server.base_url) as arena:
+    async with Arena(single_plan(), {"unit": env2}, emitter=em2,
+                     config=ArenaConfig(policy_base_url=policy_server.base_url)) as arena:
         await arena.run(num_groups=1)
     assert all(r.artifacts["stop_reason"] == "max_turns" and len(r.step_ids) == 1 for r in em2.rollouts)
 
@@ -311,7 +314,8 @@ async def test_tool_episode_dispatches_and_feeds_results_back():
     em = MemoryEmitter()
     async with ScriptedServer(_tool_script) as server:
         env = _env(ToolEpisode([add], max_turns=4))
-        async with Arena(single_plan(), {"unit": env}, emitter=em, policy_base_url=server.base_url) as arena:
+        async with Arena(single_plan(), {"unit": env}, emitter=em,
+                         config=ArenaConfig(policy_base_url=server.base_url)) as arena:
             await arena.run(num_groups=1)
     for r in em.rollouts:
         assert r.status == "completed" and r.episode_type == "tool_use" and r.artifacts["tool_calls_made"] == 1
@@ -327,7 +331,7 @@ async def test_tool_episode_truncates_at_max_turns():
     always = lambda body: {"content": None, "tool_calls": [tool_call("add", {"a": 1, "b": 1})]}  # noqa: E731
     async with ScriptedServer(always) as server:
         async with Arena(single_plan(), {"unit": _env(ToolEpisode([add], max_turns=3))}, emitter=em,
-                         policy_base_url=server.base_url) as arena:
+                         config=ArenaConfig(policy_base_url=server.base_url)) as arena:
             await arena.run(num_groups=1)
     assert all(r.status == "truncated" and len(r.step_ids) == 3 for r in em.rollouts)
 
@@ -369,7 +373,8 @@ async def test_stateful_tools_never_leak_between_concurrent_rollouts():
         schema = env.episode.registry.schemas
         assert all("sandbox" not in s["function"]["parameters"]["properties"] for s in schema)
         plan = single_plan(group_size=3, batch_size=100)
-        async with Arena(plan, {"unit": env}, emitter=em, policy_base_url=server.base_url, concurrency=24) as arena:
+        async with Arena(plan, {"unit": env}, emitter=em,
+                         config=ArenaConfig(policy_base_url=server.base_url, concurrency=24)) as arena:
             await arena.run(num_groups=8)
     assert len(em.rollouts) == 24 and len(SandboxEpisode.opened) == 24
     assert len({id(s) for s in SandboxEpisode.opened}) == 24 and all(s["closed"] for s in SandboxEpisode.opened)
@@ -382,7 +387,8 @@ async def test_dead_endpoint_gives_failed_rollouts_that_are_still_emitted():
     em = MemoryEmitter()
     dead = f"http://127.0.0.1:{free_port()}/v1"
     async with Arena(single_plan(), {"unit": _env(CountdownEpisode(max_turns=2))}, emitter=em,
-                     policy_base_url=dead, client_options={"max_attempts": 2, "backoff_s": 0.01}) as arena:
+                     config=ArenaConfig(policy_base_url=dead, client_options={"max_attempts": 2,
+                                        "backoff_s": 0.01})) as arena:
         stats = await arena.run(num_groups=1)
     assert stats.failed == 2 and len(em.rollouts) == 2
     for r in em.rollouts:
@@ -512,7 +518,8 @@ async def test_evaluation_answers_held_out_and_eval_sources_greedily_without_pac
     source = EnvSpec(id="arithmetic", name="arith-eval", args={"num_examples": 3, "seed": 99}, evaluation=True)
     plan = plan.model_copy(update={"environments": [train], "eval_environments": [source]})
     em = MemoryEmitter()
-    async with Arena(plan, emitter=em, policy_base_url=policy_server.base_url, evaluate=True) as arena:
+    async with Arena(plan, emitter=em,
+                     config=ArenaConfig(policy_base_url=policy_server.base_url, evaluate=True)) as arena:
         assert await arena.run_evaluation() == 5  # 2 held out by the training env + the eval source's 3
         assert await arena.run_evaluation() == 5
     assert arena.stats.evaluations == 10 and arena.stats.rollouts == 0 and arena.pacer.admitted == 0
@@ -532,8 +539,9 @@ async def test_evaluation_answers_its_held_out_set_at_its_own_concurrency(policy
     train = plan.environments[0].model_copy(update={"args": {"num_examples": 20, "eval_examples": 5}})
     plan = plan.model_copy(update={"environments": [train]})
     for eval_concurrency, expected in ((5, 5), (2, 2)):
-        async with Arena(plan, emitter=MemoryEmitter(), policy_base_url=policy_server.base_url, evaluate=True,
-                         concurrency=2, eval_concurrency=eval_concurrency) as arena:
+        async with Arena(plan, emitter=MemoryEmitter(),
+                         config=ArenaConfig(policy_base_url=policy_server.base_url, evaluate=True, concurrency=2,
+                                            eval_concurrency=eval_concurrency)) as arena:
             peak, run = [0, 0], arena.run_rollout
 
             async def counted(req):
@@ -558,7 +566,8 @@ async def test_evaluation_follows_the_plans_cadence_and_takes_the_runs_last_revi
     source = EnvSpec(id="arithmetic", name="arith-eval", args={"num_examples": 3, "seed": 99}, evaluation=True,
                      options={"interval": 3})
     plan = plan.model_copy(update={"environments": [train], "eval_environments": [source], "eval_interval": 2})
-    async with Arena(plan, emitter=MemoryEmitter(), policy_base_url=policy_server.base_url, evaluate=True) as arena:
+    async with Arena(plan, emitter=MemoryEmitter(),
+                     config=ArenaConfig(policy_base_url=policy_server.base_url, evaluate=True)) as arena:
         # held out (2) at 0, 2, 4, 6; the source (3) at 0, 3, 6
         assert [len(arena.eval_due(r)) for r in range(7)] == [5, 0, 2, 3, 2, 0, 5]
         assert not arena._evaluates(5)
@@ -580,7 +589,7 @@ async def test_two_sources_of_one_environment_stay_two(policy_server):
                                                 "options": {"weight": 3}})
     b = plan.environments[0].model_copy(update={"name": "hard", "args": {"max_operand": 99}})
     arena = Arena(plan.model_copy(update={"environments": [a, b]}), emitter=MemoryEmitter(),
-                  policy_base_url=policy_server.base_url)
+                  config=ArenaConfig(policy_base_url=policy_server.base_url))
     assert sorted(arena.environments) == ["easy", "hard"] and arena.env_weights == {"easy": 3.0, "hard": 1.0}
 
     with pytest.raises(ValueError, match="only 72 distinct questions"):  # 6 x 6 operands x 2 ops: never a hang

@@ -134,6 +134,7 @@ async def test_replay_of_arena_episodes_through_the_services(kafka_settings, pre
     from pathlib import Path
 
     from policy import PolicyModel
+    from producers.arena.config import ArenaConfig
     from producers.arena.arena import Arena
     from producers.arena.emitter import KafkaEmitter
     from producers.inference.policy_server import PolicyServer
@@ -159,7 +160,8 @@ async def test_replay_of_arena_episodes_through_the_services(kafka_settings, pre
             await prod.send_and_wait(topics.POLICY_REVISIONS.name, v, key=k, headers=h)
             await prod.stop()
             emitter = KafkaEmitter(kw, f"arena-{uuid.uuid4().hex[:8]}")
-            arena = Arena(plan, emitter=emitter, policy_base_url=server.base_url, run_id=run_id, weights=None)
+            arena = Arena(plan, emitter=emitter, weights=None,
+                          config=ArenaConfig(policy_base_url=server.base_url, run_id=run_id))
             await arena.start()
             try:
                 await arena.run(num_groups=4)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from policy import PolicyModel, token_logprobs
+from producers.arena.config import ArenaConfig
 from producers.arena.arena import Arena
 from producers.inference.policy_server import PolicyServer
 from schemas.events import Rollout, Step
@@ -115,11 +116,11 @@ async def _read_log(kafka_settings, topics, n_rollouts: int) -> tuple[list[Rollo
     return rollouts, steps
 
 
-async def _run(environment, plan, emitter, policy_base_url: str, num_groups: int, **options):
+async def _run(environment, plan, emitter, policy_base_url: str, num_groups: int, weights="auto", **settings):
     """The arena's stats for ``num_groups`` groups of the env (its interception server closed even on failure)."""
     try:
-        async with Arena(plan, {"vf": environment}, emitter=emitter, policy_base_url=policy_base_url,
-                         **options) as arena:
+        async with Arena(plan, {"vf": environment}, emitter=emitter, weights=weights,
+                         config=ArenaConfig(policy_base_url=policy_base_url, **settings)) as arena:
             return await arena.run(num_groups=num_groups)
     finally:
         await environment.episode.aclose()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from policy.hf import FAMILY, checkpoint_folder, load_model, logprob_probe, prepare_model, save_checkpoint, token_logprobs
+from producers.arena.config import ArenaConfig
 from producers.arena.arena import Arena
 from producers.environments.dataset import Example
 from producers.arena.emitter import MemoryEmitter
@@ -80,8 +81,9 @@ async def test_multi_turn_second_prompt_contains_the_first_turn_tokens(vllm_serv
                       episode=_TwoTurns(max_turns=2), scoring=ScoringSpec(kind="exact_match", answer="12"),
                       sampling={"max_tokens": 12, "temperature": 0.0})
     em = MemoryEmitter()
-    async with Arena(_plan(vllm_server.base_url, group_size=2), {"t": env}, emitter=em,
-                     policy_base_url=vllm_server.base_url, weights=None, client_options=CPU_CLIENT_OPTIONS) as arena:
+    async with Arena(_plan(vllm_server.base_url, group_size=2), {"t": env}, emitter=em, weights=None,
+                     config=ArenaConfig(policy_base_url=vllm_server.base_url,
+                                        client_options=CPU_CLIENT_OPTIONS)) as arena:
         await arena.run(num_groups=1)
     assert len(em.rollouts) == 2
     by_id = {s.step_id: s for s in em.steps}
@@ -126,9 +128,10 @@ async def test_revision_swapped_mid_run_stamps_every_step_exactly(vllm_server, k
     rev1 = _distinct_checkpoint(tmp_path)
     plan = _plan(vllm_server.base_url, batch_size=1000)  # no pacing pause in this test
     await _publish_revision(kw, revisions, rev0)
-    arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics), policy_base_url=vllm_server.base_url,
+    arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics),
                   revisions=RevisionFollower(kw, FAMILY, topic=revisions), weights=VllmWeights,
-                  concurrency=16, client_options=CPU_CLIENT_OPTIONS)
+                  config=ArenaConfig(policy_base_url=vllm_server.base_url, concurrency=16,
+                                     client_options=CPU_CLIENT_OPTIONS))
     async with arena:
         await _wait_for(lambda: arena.current_policy.checkpoint_digest == rev0.checkpoint.digest, 60)
         run = asyncio.create_task(arena.run(num_groups=8))
@@ -187,9 +190,10 @@ async def test_an_adapter_revision_is_loaded_as_prime_rl_loads_it_and_every_step
     await _publish_revision(kw, revisions, rev0)
     async with server:
         plan = _plan(server.base_url, batch_size=1000, lora=lora_plan.lora)
-        arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics), policy_base_url=server.base_url,
+        arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics),
                       revisions=RevisionFollower(kw, FAMILY, topic=revisions), weights=VllmWeights.for_plan(plan),
-                      concurrency=16, client_options=CPU_CLIENT_OPTIONS)
+                      config=ArenaConfig(policy_base_url=server.base_url, concurrency=16,
+                                         client_options=CPU_CLIENT_OPTIONS))
         async with arena:
             await _wait_for(lambda: arena.current_policy.checkpoint_digest == rev0.checkpoint.digest, 60)
             assert arena.learner_model is None  # revision 0: the base, under the family's name
@@ -308,9 +312,9 @@ async def test_steps_of_a_revision_whose_probe_the_server_misses_are_not_stamped
     await _publish_revision(kw, revisions, rev0)
     async with server:
         plan = _plan(server.base_url, batch_size=1000, group_size=2)
-        arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics), policy_base_url=server.base_url,
+        arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics),
                       revisions=RevisionFollower(kw, FAMILY, topic=revisions), weights=VllmWeights,
-                      client_options=CPU_CLIENT_OPTIONS)
+                      config=ArenaConfig(policy_base_url=server.base_url, client_options=CPU_CLIENT_OPTIONS))
         async with arena:
             await _wait_for(lambda: arena.current_policy.checkpoint_digest == rev0.checkpoint.digest, 60)
             await arena.run(num_groups=1)
@@ -327,8 +331,8 @@ async def test_steps_of_a_revision_whose_probe_the_server_misses_are_not_stamped
 async def test_vllm_unreachable_rollouts_fail_with_the_reason_nothing_lost(kafka_settings, pipeline_topics):
     dead = f"http://127.0.0.1:{free_port()}/v1"
     plan = _plan(dead, group_size=2)
-    arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics), policy_base_url=dead,
-                  weights=VllmWeights, client_options={"max_attempts": 2, "backoff_s": 0.01})
+    arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics), weights=VllmWeights,
+                  config=ArenaConfig(policy_base_url=dead, client_options={"max_attempts": 2, "backoff_s": 0.01}))
     async with arena:
         stats = await arena.run(num_groups=3)
     rollouts = [e for *_, e in await read_all(kafka_settings.client_kwargs(), pipeline_topics[1], expect=6)]
@@ -347,8 +351,9 @@ async def test_a_revision_that_cannot_be_loaded_stops_admission_and_is_never_sta
                          checkpoint=good.model_copy(update={"digest": "0" * 64}))  # not the bytes on disk
     await _publish_revision(kw, revisions, rev0)
     arena = Arena(_plan(vllm_server.base_url, batch_size=1000), emitter=_emitter(kafka_settings, pipeline_topics),
-                  policy_base_url=vllm_server.base_url, revisions=RevisionFollower(kw, FAMILY, topic=revisions),
-                  weights=VllmWeights, concurrency=8, client_options=CPU_CLIENT_OPTIONS)
+                  revisions=RevisionFollower(kw, FAMILY, topic=revisions), weights=VllmWeights,
+                  config=ArenaConfig(policy_base_url=vllm_server.base_url, concurrency=8,
+                                     client_options=CPU_CLIENT_OPTIONS))
     async with arena:
         await _wait_for(lambda: arena.current_policy.checkpoint_digest == rev0.checkpoint.digest, 60)
         # no group limit: only the refused swap may end the run (50 groups once finished before the swap came)

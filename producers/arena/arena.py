@@ -2,7 +2,7 @@
 stamps every Step with the policy revision that produced it, follows the trainer's policy revisions
 and paces admission so generation never runs further ahead of training than the plan allows.
 
-    arena = Arena(plan, emitter=KafkaEmitter(...), policy_base_url=server.base_url, concurrency=32)
+    arena = Arena(plan, emitter=KafkaEmitter(...), config=ArenaConfig(policy_base_url=server.base_url))
     async with arena:                       # starts the emitter (and the revision follower, if given)
         stats = await arena.run(num_groups=16)
 
@@ -60,9 +60,7 @@ import asyncio
 import logging
 import random
 import time
-from contextlib import asynccontextmanager
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -72,16 +70,18 @@ from producers.environments.dataset import Example
 from producers.arena.emitter import Emitter
 from producers.environments.loader import environment_from_spec
 from producers.environments.types import Environment
-from producers.environments.episodes import Episode, EpisodeState, GenerateResult
-from producers.inference.client import Completion, InferenceClient, InferenceError
-from producers.arena.limits import ADMISSION_LEASE_S, ROLLOUT_TIMEOUT_S, STOP_GRACE_S
+from producers.environments.episodes import EpisodeState, GenerateResult
+from producers.inference.client import InferenceClient, InferenceError
+from producers.arena.config import ArenaConfig
+from producers.arena.limits import STOP_GRACE_S
+from producers.arena.rollout import EpisodeRequest, RolloutContext
 from producers.arena.pacer import AdmissionPacer, default_arena_id, until_first
 from producers.inference.pool import InferencePool
 from producers.inference.weights import LocalPolicyWeights, PoolWeights, RevisionGate, WeightLoader, WeightLoadError
 from schemas.envelope import new_id
-from schemas.events import ChatMessage, Rollout, Step
+from schemas.events import Rollout
 from schemas.policy import PolicyRef, PolicyRevision
-from schemas.scoring import SCORING_ARTIFACT, ScoringSpec
+from schemas.scoring import SCORING_ARTIFACT
 from streams.admissions import MemoryLedger
 from streams.revisions import RevisionFollower
 
@@ -110,99 +110,6 @@ async def _acquired(sem: asyncio.Semaphore, stop: asyncio.Event | None, grace_un
     return False
 
 
-# -- requests and the per-rollout context ----------------------------------------------------------
-
-@dataclass
-class EpisodeRequest:
-    """One rollout to run: which environment/episode, which example, its group and seed."""
-
-    env: Environment
-    example: Example
-    group_id: str
-    root_group_id: str
-    group_size: int
-    sample_seed: int
-    episode: Episode | None = None  # default: env.episode
-    scoring: ScoringSpec | Callable[[Example, EpisodeState], ScoringSpec] | None = None  # default: env's
-    parent_rollout_id: str | None = None
-    rollout_id: str = field(default_factory=new_id)
-    evaluation: bool = False  # a held-out question: sampled with the arena's eval_sampling, never trained on
-    train_source: str | None = None  # the plan's training source it was sampled for (its name): its algorithm
-
-
-class _Context:
-    def __init__(self, arena: Arena, req: EpisodeRequest, state: EpisodeState, policy: PolicyRef) -> None:
-        self.arena, self.req, self.state, self.policy = arena, req, state, policy
-        self.rollout_id = req.rollout_id
-        self.sample_seed = req.sample_seed
-        self.steps: list[Step] = []
-        episode = req.episode or req.env.episode
-        self.routes = {m: arena.plan.route(m, req.rollout_id, req.sample_seed) for m in episode.members}
-
-    async def call_model(self, member_id: str, messages: Sequence[ChatMessage], *,
-                         tools: list[dict[str, Any]] | None = None,
-                         sampling: dict[str, Any] | None = None) -> Completion:
-        if member_id not in self.routes:
-            raise ValueError(f"member {member_id!r} is not declared in the episode's members {sorted(self.routes)}")
-        target, trainable = self.routes[member_id]
-        episode = self.req.episode or self.req.env.episode
-        samp = dict(target.sampling)
-        if target.is_learner:
-            samp.update(self.req.env.sampling)
-            samp.update(self.arena.env_sampling.get(self.req.env.ref, {}))
-        samp.update(episode.sampling.get(member_id, {}))
-        samp.update(sampling or {})
-        if self.req.evaluation:
-            samp.update(self.arena.eval_sampling)
-            if target.is_learner and any(env is self.req.env for _, env in self.arena.eval_environments):
-                samp.update(self.req.env.sampling)  # an evaluation source's own sampling is the recipe's word
-        index = len(self.steps)
-        client = self.arena.client_for(target)
-        gated = target.is_learner and self.arena.weights is not None
-        t0 = time.perf_counter()
-        try:
-            async with self.arena.gate.call() if gated else _no_gate():
-                # no swap can start before this call ends
-                held, held_exact = self.arena.current_policy, self.arena.served_exact
-                comp = await client.chat(list(messages), sampling=samp, tools=tools,
-                                         seed=self.sample_seed * 1000 + index, require_tokens=trainable,
-                                         model=self.arena.learner_model if gated else None)
-        except WeightLoadError as e:
-            raise InferenceError(str(e)) from None
-        latency = time.perf_counter() - t0
-        policy, exact = None, True
-        if trainable:
-            if comp.policy and comp.policy.family == self.arena.plan.family:
-                policy = comp.policy
-            else:
-                policy, exact = held, gated and held_exact
-        step = Step(
-            run_id=self.arena.run_id, producer=self.arena.producer_name, step_id=f"{self.rollout_id}-{index:03d}",
-            rollout_id=self.rollout_id, root_group_id=self.req.root_group_id, index=index, member_id=member_id,
-            target=target.name, trainable=trainable, policy=policy, prompt=list(messages),
-            completion=[comp.message.model_copy(update={"name": member_id})],
-            prompt_token_ids=comp.prompt_token_ids, completion_token_ids=comp.completion_token_ids,
-            completion_logprobs=comp.logprobs, finish_reason=comp.finish_reason,
-            tool_calls=list(comp.message.tool_calls), latency_s=latency, policy_exact=exact)
-        self.steps.append(step)
-        self.arena.stats.steps += 1
-        self.arena.stats.completion_tokens += len(comp.completion_token_ids)
-        return comp
-
-    async def spawn(self, episode: Episode, examples: Sequence[Example], *,
-                    scoring: ScoringSpec | Callable[[Example, EpisodeState], ScoringSpec] | None = None,
-                    ) -> list[GenerateResult]:
-        group_id = new_id()
-        reqs = [EpisodeRequest(env=self.req.env, example=ex, group_id=group_id, root_group_id=self.req.root_group_id,
-                               group_size=len(examples), sample_seed=self.arena.rng.getrandbits(31), episode=episode,
-                               scoring=scoring, parent_rollout_id=self.rollout_id, evaluation=self.req.evaluation,
-                               train_source=self.req.train_source)
-                for ex in examples]
-        results = await asyncio.gather(*(self.arena.run_rollout(r) for r in reqs))
-        self.state.children.extend(results)
-        return list(results)
-
-
 # -- the arena -----------------------------------------------------------------------------------------
 
 class RunFailing(RuntimeError):
@@ -212,31 +119,20 @@ class RunFailing(RuntimeError):
 
 class Arena:
     def __init__(self, plan: Any, environments: Mapping[str, Environment] | None = None, *, emitter: Emitter,
-                 policy_base_url: str | Sequence[str] | None = None, concurrency: int = 32, progress: bool = False,
-                 run_id: str | None = None, producer_name: str = "arena", revisions: RevisionFollower | None = None,
-                 weights: Callable[[str], WeightLoader] | None | str = "auto", seed: int = 0,
-                 base_revision: int | None = None,
-                 client_options: Mapping[str, Any] | None = None, manage_emitter: bool = True,
-                 evaluate: bool = False, eval_sampling: Mapping[str, Any] | None = None,
-                 admissions: MemoryLedger | None = None, admission_lease_s: float = ADMISSION_LEASE_S,
-                 arena_id: str | None = None, eval_environments: Sequence[tuple[Any, Environment]] | None = None,
-                 max_failed_groups: int = 8, eval_concurrency: int = 64,
-                 rollout_timeout_s: float = ROLLOUT_TIMEOUT_S) -> None:
-        """``policy_base_url``: the learner's server, or several (a pool: ``producers.inference.pool``), when the plan's
-        learner names none. ``weights``: what loads a revision into one of them (``VllmWeights``,
-        ``LocalPolicyWeights``: called with each server's URL); "auto": the local policy server's loader when the
-        learner is this arena's own endpoint; None: the arena loads nothing. ``arena_id``: this arena among the
-        run's many (its claims on the admissions ledger; default ``default_arena_id``). ``producer_name`` is what
-        its events say produced them. ``max_failed_groups``: stop (``RunFailing``) after this many training groups
-        in a row whose every rollout failed (0: never). ``eval_concurrency``: held-out answers in flight at most,
-        beside the training rollouts' ``concurrency``: the demo's 48 questions in one wave, not two (at 32 the
-        last evaluation took 9.5 s where 48 at once take 5 s; benchmarks/RESULTS.md). ``rollout_timeout_s``: a
-        rollout's deadline (its setup and episode, sub-episodes included; its cleanup gets as long again): one past it
-        is recorded failed with that reason, so a hung tool call or sandbox cannot hold its group, and the batch that
-        owes it, for ever (0: none)."""
+                 config: ArenaConfig = ArenaConfig(), revisions: RevisionFollower | None = None,
+                 weights: Callable[[str], WeightLoader] | None | str = "auto", admissions: MemoryLedger | None = None,
+                 eval_environments: Sequence[tuple[Any, Environment]] | None = None,
+                 manage_emitter: bool = True) -> None:
+        """``config``: its settings (``ArenaConfig``). ``weights``: what loads a revision into a learner server
+        (``VllmWeights``, ``LocalPolicyWeights``: called with each server's URL); "auto": the local policy server's
+        loader when the learner is this arena's own endpoint; None: the arena loads nothing. ``admissions``: the
+        run's ledger (default: claims folded in memory). ``eval_environments``: the plan's evaluation sources,
+        loaded by the caller (default: loaded here when ``config.evaluate``). ``manage_emitter`` False: the emitter
+        is shared and started/stopped by its owner."""
+        c = self.config = config
         self.plan = plan
-        self.rollout_timeout_s = rollout_timeout_s or None
-        self.max_failed_groups = max_failed_groups
+        self.rollout_timeout_s = c.rollout_timeout_s or None
+        self.max_failed_groups = c.max_failed_groups
         # keyed by the source's name: two sources of one environment (different args, ratios) stay two
         self.env_specs = {spec.display_name: spec for spec in getattr(plan, "environments", []) or []}
         if environments is None:
@@ -253,13 +149,14 @@ class Arena:
                 if spec.sampling:
                     self.env_sampling[env.ref] = dict(spec.sampling)
         self.emitter = emitter
-        self.manage_emitter = manage_emitter  # False: the emitter is shared and started/stopped by its owner
-        self.policy_base_urls = [policy_base_url] if isinstance(policy_base_url, str) else list(policy_base_url or [])
-        self.concurrency = concurrency
-        self.eval_concurrency = eval_concurrency
-        self.progress = progress
-        self.run_id = run_id or new_id()
-        self.producer_name = producer_name
+        self.manage_emitter = manage_emitter
+        urls = c.policy_base_url
+        self.policy_base_urls = [urls] if isinstance(urls, str) else list(urls or [])
+        self.concurrency = c.concurrency
+        self.eval_concurrency = c.eval_concurrency
+        self.progress = c.progress
+        self.run_id = c.run_id or new_id()
+        self.producer_name = c.producer_name
         self.revisions = revisions
         # the learner's servers: every learner call picks one, every swap loads them all
         self.pool = InferencePool(plan.learner.base_urls or self.policy_base_urls)
@@ -272,24 +169,24 @@ class Arena:
         self.reload_s: list[float] = []
         # evaluation: every environment's eval_dataset answered once by each revision made current that is due
         # (greedy by default); the next swap waits for it, so the revision is scored on the whole held-out set
-        self.evaluate = evaluate
+        self.evaluate = c.evaluate
         self.last_revision: int | None = None  # the run's last revision, evaluated whatever the cadence (``run``)
-        self.eval_sampling = dict(eval_sampling if eval_sampling is not None else {"temperature": 0.0})
+        self.eval_sampling = dict(c.eval_sampling if c.eval_sampling is not None else {"temperature": 0.0})
         # the plan's evaluation sources (prime-rl's [[orchestrator.eval.source]]): their whole dataset is held out
         # (source, environment) of each: built here unless the caller loaded them
         self.eval_environments = list(eval_environments) if eval_environments is not None else \
-            [(s, environment_from_spec(s)) for s in getattr(plan, "eval_environments", [])] if evaluate \
+            [(s, environment_from_spec(s)) for s in getattr(plan, "eval_environments", [])] if c.evaluate \
             else []
-        self.rng = random.Random(seed)
-        self.current_policy = PolicyRef(family=plan.family, revision=base_revision or 0)
+        self.rng = random.Random(c.seed)
+        self.current_policy = PolicyRef(family=plan.family, revision=c.base_revision or 0)
         # admissions: the ledger shared with every other arena of the run (streams.admissions.KafkaLedger); an
         # arena alone in its process and without one folds its own claims in memory, by the same rule
-        self.pacer = AdmissionPacer(plan.batch_size, plan.max_off_policy_steps, base_revision or 0,
-                                    ledger=admissions, family=plan.family, arena_id=arena_id or default_arena_id(self.run_id),
-                                    run_id=self.run_id,
-                                    lease_s=admission_lease_s)
+        self.pacer = AdmissionPacer(plan.batch_size, plan.max_off_policy_steps, c.base_revision or 0,
+                                    ledger=admissions, family=plan.family,
+                                    arena_id=c.arena_id or default_arena_id(self.run_id), run_id=self.run_id,
+                                    lease_s=c.admission_lease_s)
         self.stats = ArenaStats()
-        self.client_options = dict(client_options or {})
+        self.client_options = dict(c.client_options or {})
         self._http: httpx.AsyncClient | None = None
         self._clients: dict[str, InferenceClient] = {}
         self._follow_task: asyncio.Task | None = None
@@ -503,7 +400,7 @@ class Arena:
         episode = req.episode or req.env.episode
         state = EpisodeState(rollout_id=req.rollout_id, example=req.example)
         policy = self.current_policy
-        ctx = _Context(self, req, state, policy)
+        ctx = RolloutContext(self, req, state, policy)
         failure: str | None = None
         artifacts: dict[str, Any] = {}
         self.stats.in_flight += 1
@@ -755,11 +652,6 @@ class Arena:
         if self._fatal is not None:
             raise self._fatal
         return (self.stats, results or []) if collect else self.stats
-
-
-@asynccontextmanager
-async def _no_gate() -> Any:
-    yield
 
 
 def _jsonable(value: Any) -> Any:
