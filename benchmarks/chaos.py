@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -168,7 +167,8 @@ async def _drained(kw: dict, cfg: Any, services: list[str]) -> bool:
 
 async def run(args: argparse.Namespace, settings) -> dict:
     from consumers import settings as service_settings
-    from consumers.trainer import initial_revision, revision_files
+    from consumers.trainer.state import revision_files
+    from consumers.trainer.step import initial_revision
     from policy.checkpoint import checkpoint_path
     from replay.audit import run_audit
     from replay.ingest import Replayer

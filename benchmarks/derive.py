@@ -52,7 +52,7 @@ async def run(args: argparse.Namespace, settings) -> dict:
     from consumers import testing
     from consumers.runner import System
     from consumers.settings import ServiceSettings
-    from consumers.trainer import initial_revision
+    from consumers.trainer.step import initial_revision
     from rollout.cli import build_parser
     from rollout.derive_cmd import run_derived
     from streams import topics

@@ -99,7 +99,7 @@ class Job:
 def job(steps: int | None = None, eval_interval: int | None = None) -> Job:
     """The demo's job (its vLLM profile and plan, the reference trainer's defaults); ``steps`` revisions
     (default: as many as the demo's default groups give), evaluated every ``eval_interval`` (default: the plan's)."""
-    from consumers.trainer import ReferenceTrainer
+    from consumers.trainer.step import ReferenceTrainer
     from policy.hf import cpu_bf16
     from rollout.demo import PROFILES
     from schemas.plan_compiler import compile_plan

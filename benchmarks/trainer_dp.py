@@ -3,7 +3,7 @@
     python -m benchmarks trainer_dp [--quick] [--ranks 2] [--records 16] [--steps 3]
 
 Both sides run the same program under torchrun (``--nproc-per-node 1``: the single-process trainer, no
-group; ``N``: ``consumers.distributed``), on the packaged SmolLM2-135M-Instruct and a batch of its own
+group; ``N``: ``consumers.trainer.distributed``), on the packaged SmolLM2-135M-Instruct and a batch of its own
 sampled-token logprobs (so the importance ratios start at 1, as on-policy). Figures: each side's seconds per
 step (step + publish: the checkpoint and training state written), its peak resident memory per rank, and
 the distance between the two sides' float32 weights after the last step, relative to how far the steps
@@ -38,9 +38,9 @@ def _rank_program(argv: list[str]) -> int:
     a = p.parse_args(argv)
     import torch.distributed as dist
 
-    from consumers import distributed
-    from consumers.trainer import open_trainer
-    from consumers.trainer import to_tensors
+    from consumers.trainer import distributed
+    from consumers.trainer.step import open_trainer
+    from consumers.trainer.tensors import to_tensors
     from schemas import codec
     from schemas.events import TrainerBatch
     from schemas.policy import CheckpointRef
@@ -116,8 +116,8 @@ def drift(a: dict, b: dict, start: dict) -> float:
 
 
 def weights(state: str) -> dict:
-    """The float32 weights of a training state (``consumers.distributed.save_sharded``'s folder)."""
-    from consumers.distributed import read_sharded
+    """The float32 weights of a training state (``consumers.trainer.distributed.save_sharded``'s folder)."""
+    from consumers.trainer.distributed import read_sharded
 
     return read_sharded(Path(state))["model"]
 

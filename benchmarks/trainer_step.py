@@ -114,7 +114,8 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
     """One shape in this process: the trainer opened at revision 1 (revision 0 is the packaged model)."""
     import torch
 
-    from consumers.trainer import open_trainer, to_tensors
+    from consumers.trainer.step import open_trainer
+    from consumers.trainer.tensors import to_tensors
     from policy.hf import FAMILY, prepare_model
 
     shape = dict(SHAPES[shape_name])
@@ -122,7 +123,7 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
         shape.update(completion=seq_len - shape["prompt"])
     ref = prepare_model().checkpoint
     # the service's cadence of training states, where the checked-out trainer has one (before: every revision)
-    from consumers.trainer import ReferenceTrainer
+    from consumers.trainer.step import ReferenceTrainer
 
     cadence = {"state_every": state_every} if "state_every" in inspect.signature(ReferenceTrainer).parameters else {}
     if lora:  # prime-rl's [trainer.model.lora] defaults but the rank (alpha 2 x rank)
@@ -159,7 +160,7 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
 
     timed(trainer, "_epoch", "forward_backward")
     timed(trainer, "mismatch", "mismatch")
-    import consumers.trainer as trainer_module
+    import consumers.trainer.state as trainer_module
 
     waits = getattr(trainer_module, "wait_for_training_states", None)
     if waits is not None:  # written in the background: timed whole here, not its overlap with the next step

@@ -97,7 +97,9 @@ async def _train(url: str, model_name: str, batches: int, lr: float, epochs: int
 
     import httpx
 
-    from consumers.trainer import HFPolicy, ReferenceTrainer, to_tensors
+    from consumers.trainer.models import HFPolicy
+    from consumers.trainer.step import ReferenceTrainer
+    from consumers.trainer.tensors import to_tensors
     from policy.hf import FAMILY, prepare_model
     from producers.inference.client import InferenceClient
     from producers.inference.weights import VllmWeights

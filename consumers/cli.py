@@ -69,14 +69,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not svc.data_parallel:
             raise SystemExit(f"rollout serve {svc.name}: runs one process per instance, not under torchrun "
                              "(scale it out by starting more instances); only the trainer trains data-parallel")
-        from consumers import distributed
-        from consumers.trainer import group_refusal
+        from consumers.trainer import distributed
+        from consumers.trainer.step import group_refusal
 
         if why := group_refusal(cfg.lora, cfg.optimizer):
             raise SystemExit(f"rollout serve {svc.name}: {why}")
         group = distributed.launch()
         if not group.leader:  # no Kafka here: train in lockstep with rank 0 until it stops
-            from consumers.trainer import open_trainer
+            from consumers.trainer.step import open_trainer
 
             distributed.follow(group, open_trainer)
             return 0

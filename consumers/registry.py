@@ -27,7 +27,7 @@ SERVICES: dict[str, Service] = {s.name: s for s in (
             options=("family", "max_off_policy_steps", "batch_records", "batch_tokens", "flush_after_s")),
     Service("trainer", "reference trainer: TrainerBatches -> a step of the plan's objective -> PolicyRevision",
             inputs=(topics.TRAINER_BATCHES,), outputs=(topics.POLICY_REVISIONS, topics.DEAD_LETTERS),
-            wiring="consumers.tasks.trainer:wiring", side_inputs=(topics.POLICY_REVISIONS,),
+            wiring="consumers.trainer.task:wiring", side_inputs=(topics.POLICY_REVISIONS,),
             options=("family", "checkpoint_dir", "keep_checkpoints", "lr", "weight_decay", "served_model", "epochs",
                      "state_every", "micro_batch_tokens", "max_steps", "lora"),
             runs_algorithm=True, max_process_s=3600.0, data_parallel=True),

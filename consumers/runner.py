@@ -70,7 +70,7 @@ def _poison_dir(service: Service) -> Path | None:
     follower rank restarts the whole group, rank 0's memory with it. None for a service in one process."""
     if not service.data_parallel:
         return None
-    from consumers.distributed import world_size
+    from consumers.trainer.distributed import world_size
 
     return instances.slots_dir() if world_size() > 1 else None
 

@@ -36,7 +36,7 @@ class Service:
     # for the member, polling or rebalancing, before it takes the partitions away; shorter would abort the work
     # and hand it to the next member, which would abort it again, forever.
     max_process_s: float = 120.0
-    data_parallel: bool = False  # may run as a torchrun group (``consumers.distributed``): rank 0 is the service
+    data_parallel: bool = False  # may run as a torchrun group (``consumers.trainer.distributed``): rank 0 is the service
     runs_when: str | None = None  # a ServiceSettings property: a run without it has no work here (left out of it)
 
     def needed(self, settings: Any) -> bool:

@@ -370,7 +370,7 @@ def shares_prompts(model: Any) -> bool:
 
 
 def _sharded(model: Any) -> bool:
-    """An FSDP2 model (``consumers.distributed``): its root unit (embeddings, the tied head) is gathered by hooks
+    """An FSDP2 model (``consumers.trainer.distributed``): its root unit (embeddings, the tied head) is gathered by hooks
     around its own forward, so its body and head cannot be called apart."""
     from torch.distributed.fsdp import FSDPModule
 

@@ -173,7 +173,7 @@ def _drop_training_states(ckdir: Path) -> None:
     finished run has none; its checkpoints stay (``rollout derive`` forks from them)."""
     import shutil
 
-    from consumers.trainer import TRAINING_STATE_SUFFIX, wait_for_training_states
+    from consumers.trainer.state import TRAINING_STATE_SUFFIX, wait_for_training_states
 
     wait_for_training_states()  # one may still be being written
     for d in ckdir.glob(f"*{TRAINING_STATE_SUFFIX}"):
@@ -345,7 +345,7 @@ def load_plan(args):
 
 
 async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) -> int:
-    from consumers.trainer import initial_revision
+    from consumers.trainer.step import initial_revision
     from policy.compute import computed
     from rollout.cores import BACKGROUND_NICE, choose, pin_this_process, split_cores, vllm_bind
     from streams.local_broker import free_port

@@ -1,6 +1,6 @@
 """The training objectives a plan can name: one tagged union, read from a recipe's ``[trainer.loss]``.
 
-The loss functions themselves are torch code (``consumers.objectives``); what is declared here is what a plan
+The loss functions themselves are torch code (``consumers.trainer.objectives``); what is declared here is what a plan
 says and what a PolicyRevision records: the objective's type and every setting, defaults filled in, so that
 ``rollout plan`` shows it and replay reads what each revision was trained with.
 
@@ -55,7 +55,7 @@ class IpoLoss(Record):
 
 class CustomLoss(Record):
     """prime-rl's ``custom``: a user's function ``module.function``, called per sample as ``fn(inputs, **kwargs)``
-    with prime-rl's ``LossInputs`` attributes, returning ``.loss`` and ``.metrics`` (``consumers.objectives``)."""
+    with prime-rl's ``LossInputs`` attributes, returning ``.loss`` and ``.metrics`` (``consumers.trainer.objectives``)."""
 
     type: Literal["custom"] = "custom"
     import_path: str = Field(min_length=3, pattern=r"^[\w.]+\.\w+$")

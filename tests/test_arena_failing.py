@@ -22,7 +22,7 @@ import pytest
 from consumers import settings as service_settings
 from consumers.registry import SERVICES
 from consumers.runner import System
-from consumers.trainer import initial_revision
+from consumers.trainer.step import initial_revision
 from schemas import codec
 from schemas.admission import AdmissionRefund
 from schemas.plan_compiler import compile_plan

@@ -19,7 +19,7 @@ import pytest
 from consumers import settings as service_settings
 from consumers.registry import SERVICES
 from consumers.runner import System
-from consumers.trainer import initial_revision
+from consumers.trainer.step import initial_revision
 from replay.audit import run_audit
 from replay.ingest import Replayer
 from schemas import codec

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from consumers import testing
-from consumers.trainer import initial_revision
+from consumers.trainer.step import initial_revision
 from replay.audit import run_audit
 from replay.ingest import Replayer
 from schemas import codec
@@ -40,7 +40,7 @@ from streams.config import KafkaSettings
 from streams.docker_cluster import LABEL, ClusterError, DockerCluster, ScramTls, docker
 from streams.revisions import publish
 from tests.test_eos_kill import Fleet
-from tests.test_eos_pipeline import group_record_ids, read_all, seed_groups
+from tests.test_eos_pipeline import group_record_ids, read_all, read_to_end, seed_groups
 
 pytestmark = pytest.mark.integration
 
@@ -256,9 +256,9 @@ async def _run(cluster: DockerCluster, fault, label: str, monkeypatch, tmp_path:
             fault_task.cancel()
     total_s = time.monotonic() - t_start
     batches = {b.batch_id: b for b in (codec.decode(r.value, TrainerBatch) for r in
-                                      await read_all(kw, topics.TRAINER_BATCHES.name, idle_s=3))}
-    revs = [codec.decode(r.value, PolicyRevision) for r in await read_all(kw, topics.POLICY_REVISIONS.name, idle_s=3)]
-    letters = [codec.decode(r.value, DeadLetter) for r in await read_all(kw, topics.DEAD_LETTERS.name, idle_s=3)]
+                                      await read_to_end(kw, topics.TRAINER_BATCHES.name))}
+    revs = [codec.decode(r.value, PolicyRevision) for r in await read_to_end(kw, topics.POLICY_REVISIONS.name)]
+    letters = [codec.decode(r.value, DeadLetter) for r in await read_to_end(kw, topics.DEAD_LETTERS.name)]
     # a record is trained (in a batch a revision names, not refused there) or dead-lettered (refused as stale by
     # the batcher or by the trainer, with the reason); with ROLLOUT_MAX_OFF_POLICY_STEPS this high, none is
     batched = Counter(x.record_id for r in revs if r.batch_id for x in batches[r.batch_id].records)

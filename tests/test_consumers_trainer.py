@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from consumers import testing
-from consumers.tasks.trainer import TrainerTask
-from consumers.trainer import (TRAINING_STATE_SUFFIX, ReferenceTrainer, initial_revision, to_tensors,
-                               wait_for_training_states)
+from consumers.trainer.task import TrainerTask
+from consumers.trainer.state import TRAINING_STATE_SUFFIX, wait_for_training_states
+from consumers.trainer.step import ReferenceTrainer, initial_revision
+from consumers.trainer.tensors import to_tensors
 from policy.checkpoint import file_sha256, load_checkpoint
 from policy.model import PolicyModel, token_logprobs
 from schemas.batch import assemble_batch
@@ -140,7 +141,7 @@ async def test_trainer_task_resumes_from_snapshot_state(tmp_path):
 async def test_a_warm_trainer_is_handed_once_to_the_first_batch_that_starts_from_its_revision(tmp_path):
     """``WarmStart``: the trainer opened ahead of the first batch is the one that batch trains (same object, the
     revision it names next), only once; a take-over drops it and opens the committed revision."""
-    from consumers.tasks.trainer import WarmStart
+    from consumers.trainer.task import WarmStart
     from schemas import codec
 
     rev0 = initial_revision("tiny", tmp_path, seed=0)
@@ -176,7 +177,7 @@ async def test_trainer_bootstraps_revision_zero_once(kafka_settings, monkeypatch
 
     from consumers.registry import SERVICES
     from consumers.runner import ensure_topics
-    from consumers.tasks.trainer import bootstrap_revision
+    from consumers.trainer.task import bootstrap_revision
     from streams.revisions import latest_revision
 
     monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", f"boot{uuid.uuid4().hex[:8]}.")
@@ -428,7 +429,7 @@ def test_an_org_slash_name_family_of_a_transformers_model_writes_one_folder_per_
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from consumers.trainer import HFPolicy, policy_kind
+    from consumers.trainer.models import HFPolicy, policy_kind
     from policy import hf
     from policy.checkpoint import CheckpointDigestError, checkpoint_path
     from schemas.policy import CheckpointRef
@@ -602,7 +603,7 @@ def _saved_bytes_per_micro_batch(trainer, batch) -> list[int]:
 def _activation_peaks(tmp_path, rows: int, shared: bool = False, half: int = 64) -> list[int]:
     """Rows of ``half`` prompt and ``half`` completion tokens, each with its own prompt (a game's seats, turns) or,
     ``shared``, all one prompt (a group's)."""
-    from consumers.trainer import HFPolicy
+    from consumers.trainer.models import HFPolicy
     from policy import hf
 
     fam = "tiny-llama"
@@ -700,7 +701,7 @@ async def test_a_training_state_the_disk_refuses_is_named_by_no_commit_and_train
     trains on, and the next state (r2's) is written and named."""
     import errno
 
-    import consumers.trainer as trainer_module
+    import consumers.trainer.step as trainer_module
     from schemas import codec
 
     rev0 = initial_revision("tiny", tmp_path / "r0", seed=0)
@@ -767,7 +768,7 @@ def test_a_lora_recipe_trains_the_adapters_only_and_serves_each_revision_as_its_
     served merged, the merged weights under the model's own names, equal to base + scale B A. Either way the trainer's
     model (base + adapter) and the served weights give the same logprobs, and a take-over from the training state
     resumes the adapters exactly (``settle`` finds the served weights)."""
-    from consumers.trainer import HFPolicy
+    from consumers.trainer.models import HFPolicy
     from policy import hf, lora
     from schemas.plan import LoraSpec
 
@@ -834,7 +835,7 @@ def test_a_lora_recipe_trains_the_adapters_only_and_serves_each_revision_as_its_
 def test_a_take_over_that_did_not_reproduce_an_adapter_takes_the_served_one(tmp_path):
     """``settle`` at an adapter revision whose re-training differs: the adapters take the served adapter, the base
     is untouched. The mismatch probe of an earlier revision runs that revision's adapter, not the current one."""
-    from consumers.trainer import HFPolicy
+    from consumers.trainer.models import HFPolicy
     from policy import hf, lora
     from schemas.plan import LoraSpec
 

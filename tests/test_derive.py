@@ -20,7 +20,7 @@ import pytest
 from consumers import testing
 from consumers.runner import System
 from consumers.settings import ServiceSettings
-from consumers.trainer import initial_revision
+from consumers.trainer.step import initial_revision
 from replay.audit import run_audit
 from replay.ingest import Replayer
 from rollout.cli import build_parser

@@ -1,4 +1,4 @@
-"""The trainer data-parallel on torch.distributed (``consumers.distributed``): 2 ranks under torchrun (FSDP2 on
+"""The trainer data-parallel on torch.distributed (``consumers.trainer.distributed``): 2 ranks under torchrun (FSDP2 on
 gloo) train the batch the single-process trainer trains, to float rounding. Both sides run the same program
 (``benchmarks.trainer_dp``) under torchrun, one with 1 process (no group) and one with 2. The take-over when a
 rank dies is tested on the broker in ``tests/test_trainer_restart.py`` (``torchrun-2-ranks``)."""
@@ -16,10 +16,10 @@ import torch
 
 from benchmarks.trainer_dp import drift, run_group, weights
 from consumers import testing
-from consumers.distributed import read_sharded
-from consumers.trainer import open_trainer
+from consumers.trainer.distributed import read_sharded
+from consumers.trainer.step import open_trainer
 from schemas.policy import CheckpointRef
-from consumers.trainer import TRAINING_STATE_SUFFIX
+from consumers.trainer.state import TRAINING_STATE_SUFFIX
 from schemas.batch import assemble_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +113,9 @@ def test_a_trainer_plan_a_torchrun_group_cannot_train_is_refused_at_start(tmp_pa
 def test_a_training_state_written_before_states_were_sharded_still_resumes(tmp_path):
     """The single ``.train.pt`` file (optimizer state keyed by position) that trainers wrote before: a take-over
     from such a revision gets its weights and moments, not a fresh optimizer."""
-    from consumers.trainer import LEGACY_TRAINING_STATE_SUFFIX, ReferenceTrainer, to_tensors
+    from consumers.trainer.state import LEGACY_TRAINING_STATE_SUFFIX
+    from consumers.trainer.step import ReferenceTrainer
+    from consumers.trainer.tensors import to_tensors
 
     family, ref, _ = _tiny_gru(tmp_path)
     rev0 = testing.revision(0, family=family).model_copy(update={"checkpoint": ref})
@@ -126,7 +128,7 @@ def test_a_training_state_written_before_states_were_sharded_still_resumes(tmp_p
     torch.save({"revision": 1, "model": old.model.state_dict(), "optimizer": old.opt.state_dict()}, legacy)
     import shutil
 
-    from consumers.trainer import wait_for_training_states
+    from consumers.trainer.state import wait_for_training_states
 
     wait_for_training_states()  # the sharded one publish started, gone: only the legacy file is left
     shutil.rmtree(old.training_state_path(rev.checkpoint))

@@ -12,7 +12,7 @@ from consumers import testing
 from consumers.registry import SERVICES
 from consumers.runner import System
 from consumers.settings import ServiceSettings
-from consumers.trainer import initial_revision
+from consumers.trainer.step import initial_revision
 from schemas import codec
 from schemas.events import DeadLetter, TrainerBatch
 from schemas.policy import PolicyRevision

@@ -110,7 +110,8 @@ def test_an_adapter_whose_bytes_changed_or_whose_base_changed_is_refused(tmp_pat
 def test_a_trainer_without_lora_on_an_adapter_checkpoint_trains_the_merged_model(tmp_path):
     """A derived run whose plan trains every weight, forked at an adapter revision: the trainer starts from the
     merged weights (a plain model, no adapter layers), which compute what base + adapter computed."""
-    from consumers.trainer import HFPolicy, ReferenceTrainer
+    from consumers.trainer.models import HFPolicy
+    from consumers.trainer.step import ReferenceTrainer
 
     spec = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
     base, model = _trained(tmp_path, spec)

@@ -1,4 +1,4 @@
-"""The objectives (``consumers.objectives``) against their published formulas, computed here by hand token by
+"""The objectives (``consumers.trainer.objectives``) against their published formulas, computed here by hand token by
 token (prime-rl's ``trainer/rl/loss.py``, TRL 1.16's ``GRPOTrainer._compute_loss``), a user's custom loss written
 for prime-rl run unchanged, and what the plan compiles from ``[trainer.loss]``."""
 
@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from consumers.objectives import LossInputs, Objective, _select, ref_kl_loss
+from consumers.trainer.objectives import LossInputs, Objective, _select, ref_kl_loss
 from schemas.objectives import (CustomLoss, DefaultLoss, IpoLoss, ObjectiveError, PpoClipLoss, TrlLoss, CeLoss,
                                 describe)
 from schemas.plan import PlanError
@@ -270,8 +270,8 @@ async def test_a_batch_its_custom_loss_refuses_is_dead_lettered_with_the_reason_
     that batch is one dead letter naming the function and its error, no revision is made from it, and the third
     batch trains r2 from r1."""
     from consumers import testing
-    from consumers.tasks.trainer import TrainerTask
-    from consumers.trainer import initial_revision
+    from consumers.trainer.task import TrainerTask
+    from consumers.trainer.step import initial_revision
     from schemas import codec
     from schemas.batch import assemble_batch
     from schemas.events import DeadLetter, TrainerBatch
@@ -359,7 +359,9 @@ def test_one_step_of_the_trl_objective_updates_the_weights_as_trls_grpo_trainer_
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    from consumers.trainer import HFPolicy, ReferenceTrainer, TrainerTensors
+    from consumers.trainer.models import HFPolicy
+    from consumers.trainer.step import ReferenceTrainer
+    from consumers.trainer.tensors import TrainerTensors
     from policy import hf
     from policy.hf import prepare_model
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import torch
 
 from consumers import testing
-from consumers.trainer import HFPolicy, ReferenceTrainer, to_tensors, wait_for_training_states
+from consumers.trainer.models import HFPolicy
+from consumers.trainer.state import wait_for_training_states
+from consumers.trainer.step import ReferenceTrainer
+from consumers.trainer.tensors import to_tensors
 from schemas.batch import assemble_batch
 from schemas.plan import OptimizerSpec
 

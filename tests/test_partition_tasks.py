@@ -69,9 +69,9 @@ def _factories(tmp: Path) -> dict[str, tuple]:
     from consumers.tasks.batcher import BatcherTask
     from consumers.tasks.credit import CreditTask
     from consumers.tasks.reference import ReferenceTask
-    from consumers.tasks.trainer import TrainerTask
+    from consumers.trainer.task import TrainerTask
     from consumers.tasks.verifier import VerifierTask
-    from consumers.trainer import initial_revision
+    from consumers.trainer.step import initial_revision
 
     base = ServiceSettings(family=testing.FAMILY, checkpoint_dir=str(tmp))
     rev0 = initial_revision(testing.FAMILY, tmp)

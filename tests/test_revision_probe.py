@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from consumers import testing
-from consumers.trainer import HFPolicy, ReferenceTrainer, to_tensors
+from consumers.trainer.models import HFPolicy
+from consumers.trainer.step import ReferenceTrainer
+from consumers.trainer.tensors import to_tensors
 from policy import hf
 from schemas.batch import assemble_batch
 from schemas.plan import LoraSpec

@@ -265,7 +265,7 @@ async def test_whole_pipeline_arena_to_trainer_each_under_its_own_principal(secu
     ACLs are exactly `rollout kafka acls` (no CREATE but on each service's changelog). Every record is trained
     once or refused as stale with its reason, and the replayed run's audit is clean."""
     from consumers import settings as service_settings
-    from consumers.trainer import initial_revision
+    from consumers.trainer.step import initial_revision
     from replay.audit import run_audit
     from replay.ingest import Replayer
     from schemas import codec

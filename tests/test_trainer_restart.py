@@ -23,7 +23,7 @@ import torch
 from consumers import testing
 from consumers.runner import System
 from consumers.settings import ServiceSettings
-from consumers.trainer import initial_revision
+from consumers.trainer.step import initial_revision
 from replay.audit import run_audit
 from replay.ingest import Replayer
 from schemas import codec
@@ -86,7 +86,7 @@ def _rank(torchrun: subprocess.Popen, rank: int) -> psutil.Process:
                          ids=["one-process", "torchrun-2-ranks-rank1-killed", "torchrun-2-ranks-rank0-killed"])
 async def test_trainer_sigkilled_and_restarted_trains_every_batch_once(kafka_settings, kafka_bootstrap, monkeypatch,
                                                                          tmp_path, ranks, killed):
-    """One process: SIGKILLed and started again. A torchrun group of 2 (``consumers.distributed``, FSDP2 on gloo):
+    """One process: SIGKILLed and started again. A torchrun group of 2 (``consumers.trainer.distributed``, FSDP2 on gloo):
     rank 1 (no Kafka client) or rank 0 (the service) is SIGKILLed; torchrun restarts the whole group, and the new
     rank 0 takes over.
     Either way every batch is trained once, the chain is unbroken, and the weights are those of one trainer that
@@ -146,7 +146,9 @@ async def test_trainer_sigkilled_and_restarted_trains_every_batch_once(kafka_set
     # and it trained exactly as if it had never stopped: the same batches, in revision order, through one trainer
     # that never restarted, give the last revision's weights (the resumed trainer took the weights and the
     # optimizer's moments of its revision from its training state, not a fresh optimizer)
-    from consumers.trainer import ReferenceTrainer, TinyPolicy, to_tensors
+    from consumers.trainer.models import TinyPolicy
+    from consumers.trainer.step import ReferenceTrainer
+    from consumers.trainer.tensors import to_tensors
     from policy.checkpoint import load_checkpoint
 
     straight = ReferenceTrainer(load_checkpoint(revs[0].checkpoint), testing.FAMILY, 0, tmp_path / "straight",
@@ -278,7 +280,8 @@ async def test_a_trainer_killed_committing_a_backlog_of_three_leaves_what_its_su
     state every 2 revisions, so r4's is written; keep_checkpoints=1) and is SIGKILLed at that commit. Nothing the
     committed r2 needs may be gone: its checkpoint and its training state. The successor resumes from them, every
     batch is trained once, and the weights are those of one trainer that never stopped."""
-    from consumers.trainer import ReferenceTrainer, to_tensors
+    from consumers.trainer.step import ReferenceTrainer
+    from consumers.trainer.tensors import to_tensors
     from policy.checkpoint import file_sha256, load_checkpoint
 
     kw = kafka_settings.client_kwargs()
@@ -336,7 +339,7 @@ import os, runpy, sys
 from pathlib import Path
 if os.environ.get("RANK") == os.environ["FAILING_RANK"]:
     import streams.transactions
-    from consumers.trainer import ReferenceTrainer
+    from consumers.trainer.step import ReferenceTrainer
     streams.transactions.ENVIRONMENT_RETRY_S = 1.0
     step = ReferenceTrainer.step
     def failing_step(self, t, batch):

@@ -225,7 +225,7 @@ class Lockstep:
 
     @classmethod
     def open(cls, group: Group, opener: Callable[..., Any], **kw: Any) -> Lockstep:
-        """Every rank opens its trainer with ``opener`` (``consumers.trainer.open_trainer``) and ``kw``."""
+        """Every rank opens its trainer with ``opener`` (``consumers.trainer.step.open_trainer``) and ``kw``."""
         group.agree(("open", (), kw))
         return cls(group, opener(group=group, **kw))
 

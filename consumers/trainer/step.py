@@ -1,11 +1,6 @@
-"""Trainer bridge: TrainerBatches -> torch tensors -> a user's training step; and a reference trainer.
+"""The reference trainer: one optimizer step of a TrainerBatch, its checkpoint and its next PolicyRevision.
 
-* ``to_tensors(batch, packed=False)``: token-aligned tensors. Row i is ``prompt + completion``;
-  ``old_logprobs[i, t]`` is the behaviour policy's log p(input_ids[i, t] | prefix) and ``loss_mask[i, t]``
-  is 1 exactly on the completion tokens the record trains on; ``advantages[i, t]`` is the record's
-  advantage broadcast over its tokens. ``packed=True`` concatenates the rows into one [1, sum(T)]
-  sequence with ``cu_seqlens`` (for varlen kernels) instead of padding.
-* ``ReferenceTrainer``: one optimizer step of the plan's objective (``consumers.objectives``: prime-rl's DPPO+KL,
+* ``ReferenceTrainer``: one optimizer step of the plan's objective (``consumers.trainer.objectives``: prime-rl's DPPO+KL,
   ipo or a custom loss, TRL's GRPO family, ...) on the policy the checkpoint holds:
   the tiny byte-level GRU (``policy/``, ``.pt``) or a Hugging Face causal LM (``policy.hf``, a
   ``model.safetensors`` folder, trained with bf16 autocast on a GPU or a CPU with native bf16 and served in bf16,
@@ -16,8 +11,10 @@
   weights, or an earlier revision's served checkpoint read from its file: the same weights on both sides, so
   what remains is the engines' numerical difference). Memory is bounded by a token budget per forward/backward
   and log-probabilities at the trained positions only; the training state is written every few revisions.
-* The service around it (the transaction, the state committed with each revision, the take-over that trains
-  the committed batches again from the log) is ``consumers.tasks.trainer``; this module is torch only.
+* The batch as tensors is ``consumers.trainer.tensors``, the model kinds ``consumers.trainer.models``, the training
+  states on disk ``consumers.trainer.state``, a torchrun group ``consumers.trainer.distributed``. The service
+  around it (the transaction, the state committed with each revision, the take-over that trains the committed
+  batches again from the log) is ``consumers.trainer.task``, the one module of the room that knows Kafka.
 """
 
 from __future__ import annotations
@@ -25,225 +22,31 @@ from __future__ import annotations
 import copy
 import ctypes
 import logging
-import os
-import re
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from consumers.distributed import (Group, device, full_state, load_full_state, load_full_weights, load_sharded,
-                                  local_state, save_sharded, shard)
 from consumers.settings import MICRO_BATCH_TOKENS
+from consumers.trainer.distributed import (Group, device, full_state, load_full_state, load_full_weights,
+                                           load_sharded, local_state, save_sharded, shard)
+from consumers.trainer.models import HFPolicy, TinyPolicy, policy_kind
+from consumers.trainer.objectives import LossInputs, Objective
+from consumers.trainer.state import (LEGACY_TRAINING_STATE_SUFFIX, STATE_WRITER, TRAINING_STATE_SUFFIX,
+                                     revision_files, state_write_path)
+from consumers.trainer.tensors import TrainerTensors, take_rows
 from policy import optimizers
 from policy.lora import adapter_state, base_of, has_adapters, inject, load_served, merged_model, served_state
 from schemas.events import TrainerBatch
-from consumers.objectives import LossInputs, Objective
 from schemas.objectives import DefaultLoss
 from schemas.plan import OptimizerSpec
 from schemas.policy import CheckpointRef, PolicyRevision
 
 log = logging.getLogger("rollout.trainer")
-
-
-@dataclass
-class TrainerTensors:
-    input_ids: torch.Tensor      # [B, T] long (padded) or [1, N] (packed)
-    attention_mask: torch.Tensor  # [B, T] bool
-    loss_mask: torch.Tensor      # [B, T] float
-    advantages: torch.Tensor     # [B, T] float
-    old_logprobs: torch.Tensor   # [B, T] float
-    prompt_lens: torch.Tensor    # [B] long
-    seq_lens: torch.Tensor       # [B] long
-    cu_seqlens: torch.Tensor | None = None  # [B + 1] int32 when packed
-    ref_logprobs: torch.Tensor | None = None  # [B, T] float: the reference's logprobs, 0 off them; None: no row has
-    ref_rows: torch.Tensor | None = None  # [B] bool: the rows that carry them, trained with ref_kl (prime-rl's opd)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.loss_mask.sum().item())
-
-    def to(self, device: torch.device) -> TrainerTensors:
-        return TrainerTensors(*(None if v is None else v.to(device) for v in (
-            self.input_ids, self.attention_mask, self.loss_mask, self.advantages, self.old_logprobs,
-            self.prompt_lens, self.seq_lens, self.cu_seqlens, self.ref_logprobs, self.ref_rows)))
-
-    @property
-    def reference_rows(self) -> torch.Tensor:
-        """Which rows train with ref_kl (none without reference logprobs)."""
-        return self.ref_rows if self.ref_rows is not None else torch.zeros(
-            len(self.seq_lens), dtype=torch.bool, device=self.seq_lens.device)
-
-
-def to_tensors(batch: TrainerBatch, *, pad_id: int = 0, packed: bool = False) -> TrainerTensors:
-    rows = []
-    for r in batch.records:
-        p = np.asarray(r.prompt_token_ids, dtype=np.int64)
-        c = np.asarray(r.completion_token_ids, dtype=np.int64)
-        ids = np.concatenate([p, c])
-        lp = np.concatenate([np.zeros(len(p), np.float32), np.asarray(r.completion_logprobs, np.float32)])
-        mask = np.concatenate([np.zeros(len(p), np.float32), np.asarray(r.loss_mask, np.float32)])
-        adv = np.where(mask > 0, np.float32(r.advantage), np.float32(0.0)).astype(np.float32)
-        ref = np.concatenate([np.zeros(len(p), np.float32), np.asarray(
-            r.ref_logprobs if r.ref_logprobs is not None else np.zeros(len(c)), np.float32)])
-        rows.append((ids, lp, mask, adv, len(p), ref))
-    lens = [len(x[0]) for x in rows]
-    has_ref = torch.tensor([r.ref_logprobs is not None for r in batch.records])
-    refs = bool(has_ref.any())
-    if packed:
-        cat = lambda k, dt: torch.from_numpy(np.concatenate([x[k] for x in rows]).astype(dt)).unsqueeze(0)  # noqa: E731
-        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
-        ids = cat(0, np.int64)
-        return TrainerTensors(ids, torch.ones_like(ids, dtype=torch.bool), cat(2, np.float32), cat(3, np.float32),
-                              cat(1, np.float32), torch.tensor([x[4] for x in rows]), torch.tensor(lens), cu,
-                              cat(5, np.float32) if refs else None, has_ref if refs else None)
-    B, T = len(rows), max(lens)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    att = torch.zeros((B, T), dtype=torch.bool)
-    lm, adv, olp, ref = (torch.zeros((B, T), dtype=torch.float32) for _ in range(4))
-    for i, (x, lp, m, a, _, rf) in enumerate(rows):
-        n = len(x)
-        ids[i, :n] = torch.from_numpy(x)
-        att[i, :n] = True
-        lm[i, :n] = torch.from_numpy(m)
-        adv[i, :n] = torch.from_numpy(a)
-        olp[i, :n] = torch.from_numpy(lp)
-        ref[i, :n] = torch.from_numpy(rf)
-    return TrainerTensors(ids, att, lm, adv, olp, torch.tensor([x[4] for x in rows]), torch.tensor(lens), None,
-                          ref if refs else None, has_ref if refs else None)
-
-
-TrainStep = Callable[[TrainerTensors, TrainerBatch], dict[str, float]]
-
-
-class TinyPolicy:
-    """The byte-level GRU of ``policy/``: ``.pt`` checkpoints, served in float32."""
-
-    @staticmethod
-    def load(ref: CheckpointRef | str | Path) -> Any:
-        from policy.checkpoint import load_checkpoint
-
-        return load_checkpoint(ref)
-
-    @staticmethod
-    def weights(ref: CheckpointRef) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors as served (digest verified)."""
-        return TinyPolicy.load(ref).state_dict()
-
-    @staticmethod
-    def save(model: Any, directory: Path, family: str, revision: int, base: None = None) -> CheckpointRef:
-        from policy.checkpoint import save_checkpoint
-
-        return save_checkpoint(model, directory, family, revision)
-
-    @staticmethod
-    def location(ref: CheckpointRef) -> Path:
-        """The checkpoint's file."""
-        from policy.checkpoint import checkpoint_path
-
-        return checkpoint_path(ref)
-
-    @staticmethod
-    def remove(ref: CheckpointRef) -> None:
-        TinyPolicy.location(ref).unlink(missing_ok=True)
-
-    @staticmethod
-    def logprobs(model: Any, t: TrainerTensors, max_width: int | None = None) -> torch.Tensor:
-        logits, _ = model(t.input_ids[:, :-1])  # a 256-token vocabulary: whole logits are small
-        return torch.log_softmax(logits.float(), dim=-1).gather(2, t.input_ids[:, 1:].unsqueeze(2)).squeeze(2)
-
-    @staticmethod
-    def micro_batches(model: Any, t: TrainerTensors, budget: int) -> list[tuple[list[int], int]]:
-        return padded_micro_batches(t, budget)
-
-
-class HFPolicy:
-    """A transformers causal LM (``policy.hf``): float32 weights trained with bf16 autocast on a GPU or a CPU with
-    native bf16 (``policy.hf.cpu_bf16``), float32 elsewhere; ``model.safetensors`` folders served in that dtype
-    (``policy.hf.served_dtype``)."""
-
-    @staticmethod
-    def load(ref: CheckpointRef | str | Path) -> Any:
-        from policy.hf import load_model
-
-        return load_model(ref)
-
-    @staticmethod
-    def weights(ref: CheckpointRef) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors as served (digest verified), under the model's names (an adapter's: the injected
-        adapters' names, ``policy.lora.model_names``)."""
-        from policy.hf import load_weights
-        from policy.lora import model_names
-
-        return model_names(load_weights(ref)) if ref.adapter else load_weights(ref)
-
-    @staticmethod
-    def save(model: Any, directory: Path, family: str, revision: int, base: CheckpointRef | None = None
-             ) -> CheckpointRef:
-        """``base``: the LoRA adapter alone, over that base checkpoint (``policy.hf.save_checkpoint``)."""
-        from policy.hf import save_checkpoint
-
-        return save_checkpoint(model, directory, family, revision, base=base)
-
-    @staticmethod
-    def location(ref: CheckpointRef) -> Path:
-        """The checkpoint's folder (what vLLM loads)."""
-        from policy.hf import checkpoint_folder
-
-        return checkpoint_folder(ref)
-
-    @staticmethod
-    def remove(ref: CheckpointRef) -> None:
-        shutil.rmtree(HFPolicy.location(ref), ignore_errors=True)  # the revision's folder
-
-    @staticmethod
-    def logprobs(model: Any, t: TrainerTensors, max_width: int | None = None) -> torch.Tensor:
-        """At the trained positions only (``policy.hf.token_logprobs``: no whole-vocabulary tensor per token), a
-        prompt shared by several rows run once (in packed rows of at most ``max_width`` tokens)."""
-        from policy.hf import token_logprobs
-
-        return token_logprobs(model, t.input_ids, t.attention_mask.long(), wanted=t.loss_mask[:, 1:] > 0,
-                              prompt_lens=t.prompt_lens, seq_lens=t.seq_lens, max_width=max_width)
-
-    @staticmethod
-    def micro_batches(model: Any, t: TrainerTensors, budget: int) -> list[tuple[list[int], int]]:
-        """A group's rows in one micro-batch, where its prompt runs once (``policy.shared_prefix``)."""
-        from policy import shared_prefix
-        from policy.hf import shares_prompts
-
-        if not shares_prompts(model):
-            return padded_micro_batches(t, budget)
-        return shared_prefix.micro_batches(t.input_ids.cpu(), (t.loss_mask[:, 1:] > 0).cpu(), t.prompt_lens.cpu(),
-                                           t.seq_lens.cpu(), budget)
-
-
-def padded_micro_batches(t: TrainerTensors, budget: int) -> list[tuple[list[int], int]]:
-    """Consecutive rows, as many as fit ``budget`` tokens at the batch's padded width (at least one); with that
-    width."""
-    n, width = t.input_ids.shape
-    size = max(1, min(n, budget // max(width, 1)))
-    return [(list(range(lo, min(n, lo + size))), width) for lo in range(0, n, size)]
-
-
-def policy_kind(ref: CheckpointRef | str | Path) -> type[TinyPolicy] | type[HFPolicy]:
-    """What a checkpoint holds, from its file: ``.safetensors`` is an HF model, anything else the tiny GRU."""
-    from policy.hf import is_hf_checkpoint
-
-    return HFPolicy if is_hf_checkpoint(ref) else TinyPolicy
-
-
-def _rows(t: TrainerTensors, rows: slice | torch.Tensor) -> TrainerTensors:
-    """Those rows, cut to the longest of them (a micro-batch of short rows carries no padding of the long ones)."""
-    width = int(t.seq_lens[rows].max()) if t.seq_lens[rows].numel() else t.input_ids.shape[1]
-    return TrainerTensors(t.input_ids[rows, :width], t.attention_mask[rows, :width], t.loss_mask[rows, :width],
-                          t.advantages[rows, :width], t.old_logprobs[rows, :width], t.prompt_lens[rows],
-                          t.seq_lens[rows], None, None if t.ref_logprobs is None else t.ref_logprobs[rows, :width],
-                          None if t.ref_rows is None else t.ref_rows[rows])
 
 
 def _release_freed_memory() -> None:
@@ -259,52 +62,6 @@ def _release_freed_memory() -> None:
         pass
 
 
-TRAINING_STATE_SUFFIX = ".train"
-"""``<checkpoint stem>.train/`` beside the checkpoints: a revision's training state (``ReferenceTrainer``), a
-torch.distributed.checkpoint folder (each rank writes its own shards; it loads on any number of ranks)."""
-LEGACY_TRAINING_STATE_SUFFIX = ".train.pt"
-"""What the training state was before it was sharded: one ``torch.save`` file, still read."""
-
-
-def state_write_path(folder: Path, family: str, revision: int) -> Path:
-    """Where a training state is written before it is renamed to its place (hidden: not a checkpoint)."""
-    from policy.checkpoint import checkpoint_stem
-
-    return folder / f".{checkpoint_stem(family, revision)}.train.tmp{os.getpid()}"
-
-
-def revision_files(folder: Path, family: str) -> list[tuple[int, str, Path]]:
-    """The family's files in a checkpoint folder, by revision and kind: ``checkpoint`` (a ``.pt`` file or an HF
-    folder), ``state`` (a training state), ``writing`` (a checkpoint write never renamed into place) and
-    ``writing-state`` (a training state's; before they named their family, ``.train-r<N>.tmp<pid>``)."""
-    from schemas.policy import family_slug
-
-    stem = re.escape(family_slug(family)) + r"-r(\d{6})"
-    kinds = [("checkpoint", rf"{stem}-[0-9a-f]{{12}}(?:\.pt)?"),
-             ("state", rf"{stem}-[0-9a-f]{{12}}(?:{re.escape(TRAINING_STATE_SUFFIX)}|"
-                       rf"{re.escape(LEGACY_TRAINING_STATE_SUFFIX)})"),
-             ("writing", rf"{stem}\.tmp\d+"),
-             ("writing-state", rf"\.{stem}\.train\.tmp\d+|\.train-r(\d+)\.tmp\d+")]
-    patterns = [(kind, re.compile(p)) for kind, p in kinds]
-    out = []
-    for path in folder.iterdir():
-        for kind, pattern in patterns:
-            if m := pattern.fullmatch(path.name):
-                out.append((int(next(g for g in m.groups() if g is not None)), kind, path))
-                break
-    return out
-
-
-_STATE_WRITER = ThreadPoolExecutor(1, thread_name_prefix="training-state")
-"""Training states are written here, one at a time, while the trainer goes on (``ReferenceTrainer``)."""
-
-
-def wait_for_training_states() -> None:
-    """Every training state this process started writing is on the disk (or failed): before anything removes or
-    copies them. Its worker thread is joined at exit, so a process that ends leaves no half-written one."""
-    _STATE_WRITER.submit(lambda: None).result()
-
-
 def group_refusal(lora: Any, optimizer: Any) -> str | None:
     """Why a torchrun group cannot train with these settings (None: it can); ``rollout serve trainer`` asks at its
     start, before a batch is read (refused at the first batch, a group restarts into a poison dead letter)."""
@@ -317,7 +74,7 @@ def group_refusal(lora: Any, optimizer: Any) -> str | None:
 
 
 class ReferenceTrainer:
-    """The plan's objective (``consumers.objectives``), normalised over the whole batch, on the checkpoint's model.
+    """The plan's objective (``consumers.trainer.objectives``), normalised over the whole batch, on the checkpoint's model.
 
     Every revision's served weights are written (``publish``); its training state (float32 weights and the
     optimizer's moments, 4x the served bytes of an HF model) only every ``state_every`` revisions, and, training
@@ -326,7 +83,7 @@ class ReferenceTrainer:
     VM's disk, in the path of every 8th revision). Only a state on the disk is named by a commit
     (``last_state``). A take-over between two states loads the last one and trains the batches committed after it
     again (``advance`` after each), then ``settle`` checks it reached the committed revision's served weights
-    (``consumers.tasks.trainer``)."""
+    (``consumers.trainer.task``)."""
 
     def __init__(self, model: Any, family: str, revision: int, checkpoint_dir: str | Path, *, lr: float = 1e-3,
                  objective: Any = None, epochs: int = 1,
@@ -363,7 +120,7 @@ class ReferenceTrainer:
                 self.base = base_of(ref) if ref.adapter else ref
         elif has_adapters(model):
             model = merged_model(model)
-        # the model trained is on ``device``, and in a data-parallel group (``consumers.distributed``) it is FSDP2's
+        # the model trained is on ``device``, and in a data-parallel group (``consumers.trainer.distributed``) it is FSDP2's
         # shard of it; rank 0 (or the only process) keeps the whole model on the CPU as well: what it writes as
         # checkpoints (the same object when training alone on the CPU)
         self.group = group
@@ -445,7 +202,7 @@ class ReferenceTrainer:
             if g:
                 self.model.set_requires_gradient_sync(k == len(parts) - 1)
             index = torch.tensor(rows or [0])
-            part = _rows(t, index)
+            part = take_rows(t, index)
             width = part.input_ids.shape[1] - 1
             loss, metrics, lp = self.loss(part, objective, batch_scale,
                                           None if before is None else before[index, :width])
@@ -514,7 +271,7 @@ class ReferenceTrainer:
             if self.whole is not None:
                 self.states[self.revision] = ref
             return
-        self._writing = (self.revision, ref, _STATE_WRITER.submit(save_sharded, local_state(self.model, self.opt),
+        self._writing = (self.revision, ref, STATE_WRITER.submit(save_sharded, local_state(self.model, self.opt),
                                                                   *where, writer=True))
 
     def _wait_for_state(self) -> None:
@@ -638,7 +395,7 @@ class ReferenceTrainer:
             per_pass = max(1, self.micro_batch_tokens // t.input_ids.shape[1])  # the training pass's token budget
             for chunk in rows.split(per_pass):
                 with torch.no_grad():
-                    part = _rows(t, chunk)
+                    part = take_rows(t, chunk)
                     lp = self.kind.logprobs(probe.eval(), part, self.micro_batch_tokens)
                 diffs.append((lp - part.old_logprobs[:, 1:])[part.loss_mask[:, 1:] > 0])
         del probe  # not kept between steps: it would sit on the next backward pass's peak
@@ -712,7 +469,7 @@ class ReferenceTrainer:
 def open_trainer(*, ref: CheckpointRef, revision: int, family: str, checkpoint_dir: str, group: Group | None = None,
                  **options: Any) -> ReferenceTrainer:
     """The reference trainer on checkpoint ``ref`` at ``revision``, sharded over ``group`` when there is one (every
-    rank of a group opens its own: ``consumers.distributed.Lockstep``)."""
+    rank of a group opens its own: ``consumers.trainer.distributed.Lockstep``)."""
     kind = policy_kind(ref)
     return ReferenceTrainer(kind.load(ref), family, revision, checkpoint_dir, kind=kind, ref=ref, group=group,
                             device=device(), **options)

@@ -29,7 +29,8 @@ from streams.revisions import RevisionFollower, latest_revision, publish
 from streams.partition_task import Out
 
 if TYPE_CHECKING:
-    from consumers.trainer import ReferenceTrainer, TrainStep
+    from consumers.trainer.step import ReferenceTrainer
+    from consumers.trainer.tensors import TrainStep
 
 log = logging.getLogger("rollout.trainer")
 
@@ -100,8 +101,8 @@ class TrainerTask(TaskDefaults):
             self.trainer.prune(int(self.current["revision"]), int(base["revision"]), fresh=bool(base.get("fresh")))
 
     def _open(self, ref: CheckpointRef, revision: int) -> ReferenceTrainer:
-        from consumers import distributed
-        from consumers.trainer import open_trainer
+        from consumers.trainer import distributed
+        from consumers.trainer.step import open_trainer
 
         opts = dict(ref=ref, revision=revision, family=self.family, checkpoint_dir=str(self.dir), **self.options)
         group = distributed.current()  # under torchrun: every rank opens its shard of the same trainer
@@ -169,7 +170,7 @@ class TrainerTask(TaskDefaults):
         """One optimizer step on the batch's records that the revision the trainer holds may still train (a
         derived run's batch is checked against its own target: its bound paces history, ``schemas.history``); the
         records refused, and the step's figures. Nothing when every record is refused."""
-        from consumers.trainer import to_tensors
+        from consumers.trainer.tensors import to_tensors
 
         holds = PolicyRef(family=self.family, revision=trainer.revision if batch.history is None
                           else batch.target.revision)
@@ -275,7 +276,7 @@ async def bootstrap_revision(client_kwargs: dict[str, Any], family: str, checkpo
     """
     if await latest_revision(client_kwargs, family) is not None:
         return None
-    from consumers.trainer import initial_revision
+    from consumers.trainer.step import initial_revision
 
     rev0 = initial_revision(family, checkpoint_dir, seed=seed, run_id=run_id)
     await publish(client_kwargs, rev0)
@@ -301,7 +302,7 @@ async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIt
                    served_model=cfg.served_model, state_every=cfg.state_every,
                    micro_batch_tokens=cfg.micro_batch_tokens, max_steps=cfg.max_steps, lora=cfg.lora,
                    optimizer=cfg.optimizer, objective=cfg.objective)
-    from consumers import distributed
+    from consumers.trainer import distributed
 
     # a fresh run (no revision after its first: a trainer joining a run under way takes over instead), and not
     # under torchrun, whose ranks open their shards together (``TrainerTask._open``)
