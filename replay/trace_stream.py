@@ -1,5 +1,5 @@
 """prime-rl's trace stream: the episodes of a run as its file monitor writes them, read in stream order with the
-trace annotations folded on, for ``replay.traces.import_file`` (``rollout import-traces RUN_DIR``).
+trace annotations folded on, for ``replay.trace_import.import_file`` (``rollout import-traces RUN_DIR``).
 
 The layout (prime-rl ``monitors/file/traces``: ``__init__.py``, ``chunks.py``, ``update.py``, ``monitor.py``)::
 

@@ -205,7 +205,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             for path in export(con, args.out, fmt=args.format, views=not args.no_views):
                 print(path)
             return 0
-    from replay.traces import write_traces  # it opens the database itself
+    from replay.trace_export import write_traces  # it opens the database itself
 
     validate = {"auto": None, "yes": True, "no": False}[args.validate]
     try:
@@ -220,7 +220,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import_traces(args: argparse.Namespace) -> int:
     import asyncio
 
-    from replay.traces import import_file, produce_imported, summary
+    from replay.trace_import import import_file, produce_imported, summary
 
     try:
         imp = import_file(args.path, args.run_id, family=args.family)

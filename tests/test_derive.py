@@ -271,7 +271,7 @@ async def test_a_prime_rl_trace_stream_imported_then_derived_from(kafka_settings
     (its rewards as recorded, no weights), then re-trained from weights given for its revision 0."""
     from policy.checkpoint import save_checkpoint
     from policy.model import PolicyModel
-    from replay.traces import import_file, produce_imported
+    from replay.trace_import import import_file, produce_imported
 
     kw = kafka_settings.client_kwargs()
     monkeypatch.setenv("ROLLOUT_TOPIC_PREFIX", f"prs-{uuid.uuid4().hex[:8]}.")

@@ -22,7 +22,7 @@ import verifiers.v1 as vf  # the `test` extra pins verifiers==0.4.0
 from replay.audit import run_audit
 from replay.ingest import Replayer
 from replay.trace_stream import TraceStream, fold_updates, locate, read_lines
-from replay.traces import import_file, produce_imported, summary
+from replay.trace_import import import_file, produce_imported, summary
 from rollout.cli import main
 from tests.test_replay import log  # noqa: F401 - fixture
 

@@ -25,9 +25,9 @@ import verifiers.v1 as vf  # noqa: E402  (the `test` extra pins verifiers==0.4.0
 from replay.audit import run_audit  # noqa: E402
 from replay.ingest import Replayer, default_topics  # noqa: E402
 from replay.synthetic import generate_run, produce  # noqa: E402
-from replay.traces import (  # noqa: E402
-    FORMAT_040, FORMAT_DEV, StepRow, UnsupportedTraceVersion, _sampled_calls, episode_events, episode_record,
-    import_file, member_trace_graph, span_revision, trace_format)
+from replay.trace_export import StepRow, episode_record, member_trace_graph
+from replay.trace_import import _sampled_calls, episode_events, import_file
+from replay.traces import FORMAT_040, FORMAT_DEV, UnsupportedTraceVersion, span_revision, trace_format
 from rollout.cli import main  # noqa: E402
 from test_replay import log  # noqa: E402, F401 - fixture
 
@@ -172,7 +172,7 @@ async def test_import_of_a_traces_file_written_by_verifiers(log, tmp_path):  # n
     solver = _verifiers_written_traces(tmp_path)
     imp = import_file(tmp_path / "traces.jsonl", f"pr{uuid.uuid4().hex[:8]}")
     assert not imp.skipped and imp.rollouts == 1
-    from replay.traces import produce_imported
+    from replay.trace_import import produce_imported
 
     await produce_imported(imp, log)
     db = str(tmp_path / "pr.duckdb")
@@ -499,7 +499,7 @@ def test_an_unknown_trace_version_is_one_clear_error(tmp_path, capsys):
 async def test_development_build_traces_through_the_log(log, tmp_path, capsys):  # noqa: F811
     """dev traces -> import -> log -> replay -> `export --trace-format dev` -> the same traces -> import -> the
     same run; the dropped trace has no training data on the replayed log."""
-    from replay.traces import produce_imported
+    from replay.trace_import import produce_imported
 
     imp = import_file(DEV_FIXTURE, f"dev{uuid.uuid4().hex[:8]}")
     await produce_imported(imp, log)
