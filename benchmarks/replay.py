@@ -36,7 +36,7 @@ async def raw_consume(settings, topic_names) -> tuple[float, int, int]:
     """Seconds, messages, bytes for one pass over the topics with a plain aiokafka consumer."""
     from aiokafka import AIOKafkaConsumer
 
-    from replay.ingest import _assign, consumer_kwargs
+    from replay.runs import _assign, consumer_kwargs
 
     t0 = time.perf_counter()
     consumer = AIOKafkaConsumer(**consumer_kwargs(settings))
@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or (1 if args.quick else 2)
 
     settings = kafka_for("replay")
-    from replay.ingest import Replayer, default_topics
+    from replay.ingest import Replayer
+    from replay.runs import default_topics
     from replay.synthetic import generate_steps_run, produce
     from streams import topics
 

@@ -37,9 +37,9 @@ from replay import frames, record_sets
 from replay import tables as T
 from schemas.errors import EventDecodeError
 from streams.settings import FETCH_OPTIONS
-
-NO_RUN = "?"  # the run of messages without a run_id header, as listed
-FETCH_MAX_WAIT_MS = 50  # how long the broker may hold a fetch for more data (replay reads what is there)
+from replay.runs import (assign_all, consumer_kwargs, explicit_prefix, list_runs, sources_of, started_consumer,
+                         topics_for)
+from replay.runs import FETCH_MAX_WAIT_MS, NO_RUN
 
 
 class ReplayError(Exception):
@@ -107,190 +107,6 @@ class ReplayResult:
                 f"{self.errors} undecodable; {self.bytes / 1e6:.1f} MB in {self.seconds:.2f} s, {rate:.1f} MB/s)"
                 + (f"; {self.retention_gap} offsets were already deleted by retention" if self.retention_gap else ""))
 
-
-def topics_for(prefix: str) -> dict[str, str]:
-    """topic key (streams.topics, e.g. "steps") -> topic name under ``prefix``."""
-    from streams import topics
-
-    return {key: prefix + key for key in topics.TOPICS}
-
-
-async def sources_of(consumer: Any, run_id: str, prefix: str) -> list[tuple[str, str]]:
-    """(run id, topic prefix) of the run and of every run it derives from (``rollout derive``), whose events
-    its lineage walks back into: a derived run's fork revision names the source revision it started from."""
-    from schemas import codec
-    from schemas.policy import PolicyRevision
-    from streams import topics
-
-    out = [(run_id, prefix)]
-    while True:
-        run, at = out[-1]
-        tps = await _assign(consumer, [at + topics.POLICY_REVISIONS.key])
-        fork = None
-        if tps:
-            consumer.assign(tps)
-            await consumer.seek_to_beginning(*tps)
-            end = await consumer.end_offsets(tps)
-            idle = 0  # a trailing transaction marker can keep the position short of the end
-            while fork is None and idle < 2 and any([await consumer.position(tp) < end[tp] for tp in tps]):
-                got = await consumer.getmany(*tps, timeout_ms=500)
-                idle = 0 if got else idle + 1
-                for rec in (r for recs in got.values() for r in recs):
-                    if fork is None and dict(rec.headers).get("run_id") == run.encode():
-                        fork = codec.decode(rec.value, PolicyRevision).source
-        if fork is None or any(r == fork.run_id for r, _ in out):
-            return out
-        out.append((fork.run_id, fork.topic.removesuffix(topics.POLICY_REVISIONS.key)))
-
-
-def default_topics() -> dict[str, str]:
-    """topic key -> topic name under the current ROLLOUT_TOPIC_PREFIX (streams.topics' default when unset)."""
-    from streams import topics
-
-    return topics_for(topics.topic_prefix())
-
-
-def explicit_prefix() -> str | None:
-    """ROLLOUT_TOPIC_PREFIX when set (even to ""): then runs are looked for under that prefix only."""
-    return os.environ.get("ROLLOUT_TOPIC_PREFIX")
-
-
-def split_topic(name: str) -> tuple[str, str] | None:
-    """(prefix, key) of a pipeline topic name: the prefix is whatever precedes a known topic key."""
-    from streams import topics
-
-    if name.startswith("__"):  # Kafka's internal topics
-        return None
-    for key in topics.TOPICS:
-        if name.endswith(key):
-            return name[:-len(key)], key
-    return None
-
-
-def discover_prefixes(topic_names: Iterable[str]) -> list[str]:
-    """Every topic prefix with at least one pipeline topic among ``topic_names``, sorted."""
-    return sorted({sp[0] for sp in map(split_topic, topic_names) if sp is not None})
-
-
-async def _started(consumer: Any) -> Any:
-    """``consumer`` started; stopped again when it cannot start (an unreachable broker), so the command's one-line
-    error is not followed by aiokafka's "Unclosed AIOKafkaConsumer"."""
-    try:
-        await consumer.start()
-    except BaseException:
-        await consumer.stop()
-        raise
-    return consumer
-
-
-def consumer_kwargs(settings: Any, **extra: Any) -> dict[str, Any]:
-    kw = settings.client_kwargs()
-    kw["client_id"] = f"{kw.get('client_id', 'rollout-log')}-replay"
-    kw.update(group_id=None, enable_auto_commit=False, isolation_level="read_committed",
-              auto_offset_reset="earliest", fetch_max_wait_ms=FETCH_MAX_WAIT_MS, **FETCH_OPTIONS)
-    kw.update(extra)
-    return kw
-
-
-def _header(headers: Iterable[tuple[str, bytes]], name: str) -> bytes | None:
-    for k, v in headers:
-        if k == name:
-            return v
-    return None
-
-
-async def _assign(consumer: Any, topic_names: Iterable[str]) -> list[Any]:
-    from aiokafka import TopicPartition
-
-    # consumer.topics() fetches fresh metadata but does not keep it; use the cluster it returns.
-    cluster = await consumer._client.fetch_all_metadata()
-    existing = cluster.topics()
-    tps = []
-    for name in topic_names:
-        if name not in existing:
-            continue
-        for p in sorted(cluster.partitions_for_topic(name) or ()):
-            tps.append(TopicPartition(name, p))
-    return tps
-
-
-# ---------------------------------------------------------------------------------------------- runs
-
-@dataclass
-class RunInfo:
-    run_id: str
-    prefix: str  # the topic prefix the run was found under
-    first_ts: int
-    last_ts: int
-    messages: dict[str, int]  # topic key -> messages of this run read
-
-    @property
-    def first(self) -> datetime:
-        return datetime.fromtimestamp(self.first_ts / 1000, UTC)
-
-    @property
-    def last(self) -> datetime:
-        return datetime.fromtimestamp(self.last_ts / 1000, UTC)
-
-
-async def list_runs(settings: Any, *, prefixes: Iterable[str] | None = None, all_topics: bool = False) -> list[RunInfo]:
-    """Runs under the given topic prefixes (default: ROLLOUT_TOPIC_PREFIX when set, else every prefix found
-    on the cluster), most recently started first. Per prefix, its policy-revisions topic is read (every run
-    seeds its revision 0 there); a prefix with no run there, or ``all_topics``, has every pipeline topic
-    read. Reads headers only."""
-    from aiokafka import AIOKafkaConsumer
-
-    from streams import topics
-
-    consumer = await _started(AIOKafkaConsumer(**consumer_kwargs(settings)))
-    try:
-        if prefixes is None:
-            prefixes = [explicit_prefix()] if explicit_prefix() is not None else \
-                discover_prefixes((await consumer._client.fetch_all_metadata()).topics())
-        prefixes = list(prefixes)
-        runs = [] if all_topics else await _scan_runs(consumer, [p + topics.POLICY_REVISIONS.key for p in prefixes])
-        found = {r.prefix for r in runs}
-        runs += await _scan_runs(consumer, [name for p in prefixes if p not in found for name in topics_for(p).values()])
-        return sorted(runs, key=lambda r: r.first_ts, reverse=True)
-    finally:
-        await consumer.stop()
-
-
-async def _scan_runs(consumer: Any, topic_names: list[str]) -> list[RunInfo]:
-    """Every (prefix, run_id) on these topics, from the run_id headers up to the current end offsets."""
-    tps = await _assign(consumer, topic_names)
-    if not tps:
-        return []
-    consumer.assign(tps)
-    start = await consumer.beginning_offsets(tps)
-    end = await consumer.end_offsets(tps)
-    todo = {tp for tp in tps if end[tp] > start[tp]}
-    for tp in tps:
-        consumer.seek(tp, start[tp])
-    split = {tp.topic: split_topic(tp.topic) for tp in tps}
-    runs: dict[tuple[str, str], RunInfo] = {}
-    while todo:
-        batch = await consumer.getmany(*todo, timeout_ms=500, max_records=10000)
-        for tp, records in batch.items():
-            prefix, key = split[tp.topic]
-            for r in records:
-                if r.offset >= end[tp]:
-                    break
-                raw = _header(r.headers, "run_id")
-                run = raw.decode(errors="replace") if raw is not None else NO_RUN
-                info = runs.get((prefix, run))
-                if info is None:
-                    info = runs[(prefix, run)] = RunInfo(run, prefix, r.timestamp, r.timestamp, defaultdict(int))
-                info.first_ts = min(info.first_ts, r.timestamp)
-                info.last_ts = max(info.last_ts, r.timestamp)
-                info.messages[key] += 1
-        for tp in list(todo):
-            if await consumer.position(tp) >= end[tp]:
-                todo.discard(tp)
-    return list(runs.values())
-
-
-# ---------------------------------------------------------------------------------------------- replay
 
 class _Buffer:
     def __init__(self) -> None:
@@ -467,7 +283,7 @@ class Replayer:
                                   "replay into a fresh --db to see an earlier state")
         result = ReplayResult(run_id=run_id, db=self.db, prefix=prefix, rows={name: 0 for name in T.TABLES})
         tm = result.timings
-        consumer = await _started(AIOKafkaConsumer(**consumer_kwargs(self.settings)))
+        consumer = await started_consumer(AIOKafkaConsumer(**consumer_kwargs(self.settings)))
         try:  # the run's topics, and those of the runs it derives from, each read for its own run's events
             runs = await sources_of(consumer, run_id, prefix)
         except BaseException:
@@ -488,7 +304,7 @@ class Replayer:
         if self.writer_thread:
             sys.setswitchinterval(WRITER_SWITCH_INTERVAL_S)
         try:
-            tps = await _assign(consumer, topic_names)
+            tps = await assign_all(consumer, topic_names)
             result.partitions = len(tps)
             if not tps:
                 raise ReplayError(f"none of the topics {sorted(topic_names)} exists")

@@ -389,7 +389,7 @@ def import_file(path: str | Path, run_id: str | None = None, *, family: str | No
 
 async def produce_imported(imp: Imported, settings, *, transactional_id: str | None = None) -> int:
     """Create the topics (current ROLLOUT_TOPIC_PREFIX) and produce the import, transaction by transaction."""
-    from replay.ingest import default_topics
+    from replay.runs import default_topics
     from replay.synthetic import produce
     from streams import topics
 

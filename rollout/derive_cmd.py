@@ -153,7 +153,7 @@ def rescore_of(rubric: list[str] | None, kind: str | None):
 
 async def find_source(settings: Any, run_id: str) -> str:
     """The topic prefix the source run is under."""
-    from replay.ingest import list_runs
+    from replay.runs import list_runs
 
     runs = [r for r in await list_runs(settings) if r.run_id == run_id]
     if not runs:

@@ -111,7 +111,7 @@ def _settings():
 def cmd_runs(args: argparse.Namespace) -> int:
     import asyncio
 
-    from replay.ingest import list_runs
+    from replay.runs import list_runs
     from replay.query import print_table
 
     runs = asyncio.run(list_runs(_settings(), all_topics=args.all_topics))

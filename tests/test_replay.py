@@ -15,7 +15,8 @@ import pytest
 
 from replay import ingest
 from replay.audit import audit, run_audit
-from replay.ingest import Replayer, ReplayError, Until, default_topics, list_runs, topics_for
+from replay.ingest import Replayer, ReplayError, Until
+from replay.runs import default_topics, list_runs, topics_for
 from replay.synthetic import generate_run, produce
 from rollout.cli import main
 from schemas import codec

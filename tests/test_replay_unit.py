@@ -20,7 +20,8 @@ import pytest
 from replay import columns as C
 from replay import tables as T
 from replay.audit import audit
-from replay.ingest import ReplayError, Until, discover_prefixes, load_events, split_topic, topics_for
+from replay.ingest import ReplayError, Until, load_events
+from replay.runs import discover_prefixes, split_topic, topics_for
 from replay.query import export, interactive, run_query
 from replay.report import build_report, figures
 from replay.synthetic import generate_run

@@ -23,7 +23,8 @@ import pytest
 import verifiers.v1 as vf  # noqa: E402  (the `test` extra pins verifiers==0.4.0)
 
 from replay.audit import run_audit  # noqa: E402
-from replay.ingest import Replayer, default_topics  # noqa: E402
+from replay.ingest import Replayer
+from replay.runs import default_topics  # noqa: E402
 from replay.synthetic import generate_run, produce  # noqa: E402
 from replay.trace_export import StepRow, episode_record, member_trace_graph
 from replay.trace_import import _sampled_calls, episode_events, import_file
