@@ -27,12 +27,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from rollout.argtypes import at_least
+from rollout.run_summary import arena_stats_from, print_summary, summarize
+from rollout.run_view import Progress, follow_log, show_progress
 
 log = logging.getLogger("rollout.demo")
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,106 +188,6 @@ def context_length(plan, model_dir: Path) -> int:
     return min(int(wanted), int(config.get("max_position_embeddings") or 2048))
 
 
-# -- live view of the run --------------------------------------------------------------------------------
-
-@dataclass
-class Progress:
-    """What the live line and the summary show, fed by a tail of the scores and revisions topics."""
-
-    phase: str = "starting"
-    train: dict[int, list[float]] = field(default_factory=dict)   # revision -> rewards of training rollouts
-    parts: dict[str, dict[int, list[float]]] = field(default_factory=dict)  # reward component -> revision -> values
-    evals: dict[int, list[float]] = field(default_factory=dict)   # revision -> correct (0/1) per eval question
-    revisions: dict[int, dict[str, float]] = field(default_factory=dict)  # revision -> trainer metrics
-    scored: int = 0       # training rollouts scored
-    eval_scored: int = 0  # evaluation rollouts scored
-    started: float = field(default_factory=time.monotonic)
-
-    def add_score(self, s: Any) -> None:
-        if s.evaluation:
-            self.eval_scored += 1
-        else:
-            self.scored += 1
-        rev = s.trainable_steps[0].policy.revision if s.trainable_steps else None
-        if rev is None:
-            return
-        if s.evaluation:
-            exact = next((v for k, v in s.metrics.items() if k.endswith("/reward/exact_answer")), None)
-            value = exact if exact is not None else max(s.rewards.values(), default=0.0)
-            self.evals.setdefault(rev, []).append(1.0 if value >= 1.0 else 0.0)
-            return
-        self.train.setdefault(rev, []).extend(s.rewards.values())
-        for name, v in s.metrics.items():
-            if "/reward/" in name:
-                self.parts.setdefault(name.rsplit("/", 1)[-1], {}).setdefault(rev, []).append(v)
-
-    def line(self) -> str:
-        elapsed = time.monotonic() - self.started
-        out = [f"[{elapsed:5.0f}s] {self.phase}"]
-        if self.revisions:
-            r = max(self.revisions)
-            m = self.revisions[r]
-            out.append(f"revision r{r}")
-            if "reward_mean" in m:
-                out.append(f"batch reward {m['reward_mean']:.3f}")
-            if "mismatch_mean" in m:
-                out.append(f"mismatch {m['mismatch_mean']:.3f}")
-        done = {k: v for k, v in self.evals.items() if v}
-        if done:
-            r = max(done)
-            out.append(f"eval r{r} {_mean(done[r]):.0%} (r{min(done)} {_mean(done[min(done)]):.0%})")
-        out.append(f"scored {self.scored}")
-        return "  ".join(out)
-
-
-def _mean(v: list[float]) -> float:
-    return sum(v) / len(v) if v else 0.0
-
-
-async def _tail(kw: dict, progress: Progress, stop: asyncio.Event) -> None:
-    """Follow scores and revisions (read_committed, no group) until ``stop``, then read to the end."""
-    from aiokafka import AIOKafkaConsumer
-
-    from schemas import codec
-    from schemas.events import PolicyRevision, RolloutScored
-    from streams import topics
-
-    c = AIOKafkaConsumer(topics.SCORES.name, topics.POLICY_REVISIONS.name, **kw, group_id=None,
-                         isolation_level="read_committed", auto_offset_reset="earliest",
-                         max_partition_fetch_bytes=64 * 1024 * 1024)
-    await c.start()
-    idle = 0
-    try:
-        while not stop.is_set() or idle < 3:
-            got = await c.getmany(timeout_ms=300)
-            idle = 0 if got else idle + 1
-            for recs in got.values():
-                for r in recs:
-                    try:
-                        ev = codec.decode(r.value)
-                    except Exception:  # noqa: BLE001 - the services dead-letter bad frames; not ours to show
-                        continue
-                    if isinstance(ev, RolloutScored):
-                        progress.add_score(ev)
-                    elif isinstance(ev, PolicyRevision):
-                        progress.revisions[ev.revision] = dict(ev.metrics)
-    finally:
-        await c.stop()
-
-
-async def _show(progress: Progress, stop: asyncio.Event, enabled: bool) -> None:
-    if not enabled:
-        return
-    from rich.console import Console
-    from rich.live import Live
-
-    with Live(progress.line(), console=Console(stderr=True), refresh_per_second=2, transient=False) as live:
-        while not stop.is_set():
-            live.update(progress.line())
-            await asyncio.sleep(0.5)
-        live.update(progress.line())
-
-
 # -- the run ----------------------------------------------------------------------------------------------
 
 async def _demo(settings, args) -> int:
@@ -367,7 +267,7 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
         print(f"model: {plan.served_model} (every revision says so)", flush=True)
     progress = Progress()
     stop_view = asyncio.Event()
-    view = asyncio.create_task(_show(progress, stop_view, not args.no_progress))
+    view = asyncio.create_task(show_progress(progress, stop_view, not args.no_progress))
     vllm = metrics = serving = None
     arena_args: list[str] = []
     cores = "shared"  # with no vLLM started here, nothing to divide, unless --cores turns says so
@@ -440,7 +340,7 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
         _drop_training_states(ckdir)
     summary["seconds"] = round(time.monotonic() - t0, 1)
     summary["cores"] = cores
-    _print_summary(summary)
+    print_summary(summary)
     print(json.dumps(summary))
     return rc
 
@@ -496,7 +396,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
     running = [n for n, s in SERVICES.items() if s.needed(cfg)]
     async with System(running, cfg, kw):
         stop_tail = asyncio.Event()
-        tail = asyncio.create_task(_tail(kw, progress, stop_tail))
+        tail = asyncio.create_task(follow_log(kw, progress, stop_tail))
         env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
         t0 = time.monotonic()
         # the arena starts (imports, environments, the broker) while the server does, and waits for it to answer
@@ -521,7 +421,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
             # records short of a full batch are flushed as a partial one after flush_after_s: waited for, unless
             # every rollout was one record, none failed, and they filled whole batches (all trained: the arena
             # waited for the revision of the last one)
-            done = _arena_stats(out) or {}
+            done = arena_stats_from(out) or {}
             whole = plan.one_record_per_rollout and done.get("failed", 1) == 0 and \
                 done.get("rollouts", 1) % plan.batch_size == 0
             deadline = time.monotonic() + 120
@@ -550,7 +450,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
             stop_tail.set()
             await asyncio.gather(tail, return_exceptions=True)
     arena_out = out.decode(errors="replace")
-    arena_stats = _arena_stats(out)
+    arena_stats = arena_stats_from(out)
     for line in arena_out.splitlines():  # what the arena warned of (a final revision it did not see, and why)
         if line.startswith("rollout arena: warning:"):
             print(line, file=sys.stderr)
@@ -560,98 +460,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
         if vllm_exited():
             print(f"rollout demo: vLLM exited during the run; its log: {RUNS_DIR / run / 'vllm.log'}",
                   file=sys.stderr)
-    summary = await _summary(kw, progress, arena_stats or {})
+    summary = await summarize(kw, progress, arena_stats or {})
     summary.update(run=run, topic_prefix=prefix, policy=args.policy, arena_s=round(time.monotonic() - t0, 1),
                    plan=args.plan, family=plan.family, served_model=plan.served_model)
     return rc, summary
-
-
-def _arena_stats(out: bytes) -> dict | None:
-    """The JSON line the arena ends with."""
-    lines = out.decode(errors="replace").splitlines()
-    return next((json.loads(line) for line in reversed(lines) if line.startswith("{")), None)
-
-
-async def _summary(kw, progress: Progress, arena_stats: dict) -> dict:
-    from aiokafka import AIOKafkaConsumer
-
-    from schemas import codec
-    from streams import topics
-
-    async def read(topic: str) -> list:
-        c = AIOKafkaConsumer(topic, **kw, group_id=None, isolation_level="read_committed",
-                             auto_offset_reset="earliest", max_partition_fetch_bytes=64 * 1024 * 1024)
-        await c.start()
-        out, idle = [], 0
-        try:
-            while idle < 3:
-                got = await c.getmany(timeout_ms=300)
-                n = sum(len(v) for v in got.values())
-                idle = idle + 1 if n == 0 else 0
-                for recs in got.values():
-                    out.extend(codec.decode(r.value) for r in recs)
-        finally:
-            await c.stop()
-        return out
-
-    rollouts = await read(topics.ROLLOUTS.name)
-    batches = await read(topics.TRAINER_BATCHES.name)
-    letters = await read(topics.DEAD_LETTERS.name)
-    r4 = lambda v: round(v, 4)  # noqa: E731
-    history = [m for _, m in sorted(progress.revisions.items()) if m]  # each trained revision's step figures
-    metrics = {str(k): {n: r4(x) for n, x in m.items()} for k, m in sorted(progress.revisions.items()) if m}
-    return {
-        "rollouts": sum(not r.evaluation for r in rollouts), "eval_rollouts": sum(r.evaluation for r in rollouts),
-        "failed_rollouts": sum(r.status == "failed" for r in rollouts),
-        "scored": progress.scored, "eval_scored": progress.eval_scored,
-        "batches": len(batches), "records_in_batches": sum(len(b.records) for b in batches),
-        "revisions": max(progress.revisions, default=0),
-        "dead_letters": len(letters),
-        "dead_letter_reasons": dict(Counter(f"{d.service}: {d.error_type}" for d in letters)),
-        "eval_accuracy_by_revision": {str(k): r4(_mean(v)) for k, v in sorted(progress.evals.items())},
-        "eval_questions_by_revision": {str(k): len(v) for k, v in sorted(progress.evals.items())},
-        "mean_reward_by_revision": {str(k): r4(_mean(v)) for k, v in sorted(progress.train.items())},
-        "reward_parts_by_revision": {n: {str(k): r4(_mean(v)) for k, v in sorted(p.items())}
-                                     for n, p in progress.parts.items()},
-        "rollouts_by_revision": {str(k): len(v) for k, v in sorted(progress.train.items())},
-        "trainer_metrics_by_revision": metrics,
-        "trainer_losses": [r4(h["loss"]) for h in history if "loss" in h][:50],
-        "step_s": [round(h["step_s"], 2) for h in history if "step_s" in h],
-        "reload_s": arena_stats.get("reload_s", []),
-        "arena": {k: arena_stats.get(k) for k in ("rollouts", "evaluations", "failed", "completion_tokens",
-                                                  "elapsed_s", "eval_s", "evaluated_revisions", "final_revision",
-                                                  "final_revision_reached")},
-    }
-
-
-def _print_summary(s: dict) -> None:
-    print(f"\nrun {s['run']} ({s['policy']}): rollouts {s['rollouts']} (+{s['eval_rollouts']} evaluation, "
-          f"{s['failed_rollouts']} failed), batches {s['batches']} ({s['records_in_batches']} records), "
-          f"revisions published {s['revisions']}, dead letters {s['dead_letters']} {s['dead_letter_reasons'] or ''}")
-    if s.get("served_model"):
-        print(f"model: {s['served_model']}: these results are that model's, not {s['family']}'s")
-    evals = s["eval_accuracy_by_revision"]
-    if evals:
-        first, last = next(iter(evals)), list(evals)[-1]
-        print(f"held-out eval accuracy (greedy, {s['eval_questions_by_revision'][first]} questions never trained on): "
-              f"r{first} {evals[first]:.1%} -> r{last} {evals[last]:.1%}")
-        print("  " + "  ".join(f"r{k} {v:.0%}" for k, v in evals.items()))
-    names = list(s["reward_parts_by_revision"])
-    print("training reward by the revision that generated the rollouts:")
-    for rev, r in s["mean_reward_by_revision"].items():
-        parts = "  ".join(f"{n} {s['reward_parts_by_revision'][n].get(rev, 0.0):.3f}" for n in names)
-        m = s["trainer_metrics_by_revision"].get(str(int(rev) + 1), {})
-        mm = (f"  step r{rev}->r{int(rev) + 1}: logprob mismatch mean {m['mismatch_mean']:.4f} "
-              f"max {m['mismatch_max']:.3f}" if "mismatch_mean" in m else "")
-        print(f"  r{rev:>3}: {r:.3f}  ({s['rollouts_by_revision'][rev]} rollouts)  {parts}{mm}")
-    if s["step_s"]:
-        steps = s["step_s"]
-        print(f"trainer step: mean {sum(steps) / len(steps):.1f}s over {len(steps)} steps; weight reload into "
-              f"the server: {', '.join(f'{x:.2f}' for x in s['reload_s'][:8])}{' ...' if len(s['reload_s']) > 8 else ''} s")
-    print(f"wall time {s['seconds']:.0f}s\n")
-    print("next: look at this run from the log")
-    print("  .venv/bin/rollout runs                                # this run is listed first")
-    print(f"  .venv/bin/rollout dashboard --prefix {s['topic_prefix']}    # its live page at http://127.0.0.1:8050")
-    print("  .venv/bin/rollout replay --db run.duckdb              # the most recent run into DuckDB")
-    print("  .venv/bin/rollout sql --db run.duckdb \"SELECT * FROM v_eval_accuracy_by_revision\"")
-    print("  .venv/bin/rollout audit --db run.duckdb && .venv/bin/rollout report --db run.duckdb --out report.html")
