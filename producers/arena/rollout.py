@@ -8,20 +8,18 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from producers.arena.progress import ArenaStats
 from producers.environments.dataset import Example
 from producers.environments.episodes import Episode, EpisodeState, GenerateResult
 from producers.environments.types import Environment
-from producers.inference.client import Completion, InferenceError
-from producers.inference.weights import WeightLoadError
+from producers.inference.client import Completion, InferenceClient, InferenceError
+from producers.inference.weights import RevisionGate, WeightLoadError
 from schemas.envelope import new_id
 from schemas.events import ChatMessage, Step
 from schemas.policy import PolicyRef
 from schemas.scoring import ScoringSpec
-
-if TYPE_CHECKING:
-    from producers.arena.arena import Arena
 
 
 @dataclass
@@ -42,11 +40,34 @@ class EpisodeRequest:
     train_source: str | None = None  # the plan's training source it was sampled for (its name): its algorithm
 
 
+class RolloutHost(Protocol):
+    """What a rollout reads of the arena that runs it (``producers.arena.arena.Arena``): routing and sampling, the
+    served revision and its gate, the run's names, counters and seed stream."""
+
+    plan: Any
+    env_sampling: dict[str, dict[str, Any]]
+    eval_sampling: dict[str, Any]
+    eval_environments: list[tuple[Any, Environment]]
+    weights: Any
+    gate: RevisionGate
+    current_policy: PolicyRef
+    served_exact: bool
+    learner_model: str | None
+    run_id: str
+    producer_name: str
+    stats: ArenaStats
+    rng: Any
+
+    def client_for(self, target: Any) -> InferenceClient: ...
+
+    async def run_rollout(self, req: EpisodeRequest) -> GenerateResult: ...
+
+
 class RolloutContext:
     """What an episode sees of the arena while it runs: ``call_model`` routes a member's call by the plan and
     records it as a Step stamped with the revision that answered; ``spawn`` runs sub-episodes."""
 
-    def __init__(self, arena: Arena, req: EpisodeRequest, state: EpisodeState, policy: PolicyRef) -> None:
+    def __init__(self, arena: RolloutHost, req: EpisodeRequest, state: EpisodeState, policy: PolicyRef) -> None:
         self.arena, self.req, self.state, self.policy = arena, req, state, policy
         self.rollout_id = req.rollout_id
         self.sample_seed = req.sample_seed
