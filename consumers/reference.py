@@ -5,6 +5,11 @@ the prompt, ``max_tokens`` 1 and ``prompt_logprobs`` 0 (vLLM's OpenAI server: ea
 tokens before it, that token's alone), read at the completion's positions. prime-rl scores the same way
 (``prefill_logprobs``: ``prompt_logprobs`` on the token ids, through its own /generate route).
 
+A self-distilling reference (prime-rl's opsd: ``Reference.demonstration``) is the live policy with the sample's
+demonstration prepended as a leading system message: the message is tokenized by the server's own chat template
+(vLLM's ``POST /tokenize`` with ``messages``, no generation prompt, as prime-rl renders its hint block) and its tokens
+go before the sample's, which are scored verbatim.
+
 A server that is down, answers 5xx or 429, or does not serve the model is the environment's fault: a request
 waits and tries again for ``RETRY_S``, then ``ReferenceUnavailable`` makes the processor wait and try the record
 again; nothing is dropped. A server that refuses the tokens themselves (400, 413, 422: too long for its context, an
@@ -33,6 +38,8 @@ waits ``streams.transactions.ENVIRONMENT_RETRY_S`` and tries it again)."""
 IN_FLIGHT = 32
 """Prefills one scorer has in flight at most: a fetch's scores queue for them here, not in the server, so none
 times out waiting its turn behind thousands (a CPU vLLM answered 32 at once at 0.57 s each)."""
+HINTS_KEPT = 256
+"""opsd's rendered hint blocks kept, by their text: a group's rollouts share one."""
 REFUSED = frozenset({400, 413, 422})
 """HTTP statuses that refuse the request's tokens: the record's fault."""
 
@@ -75,21 +82,22 @@ class ReferenceScorer:
         self.client = client
         self.retry_s = RETRY_S if retry_s is None else retry_s
         self._served: dict[Reference, Reference] = {}
+        self._hints: dict[tuple[str, str, str], list[int]] = {}
         self._slots = asyncio.Semaphore(in_flight)
 
     def _headers(self, ref: Reference) -> dict[str, str]:
         key = os.environ.get(ref.api_key_var) if ref.api_key_var else None
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    async def _request(self, method: str, ref: Reference, path: str, body: dict[str, Any] | None = None) -> Any:
-        """The answer's JSON; a reference that is down or failing is tried again until ``retry_s`` after this
-        request's turn came."""
+    async def _request(self, method: str, ref: Reference, path: str, body: dict[str, Any] | None = None,
+                       base: str | None = None) -> Any:
+        """The answer's JSON (``path`` under ``base``, default the reference's ``base_url``); a reference that is
+        down or failing is tried again until ``retry_s`` after this request's turn came."""
         async with self._slots:
-            return await self._tries(method, ref, path, body)
+            return await self._tries(method, ref, (base or str(ref.base_url)).rstrip("/") + path, body)
 
-    async def _tries(self, method: str, ref: Reference, path: str, body: dict[str, Any] | None) -> Any:
+    async def _tries(self, method: str, ref: Reference, url: str, body: dict[str, Any] | None) -> Any:
         deadline, wait, why = time.monotonic() + self.retry_s, 0.25, ""
-        url = ref.base_url.rstrip("/") + path
         while True:
             try:
                 r = await self.client.request(method, url, json=body, headers=self._headers(ref))
@@ -121,12 +129,31 @@ class ReferenceScorer:
             self._served[ref] = ref.model_copy(update={"revision": root if isinstance(root, str) else None})
         return self._served[ref]
 
-    async def score(self, ref: Reference, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> np.ndarray:
-        """The reference's logprob of each completion token given the prompt and the completion before it."""
+    async def hint_ids(self, ref: Reference, demonstration: str) -> list[int]:
+        """The token ids of the system message carrying ``demonstration`` (``ref.demonstration``'s template),
+        rendered by the server's chat template; the last few asked are kept (a group shares its example's)."""
+        assert ref.demonstration is not None and ref.base_url is not None
+        hint = ref.demonstration.hint(demonstration)
+        key = (ref.base_url, ref.model, hint)
+        if key not in self._hints:
+            root = ref.base_url.rstrip("/").removesuffix("/v1")
+            answer = await self._request("POST", ref, "/tokenize", {
+                "model": ref.model, "messages": [{"role": "system", "content": hint}],
+                "add_generation_prompt": False}, base=root)
+            while len(self._hints) >= HINTS_KEPT:
+                self._hints.pop(next(iter(self._hints)))
+            self._hints[key] = [int(t) for t in answer["tokens"]]
+        return self._hints[key]
+
+    async def score(self, ref: Reference, prompt_ids: Sequence[int], completion_ids: Sequence[int],
+                    prefix_ids: Sequence[int] = ()) -> np.ndarray:
+        """The reference's logprob of each completion token given ``prefix_ids`` (opsd's hint), the prompt and the
+        completion before it."""
         if not len(completion_ids):
             return np.empty(0, dtype=np.float32)
         if not len(prompt_ids):
             raise ReferenceRefused("a completion without a prompt: its first token has no context to be scored in")
+        prompt_ids = [*prefix_ids, *prompt_ids]
         ids = [*prompt_ids, *completion_ids]
         return completion_logprobs(await self._request("POST", ref, "/completions", prefill_body(ref.model, ids)),
                                    ids, len(prompt_ids))

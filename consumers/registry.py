@@ -32,8 +32,9 @@ SERVICES: dict[str, Service] = {s.name: s for s in (
                      "state_every", "micro_batch_tokens", "max_steps", "lora"),
             runs_algorithm=True, max_process_s=3600.0, data_parallel=True),
     # between the verifier and credit in the pipeline; listed last, so the others keep their metrics ports
-    Service("reference", "a ref_kl source's scores (prime-rl's opd) -> RolloutReferenced: the reference's "
+    Service("reference", "a ref_kl source's scores (prime-rl's opd and opsd) -> RolloutReferenced: the reference's "
                          "logprob of every trainable token, by prefill",
             inputs=(topics.SCORES,), outputs=(topics.REFERENCED, topics.DEAD_LETTERS),
-            wiring="consumers.tasks.reference:wiring", max_process_s=300.0, runs_when="needs_reference"),
+            wiring="consumers.tasks.reference:wiring", options=("policy_url",), max_process_s=300.0,
+            runs_when="needs_reference"),
 )}

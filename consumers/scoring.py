@@ -25,6 +25,7 @@ from consumers.reward_functions import call_func, load_func
 from schemas.envelope import SourceEvent
 from schemas.events import Rollout, RolloutScored, Step, StepTokens
 from schemas.history import Rescore
+from schemas.objectives import Demonstration
 from schemas.scoring import SCORING_ARTIFACT, ScoringSpec, WeightedFunc
 
 VERIFIER_VERSION = "1"
@@ -463,9 +464,10 @@ def trainable_steps(steps: Sequence[Step]) -> list[StepTokens]:
 
 
 def to_scored(rollout: Rollout, steps: Sequence[Step], verdict: Verdict, *, producer: str,
-              causation_id: str | None = None, derived: tuple[str, SourceEvent, Rescore | None] | None = None
-              ) -> RolloutScored:
-    """``derived``: a derived run's (own run id, the source Rollout's place on the log, its re-scoring)."""
+              causation_id: str | None = None, derived: tuple[str, SourceEvent, Rescore | None] | None = None,
+              demonstration: Demonstration | None = None) -> RolloutScored:
+    """``derived``: a derived run's (own run id, the source Rollout's place on the log, its re-scoring).
+    ``demonstration``: the rollout's source self-distills (opsd): its demonstration text goes with the score."""
     run_id, source, rescore = derived if derived is not None else (rollout.run_id, None, None)
     return RolloutScored(
         run_id=run_id, producer=producer, source=source, causation_id=causation_id or rollout.event_id,
@@ -475,4 +477,5 @@ def to_scored(rollout: Rollout, steps: Sequence[Step], verdict: Verdict, *, prod
         metrics=verdict.metrics, verifier=verdict.verifier or "verifier",
         verifier_version=VERIFIER_VERSION + (f"+{rescore.version()}" if rescore is not None else ""),
         trainable_steps=trainable_steps(steps) if rollout.status != "failed" else [], evaluation=rollout.evaluation,
-        train_source=rollout.train_source)
+        train_source=rollout.train_source,
+        demonstration=demonstration.text_in(rollout.artifacts) if demonstration is not None else None)

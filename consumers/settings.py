@@ -78,6 +78,9 @@ class ServiceSettings(BaseSettings):
     references: References = Field(default_factory=References, description="reference, credit: each training "
                                    "source's reference (the plan's opd teachers): the reference service scores those "
                                    "sources' tokens under it, credit trains them from its output")
+    policy_url: str | None = Field(None, description="reference: the learner's endpoint (.../v1) where a "
+                                   "self-distilling (opsd) source's samples are scored under the live policy; "
+                                   "rollout rl passes its own vLLM's")
     admission_gates: list[AdmissionGate] = Field(default_factory=list, description="credit: the plan's admission "
                                                  "gates (prime-rl's curriculum.gates): gated groups are not trained")
     max_steps: int | None = Field(None, ge=1, description="trainer: the run's last revision (the plan's max_steps, "

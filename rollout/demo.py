@@ -324,7 +324,7 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
                           "--checkpoint", str(checkpoint_path(rev0.checkpoint))]
         rc, summary = await _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress,
                                   vllm_exited=lambda: vllm is not None and vllm.stopped, server_up=serving,
-                                  arena_nice=arena_nice)
+                                  arena_nice=arena_nice, policy_url=url if args.policy == "vllm" else None)
     finally:
         restore_broker()
         if serving is not None and not serving.done():  # the services failed to start first
@@ -371,7 +371,7 @@ def _broker_steps_back(settings):
 
 async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress,
                 vllm_exited=lambda: False, server_up: asyncio.Future | None = None,
-                arena_nice: int = 0) -> tuple[int, dict]:
+                arena_nice: int = 0, policy_url: str | None = None) -> tuple[int, dict]:
     """Topics, revision 0, the services and the arena up (while ``server_up``, the inference server's start, runs;
     the arena waits for it to answer; at ``arena_nice``), then the arena to its end, then the services drained;
     the summary."""
@@ -388,7 +388,7 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
     await topics.create_topics(kw)
     # the plan's settings (its algorithm refused if nothing here runs it), with the demo's own pacing
     cfg = service_settings.build(plan=plan, credit=True, checkpoint_dir=str(ckdir), epochs=args.epochs,
-                                 group_timeout_s=60, keep_checkpoints=DEMO_KEEP_CHECKPOINTS,
+                                 group_timeout_s=60, keep_checkpoints=DEMO_KEEP_CHECKPOINTS, policy_url=policy_url,
                                  **({"lr": args.lr} if args.lr is not None else {}))
     # the plan on revision 0, with the learning rate it trains at: what a derived run evaluates and trains by
     ran = plan.model_copy(update={"trainer": {**plan.trainer, "lr": cfg.lr}})

@@ -55,12 +55,19 @@ def _objective(plan, describe) -> str:
     origin = "trainer.loss" if any(k.startswith("objective.") for k in plan.provenance) else "default: prime-rl"
     rl = [name for name, r in refs.items() if r is None]
     lines = [f"{describe(plan.objective)}   ({origin})" + (f" for {', '.join(rl)}" if len(rl) < len(refs) else "")]
-    lines += [f"ref_kl (prime-rl's reverse KL to the reference, fixed settings) for {name}: reference {r.model} at "
-              f"{r.base_url}, each token's logprob by prefill (the reference service)"
+    lines += [f"ref_kl (prime-rl's reverse KL to the reference, fixed settings) for {name}: reference {_reference(r)}, "
+              "each token's logprob by prefill (the reference service)"
               for name, r in refs.items() if r is not None]
     if not rl and refs:
         lines = lines[1:]
     return "\n                        ".join(lines)
+
+
+def _reference(r) -> str:
+    where = r.base_url or "the run's own policy server"
+    if r.demonstration is None:
+        return f"{r.model} at {where}"
+    return f"the live policy {r.model} at {where} with the demonstration {r.demonstration.key!r} prepended"
 
 
 def _optimizer(o) -> str:

@@ -32,7 +32,8 @@ WRITE_METADATA = frozenset({"event_id", "created_at", "producer", "causation_id"
 # Optional fields added to an event after its digests were pinned: left out of the encoding while at their default,
 # so an event that never had them (every one written before) keeps its digest.
 ADDED_OPTIONAL = frozenset({"served_model", "source", "history", "fork", "derivation", "plan", "objective",
-                            "probe", "ref_logprobs", "train_source", "partial"})
+                            "probe", "ref_logprobs", "train_source", "partial",
+                            "demonstration"})
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})

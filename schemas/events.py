@@ -147,6 +147,8 @@ class RolloutScored(Event):
     source: SourceEvent | None = Field(default=None, description="a derived run's score: the source run's Rollout "
                                        "it re-scored (schemas.history)")
     train_source: str | None = Field(default=None, description="copied from the Rollout: " + TRAIN_SOURCE_DOC)
+    demonstration: str | None = Field(default=None, description="what a self-distilling reference (opsd) prepends: "
+                                      "the Rollout's demonstration, copied for a source whose reference has one")
 
 
 class StepReference(Record):

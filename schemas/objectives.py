@@ -110,15 +110,53 @@ class CeLoss(Record):
     type: Literal["ce"] = "ce"
 
 
+OPSD_TEMPLATE = "Here is an example of an expert response:\n<demonstration>\n{demonstration}\n</demonstration>"
+"""prime-rl's ``OPSDAlgoConfig.template`` default: the leading system message that carries the demonstration."""
+
+
+class Demonstration(Record):
+    """What conditions a self-distilling reference (prime-rl's opsd): the demonstration under ``key``, in
+    ``template``, prepended to each sample as a leading system message rendered by the served model's own chat
+    template; the sample itself is scored verbatim after it."""
+
+    key: str = Field("demonstration", min_length=1, description="where the demonstration is: the example's info "
+                     "first, then the rollout's own field of that name (e.g. answer)")
+    template: str = Field(OPSD_TEMPLATE, description="the system message; receives {demonstration}")
+
+    @model_validator(mode="after")
+    def _formats(self) -> "Demonstration":
+        """Formatted as prime-rl does (``str.format``): other braces must be doubled."""
+        try:
+            self.template.format(demonstration="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"the template must format with {{demonstration}} alone: {e!r}") from None
+        return self
+
+    def text_in(self, artifacts: dict[str, Any]) -> str | None:
+        """The demonstration a Rollout's artifacts hold: ``example_info[key]``, else ``artifacts[key]``."""
+        info = artifacts.get("example_info")
+        value = info.get(self.key) if isinstance(info, dict) else None
+        if value is None:
+            value = artifacts.get(self.key)
+        return None if value is None else str(value)
+
+    def hint(self, text: str) -> str:
+        return self.template.format(demonstration=text)
+
+
 class Reference(Record):
-    """The frozen model a ``ref_kl`` component distills toward (prime-rl's opd ``teacher``), named on every event
-    its logprobs are in, so that replay shows which model scored each token."""
+    """The model a ``ref_kl`` component distills toward, named on every event its logprobs are in, so that replay
+    shows which model scored each token: a frozen teacher (prime-rl's opd ``teacher``), or the live policy under a
+    demonstration (opsd: ``demonstration`` set, ``base_url`` the run's own policy server)."""
 
     model: str = Field(min_length=1, description="the served model's name, sent as each request's model")
-    base_url: str = Field(min_length=1, description="its OpenAI-compatible endpoint (.../v1)")
+    base_url: str | None = Field(None, min_length=1, description="its OpenAI-compatible endpoint (.../v1); None: the "
+                                 "run's own policy server (the reference service's policy_url)")
     api_key_var: str | None = Field(None, description="the environment variable holding its API key, if any")
     revision: str | None = Field(None, description="what the server says it serves (vLLM's /v1/models root: a "
                                                    "checkpoint path or hub revision), where it says")
+    demonstration: Demonstration | None = Field(None, description="opsd: the live policy scores each sample with "
+                                                "this demonstration prepended")
 
 
 ObjectiveSpec: TypeAlias = Annotated[Union[DefaultLoss, IpoLoss, CustomLoss, TrlLoss, PpoClipLoss, CeLoss],

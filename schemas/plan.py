@@ -22,7 +22,7 @@ from pydantic import Field, JsonValue, model_validator
 
 from schemas.envelope import Record
 from schemas.errors import ContractError
-from schemas.objectives import DefaultLoss, ObjectiveSpec, Reference
+from schemas.objectives import DefaultLoss, Demonstration, ObjectiveSpec, Reference
 
 LEARNER = "learner"
 # A plan's values where the recipe is silent: prime-rl's defaults.
@@ -426,20 +426,28 @@ def admission_gates(plan: GenerationPlan) -> list[AdmissionGate]:
 
 
 def references(plan: GenerationPlan) -> References:
-    """Each training source's reference: its opd teacher (``[algo] teacher``, prime-rl's ``FrozenModelConfig``)."""
+    """Each training source's reference: its opd teacher (``[algo] teacher``, prime-rl's ``FrozenModelConfig``), or
+    for opsd the learner itself under the demonstration (its servers, else the run's own: ``base_url`` None)."""
     out: dict[str, Reference | None] = {}
     for env in plan.environments:
         algo = env.algorithm or plan.advantage
-        teacher = algo.params.get("teacher") if algo.credit == REF_KL else None
-        out[env.display_name] = None if teacher is None else Reference(
-            model=teacher["name"], base_url=teacher["base_url"], api_key_var=teacher.get("api_key_var"))
+        ref = None
+        if algo.credit == REF_KL and algo.type == "opsd":
+            demo = Demonstration(**{f: algo.params[k] for k, f in (("demo_key", "key"), ("template", "template"))
+                                    if k in algo.params})
+            ref = Reference(model=plan.learner.model, base_url=next(iter(plan.learner.base_urls), None),
+                            demonstration=demo)
+        elif algo.credit == REF_KL and algo.params.get("teacher") is not None:
+            teacher = algo.params["teacher"]
+            ref = Reference(model=teacher["name"], base_url=teacher["base_url"], api_key_var=teacher.get("api_key_var"))
+        out[env.display_name] = ref
     return References(by_source=out)
 
 
 def credit_strategy(plan: GenerationPlan) -> tuple[str, dict[str, Any]]:
     """(strategy, params) for ``consumers.credit.CreditAssigner``: what runs the plan's algorithm.
 
-    Raises ``PlanError`` naming the algorithm and why when nothing here can run it (e.g. opsd), or when
+    Raises ``PlanError`` naming the algorithm and why when nothing here can run it (e.g. echo), or when
     training sources credited by a strategy use different ones (one credit service runs one strategy); a ref_kl
     source (opd) needs none, and beside one it mixes with any. Never falls back to GRPO.
     """
@@ -448,6 +456,10 @@ def credit_strategy(plan: GenerationPlan) -> tuple[str, dict[str, Any]]:
         if algo.credit is None:
             raise PlanError(f"{plan.source}: {algo.origin}: algorithm {algo.type!r} (source {name!r}) cannot run "
                             f"here: {algo.note}")
+    if plan.lora is not None and plan.lora.serving == "adapter" and any(a.type == "opsd" for _, a in algos):
+        raise PlanError(f"{plan.source}: opsd scores each sample under the live policy, which a LoRA run serves as "
+                        "an adapter under another name from its first revision on; the reference service scores the family's "
+                        "name: train this recipe without [trainer.model.lora]")
     algos = [(name, a) for name, a in algos if a.credit != REF_KL]  # trained from their reference's logprobs
     if not algos:
         return "per_step", {}  # no source is credited: every record comes from the reference service

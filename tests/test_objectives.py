@@ -437,7 +437,8 @@ PEER_RECIPES = Path(__file__).resolve().parents[2] / "shared" / "peer-configs" /
 @pytest.mark.skipif(not PEER_RECIPES.is_dir(), reason="shared/peer-configs is not beside this checkout")
 def test_rollout_plan_names_the_objective_of_every_prime_rl_recipe():
     """prime-rl's own recipes name no [trainer.loss]: each compiles to prime-rl's default, and says so; the four opd
-    recipes show ref_kl and their teacher for their opd sources, and none of them is refused."""
+    recipes show ref_kl and their teacher for their opd sources, self_distill ref_kl under the live policy, and none
+    of them is refused."""
     from rollout.plan_cmd import render
     from schemas.plan_compiler import compile_plan
 
@@ -451,7 +452,11 @@ def test_rollout_plan_names_the_objective_of_every_prime_rl_recipe():
         lines = render(plan).splitlines()
         at = next(i for i, x in enumerate(lines) if x.strip().startswith("objective"))
         shown_lines = " ".join(lines[at:at + 3])
-        if "opd" in path.name:  # every opd source trains with ref_kl against its teacher, a grpo source beside it not
+        if "self_distill" in path.name:  # opsd: the learner itself, under the example's demonstration
+            assert "reference the live policy PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT at the run's own policy " \
+                   "server with the demonstration 'answer' prepended" in shown_lines, shown_lines
+            opd += 1
+        elif "opd" in path.name:  # every opd source trains with ref_kl against its teacher, a grpo source beside it not
             assert "ref_kl (prime-rl's reverse KL to the reference" in shown_lines, (path.name, shown_lines)
             assert "reference PrimeIntellect/Qwen3-0.6B-Reverse-Text-RL at http://localhost:8001/v1" in shown_lines
             assert ("default (" in lines[at]) == ("mixed_grpo" in path.name), (path.name, shown_lines)
@@ -459,6 +464,6 @@ def test_rollout_plan_names_the_objective_of_every_prime_rl_recipe():
         else:
             assert "default (dppo_mask_low 0.2, dppo_mask_high 0.2, adv_tau 1, kl_tau 0.001)" in lines[at], (
                 path.name, lines[at])
-        assert "CANNOT RUN" not in render(plan) or "opd" not in path.name, path.name
+        assert "CANNOT RUN" not in render(plan) or not ("opd" in path.name or "self_distill" in path.name), path.name
         shown += 1
-    assert shown >= 40 and opd == 4
+    assert shown >= 40 and opd == 5

@@ -97,7 +97,7 @@ class Silent:
     async def served(self, ref):
         return ref
 
-    async def score(self, ref, prompt_ids, completion_ids):
+    async def score(self, ref, prompt_ids, completion_ids, prefix_ids=()):
         await asyncio.Event().wait()
 
 

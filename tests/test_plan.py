@@ -541,7 +541,7 @@ ALGOS = {  # prime-rl type -> what the credit service runs (None: refused, with 
     'type = "echo"': "cross-entropy loss on env-provided",
     'type = "hierarchical_grpo"\nepisode_agents = ["solver"]': "per proposed problem",
     'type = "opd"\nteacher = { name = "t", base_url = "http://h/v1" }': ("per_step", {}),  # no source credited
-    'type = "opsd"': "demonstration prepended",
+    'type = "opsd"': ("per_step", {}),  # trained from the live policy's scores under the demonstration
     'type = "sft"\nsampling = { source = { name = "t", base_url = "http://h/v1" } }': "from a frozen model",
     'type = "grpo"\nlength_penalty = { type = "linear" }': (
         "grpo", {"scale_std": False, "length_penalty": {"output": 0.25, "input": 0.1, "turns": 0.1}}),
@@ -790,3 +790,25 @@ def test_a_length_penalty_of_another_type_fails_naming_it(tmp_path: Path) -> Non
                  'type = "grpo"\n[orchestrator.algo.length_penalty]\ntype = "tokens"\n')
     with pytest.raises(PlanError, match=r"length_penalty.type: 'tokens': prime-rl's length penalty is 'linear'"):
         compile_plan(f)
+
+
+def test_opsd_takes_prime_rls_demo_key_and_template_and_refuses_what_it_cannot_score() -> None:
+    """``[orchestrator.algo] type = "opsd"`` (prime-rl's ``OPSDAlgoConfig``): ``demo_key`` and ``template`` as
+    written, prime-rl's defaults otherwise; a template that does not format with ``{demonstration}`` alone is
+    refused at its key; a LoRA run (which serves adapters under another name) is refused with what to do."""
+    from schemas.objectives import OPSD_TEMPLATE
+    from schemas.plan import references
+
+    plan = compile_plan_dict(_src(algo='[orchestrator.algo]\ntype = "opsd"'), "p.toml")
+    demo = references(plan).of("s").demonstration
+    assert (demo.key, demo.template) == ("demonstration", OPSD_TEMPLATE)
+    plan = compile_plan_dict(_src(algo='[orchestrator.algo]\ntype = "opsd"\ndemo_key = "answer"\n'
+                                       'template = "Solution: {demonstration} {{not a field}}"'), "p.toml")
+    demo = references(plan).of("s").demonstration
+    assert demo.key == "answer" and demo.hint("42") == "Solution: 42 {not a field}"
+    with pytest.raises(PlanError, match=r"orchestrator\.algo\.template: .*format with \{demonstration\} alone"):
+        compile_plan_dict(_src(algo='[orchestrator.algo]\ntype = "opsd"\ntemplate = "{answer}"'), "p.toml")
+    lora = compile_plan_dict(_src(algo='[orchestrator.algo]\ntype = "opsd"',
+                                  extra="[trainer.model.lora]\nrank = 8\n"), "p.toml")
+    with pytest.raises(PlanError, match=r"opsd .* without \[trainer\.model\.lora\]"):
+        credit_strategy(lora)

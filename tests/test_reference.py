@@ -236,3 +236,117 @@ async def test_the_reference_service_scores_every_token_as_transformers_does_and
     mine = {d.error_type: d for d in mine if d.service == "reference"}
     assert set(mine) == {"EventDecodeError", "ReferenceRefused"}, mine
     assert "refused the tokens: HTTP 400" in mine["ReferenceRefused"].error_message
+
+
+# -- opsd: the live policy under a demonstration -------------------------------------------------------------------
+
+SELF_DISTILL = "tests/fixtures/prime-rl-2026-08/configs_debug_algo_self_distill.toml"
+
+
+def test_an_opsd_source_is_referenced_by_the_live_policy_under_its_demonstration_and_needs_the_policys_url():
+    """prime-rl's self_distill recipe: its source trains with ref_kl against the learner itself (the run's own server,
+    named at run time), conditioned on the example's ``answer`` in prime-rl's default template; the reference
+    service refuses to start without the learner's endpoint, and points every such reference at it."""
+    from consumers.registry import SERVICES
+    from consumers.settings import build
+    from consumers.tasks.reference import with_policy_url
+    from schemas.objectives import OPSD_TEMPLATE, Demonstration
+    from schemas.plan import PlanError, references
+    from schemas.plan_compiler import compile_plan
+
+    plan = compile_plan(SELF_DISTILL)
+    ref = references(plan).of("reverse-text")
+    assert ref == Reference(model=plan.learner.model, base_url=None,
+                            demonstration=Demonstration(key="answer", template=OPSD_TEMPLATE))
+    cfg = build(plan=plan, credit=True)
+    assert [n for n, s in SERVICES.items() if s.needed(cfg)] == ["verifier", "credit", "batcher", "trainer",
+                                                                   "reference"]
+    with pytest.raises(PlanError, match="--policy-url"):
+        with_policy_url(cfg)
+    resolved = with_policy_url(cfg.model_copy(update={"policy_url": "http://127.0.0.1:8000/v1"}))
+    assert resolved.references.of("reverse-text").base_url == "http://127.0.0.1:8000/v1"
+    assert with_policy_url(build(plan=compile_plan(
+        "tests/fixtures/prime-rl-2026-08/configs_debug_algo_mixed_grpo_opd.toml"), credit=True)).references == \
+        references(compile_plan("tests/fixtures/prime-rl-2026-08/configs_debug_algo_mixed_grpo_opd.toml"))
+
+
+def test_the_verifier_copies_the_demonstration_only_for_a_source_that_self_distills():
+    from consumers.scoring import Verdict, to_scored
+    from schemas.objectives import Demonstration
+    from consumers import testing
+
+    [(steps, rollout)] = testing.arithmetic_group("g", size=1)
+    rollout = rollout.model_copy(update={"artifacts": {**rollout.artifacts, "answer": "olleh",
+                                                       "example_info": {"hint": "in the info", "answer": "info's"}}})
+    verdict = Verdict({"solver": 1.0}, {}, "exact_match")
+
+    def demonstration(demo):
+        return to_scored(rollout, steps, verdict, producer="v", demonstration=demo).demonstration
+
+    assert demonstration(None) is None
+    assert demonstration(Demonstration(key="hint")) == "in the info"
+    assert demonstration(Demonstration(key="answer")) == "info's"  # the example's info first, as prime-rl's trace info
+    rollout = rollout.model_copy(update={"artifacts": {**rollout.artifacts, "example_info": {}}})
+    assert demonstration(Demonstration(key="answer")) == "olleh"  # then the rollout's own field
+    assert demonstration(Demonstration()) is None  # "demonstration": none here
+
+
+@pytest.mark.integration
+async def test_opsd_scores_each_token_under_the_policy_with_the_demonstration_prepended_as_transformers_does(
+        vllm_server):
+    """The hint block is what the model's chat template makes of the system message (vLLM's /tokenize), and each
+    completion token's logprob is transformers' given hint + prompt + completion before it; a score without its
+    demonstration is dead-lettered, not scored without it."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from consumers.settings import ServiceSettings
+    from consumers.tasks.reference import ReferenceTask, with_policy_url
+    from policy.hf import FAMILY, prepare_model
+    from producers.inference.weights import VllmWeights, probe_tolerance
+    from schemas.objectives import Demonstration
+    from schemas.policy import PolicyRevision
+    from test_partition_tasks import Rec
+
+    async with httpx.AsyncClient(timeout=120) as http:  # the shared server serves the packaged weights again
+        await VllmWeights(vllm_server.base_url).load(http, PolicyRevision(
+            run_id="t", producer="test", family=FAMILY, revision=0, checkpoint=prepare_model().checkpoint))
+    tok = AutoTokenizer.from_pretrained(vllm_server.model_dir)
+    question, answer = "Reverse the text: hello world", "dlrow olleh"
+    prompt = tok(tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False), add_special_tokens=False)["input_ids"]
+    completion = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    live = Reference(model=vllm_server.served_model_name, demonstration=Demonstration(key="answer"))
+    cfg = with_policy_url(ServiceSettings(family=FAMILY, references=References(by_source={"rt": live}),
+                                          policy_url=vllm_server.base_url))
+    hint = live.demonstration.hint(answer)
+    want_hint = tok(tok.apply_chat_template([{"role": "system", "content": hint}], add_generation_prompt=False,
+                                            tokenize=False), add_special_tokens=False)["input_ids"]
+    with_demo = _scored("o1", "g1", "rt", prompt, completion, 0.0, group_size=1).model_copy(
+        update={"demonstration": answer})
+    without = _scored("o2", "g2", "rt", prompt, completion, 0.0, group_size=1)
+    async with httpx.AsyncClient(timeout=120) as http:
+        scorer = ReferenceScorer(http)
+        assert await scorer.hint_ids(cfg.references.of("rt"), answer) == want_hint
+        task = ReferenceTask(0, cfg, scorer)
+        outs = [*await task.process(Rec(topics.SCORES.name, 0, with_demo)),
+                *await task.process(Rec(topics.SCORES.name, 1, without))]
+        deadline = time.monotonic() + 60
+        while len(outs) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            outs += task.input_read(time.monotonic())
+    by_kind = {type(o.event).__name__: o.event for o in outs}
+    assert set(by_kind) == {"RolloutReferenced", "DeadLetter"}
+    assert "opsd needs the demonstration 'answer'" in by_kind["DeadLetter"].error_message
+    referenced = by_kind["RolloutReferenced"]
+    assert referenced.reference.demonstration == live.demonstration
+    assert referenced.reference.base_url == vllm_server.base_url  # which server, conditioned how: on the log
+    got = referenced.steps[0].ref_logprobs
+    dtype = getattr(vllm_server, "dtype", "bfloat16")
+    conditioned, plain = _transformers_logprobs(vllm_server.model_dir, torch.float32,
+                                                [(want_hint + prompt, completion), (prompt, completion)])
+    print(f"\n[opsd] served {dtype}: |vLLM - transformers(hint + sample)| mean {np.abs(got - conditioned).mean():.4f} "
+          f"max {np.abs(got - conditioned).max():.4f}; the demonstration moved transformers' logprobs by "
+          f"{np.abs(conditioned - plain).mean():.4f} (mean)")
+    assert np.abs(got - conditioned).mean() < probe_tolerance(dtype)
+    assert np.abs(got - conditioned).mean() < np.abs(got - plain).mean()  # scored under the hint, not without it

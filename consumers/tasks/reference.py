@@ -1,5 +1,6 @@
-"""reference: a ref_kl source's scores (prime-rl's opd) -> RolloutReferenced, the reference's logprob of every
-trainable completion token, by prefill (``consumers.reference``).
+"""reference: a ref_kl source's scores (prime-rl's opd, opsd) -> RolloutReferenced, the reference's logprob of every
+trainable completion token, by prefill (``consumers.reference``): a frozen teacher's, or the live policy's with the
+score's demonstration prepended (opsd, at ``policy_url``).
 
 Scores of other sources, and held-out evaluations, are passed over: credit reads those from the scores topic. A
 reference that is down is waited for, never a reason to drop a token's score; a score the reference refuses, or
@@ -65,7 +66,14 @@ class ReferenceTask(TaskDefaults):
 
     async def _score(self, scored: RolloutScored, ref: Reference) -> RolloutReferenced:
         served = await self.scorer.served(ref)
-        logprobs = await asyncio.gather(*(self.scorer.score(ref, s.prompt_token_ids, s.completion_token_ids)
+        prefix: list[int] = []
+        if ref.demonstration is not None:
+            if scored.demonstration is None:
+                raise ReferenceRefused(f"opsd needs the demonstration {ref.demonstration.key!r} in the example's info "
+                                       f"or the rollout's fields (source {scored.train_source}, example "
+                                       f"{scored.example_id}); this one has none")
+            prefix = await self.scorer.hint_ids(ref, scored.demonstration)
+        logprobs = await asyncio.gather(*(self.scorer.score(ref, s.prompt_token_ids, s.completion_token_ids, prefix)
                                           for s in scored.trainable_steps))
         return RolloutReferenced(
             run_id=scored.run_id, producer=f"{NAME}{self.cfg.instance}", causation_id=scored.event_id,
@@ -108,8 +116,24 @@ class ReferenceTask(TaskDefaults):
             job.cancel()
 
 
+def with_policy_url(cfg: ServiceSettings) -> ServiceSettings:
+    """``cfg`` with every reference that is the run's own policy (opsd) pointed at ``policy_url``; refused without
+    one, before anything is read."""
+    refs = cfg.references.by_source
+    if all(r is None or r.base_url is not None for r in refs.values()):
+        return cfg
+    if not cfg.policy_url:
+        live = ", ".join(n for n, r in refs.items() if r is not None and r.base_url is None)
+        raise PlanError(f"source(s) {live} self-distill (opsd) under the live policy: give the reference service "
+                        "the learner's endpoint (--policy-url http://HOST:PORT/v1, env ROLLOUT_POLICY_URL)")
+    resolved = {n: r if r is None or r.base_url is not None else r.model_copy(update={"base_url": cfg.policy_url})
+                for n, r in refs.items()}
+    return cfg.model_copy(update={"references": cfg.references.model_copy(update={"by_source": resolved})})
+
+
 @asynccontextmanager
 async def wiring(cfg: ServiceSettings, client_kwargs: dict[str, Any]) -> AsyncIterator[TaskFactory]:
+    cfg = with_policy_url(cfg)
     async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
         scorer = ReferenceScorer(client)
         yield lambda p: ReferenceTask(p, cfg, scorer)

@@ -107,7 +107,9 @@ class VerifierTask(TaskDefaults):
                                           rescore=d.rescore if d else None)
             derived = (d.run_id, SourceEvent.of(ro.run_id, rec.topic, rec.partition, rec.offset, rec.value),
                        d.rescore) if d else None
-            scored = scoring.to_scored(ro, steps, verdict, producer=f"{NAME}{self.cfg.instance}", derived=derived)
+            ref = None if ro.evaluation or not self.cfg.references.any else self.cfg.references.of(ro.train_source)
+            scored = scoring.to_scored(ro, steps, verdict, producer=f"{NAME}{self.cfg.instance}", derived=derived,
+                                       demonstration=ref.demonstration if ref is not None else None)
             outs.append(Out(topics.SCORES.name, scored))
             self.scored += 1
         except scoring.ScoringError as e:

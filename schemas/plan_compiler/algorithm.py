@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from pydantic import ValidationError
+
+from schemas.objectives import Demonstration
 from schemas.plan import REF_KL, AdvantageSpec
 from schemas.plan_compiler.reader import RecipeReader, join_path, kind_of, near_miss
 
@@ -27,8 +30,6 @@ UNRUNNABLE = {
             "the policy's completion tokens, never the environment's",
     "hierarchical_grpo": "baselines per proposed problem (solvers) and per source task (proposers); no credit "
                          "strategy here groups that way",
-    "opsd": "self-distillation scores each sample under the live policy with a demonstration prepended (a prompt "
-            "re-rendered per sample, at the current revision); the reference service prefills a frozen teacher only",
     "sft": "samples its training rollouts from a frozen model (sampling.source); the arena trains only on the "
            "learner's own samples",
 }
@@ -99,7 +100,29 @@ class AlgorithmSection(RecipeReader):
                                  note=f"prime-rl opd, no advantage: the reference service prefills every trainable "
                                       f"token under the teacher {teacher['name']} at {teacher['base_url']}, and the "
                                       "trainer's ref_kl (prime-rl's reverse KL to it) trains the source's records")
+        if kind == "opsd":
+            demo = self._demonstration(params, path)
+            renderer = params.get("renderer")
+            return AdvantageSpec(type=kind, params=params, origin=path, credit=REF_KL, credit_params={},
+                                 note=f"prime-rl opsd, no advantage: the reference service prefills every trainable "
+                                      f"token under the live policy (the run's own vLLM) with the demonstration "
+                                      f"{demo.key!r} prepended as a system message"
+                                      + (" (rendered by the served model's chat template, not the named renderer)"
+                                         if renderer not in (None, "auto", {"name": "auto"}) else "")
+                                      + ", and the trainer's ref_kl (prime-rl's reverse KL to it) trains the source's "
+                                      "records")
         return _cannot_run(kind, params, path, UNRUNNABLE[kind])
+
+    def _demonstration(self, params: dict[str, Any], path: str) -> Demonstration:
+        """opsd's ``demo_key`` and ``template`` (prime-rl's ``OPSDAlgoConfig``, its defaults for what is left out)."""
+        values = {}
+        for key, field in (("demo_key", "key"), ("template", "template")):
+            if key in params:
+                values[field] = self.string(params[key], join_path(path, key))
+        try:
+            return Demonstration(**values)
+        except ValidationError as e:
+            raise self.fail(join_path(path, "template"), e.errors()[0]["msg"]) from None
 
     def _length_penalty(self, table: Any, path: str) -> dict[str, Any]:
         """prime-rl's ``algo.length_penalty`` (``LinearLengthPenaltyConfig``, its defaults for what it leaves out) as
