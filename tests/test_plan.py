@@ -380,7 +380,7 @@ def peer26(name: str) -> GenerationPlan:
 
 def test_all_2026_samples_compile_and_the_trainer_only_one_is_refused() -> None:
     files = sorted(PEER_2026.glob("*.toml"))
-    assert len(files) == 13
+    assert len(files) == 14
     for f in files:
         if f.name == "configs_debug_fake_rl.toml":
             with pytest.raises(PlanError, match=r"trainer-only config with fake data .*not a generation recipe"):
