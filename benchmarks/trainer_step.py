@@ -19,6 +19,12 @@ within each phase (the kernel's high-water mark, reset as each starts) and overa
 two-seat shape, two steps: the second holds the optimizer's moments), each in its own process. Bytes written per
 revision: the sizes of what each ``publish`` left in the checkpoint directory. Ends with one JSON line.
 
+The machine's limit: each shape's optimizer pass is counted in FLOPs (``torch.utils.flop_counter`` over the
+first step's ``_epoch``: every matmul and attention that ran, forward and backward), the cores' GEMM throughput is
+measured in the step's dtype (``policy.hf.served_dtype``: bf16 autocast or float32) on square matrices of the
+model's width and of 2048, in this process with the trainer's threads, and ``floor_s`` = FLOPs / the faster
+throughput; ``over_floor`` = the optimizer pass's median seconds / ``floor_s`` (1.0: at the cores' GEMM speed).
+
 ``python -m benchmarks compare REV trainer_step`` runs it on an older revision and this checkout in turn.
 """
 
@@ -73,6 +79,23 @@ class PhasePeaks:
     @property
     def peak(self) -> float:
         return max(self.by_phase.values(), default=_peak_mb())
+
+
+def gemm_gflops(dtype: Any, sizes: tuple[int, ...] = (576, 2048), seconds: float = 1.5) -> dict[int, float]:
+    """GFLOP/s of ``torch.mm`` on n x n matrices in ``dtype`` on this process's threads, each size timed for about
+    ``seconds`` after a warm-up: the ceiling a step's matmuls can reach here."""
+    import torch
+
+    out = {}
+    for n in sizes:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        torch.mm(a, b)
+        reps, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < seconds:
+            torch.mm(a, b)
+            reps += 1
+        out[n] = round(2 * n**3 * reps / elapsed / 1e9, 1)
+    return out
 
 
 def _batch(model: Any, vocab: int, shape: dict, revision: int, seed: int, family: str) -> Any:
@@ -158,6 +181,21 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
 
         setattr(owner, name, wrapper)
 
+    epoch = trainer._epoch
+    flops: list[int] = []
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        """The first optimizer pass under the FLOP counter (it is the warm-up step, not among the medians)."""
+        if flops:
+            return epoch(*a, **kw)
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            out = epoch(*a, **kw)
+        flops.append(counter.get_total_flops())
+        return out
+
+    trainer._epoch = counted
     timed(trainer, "_epoch", "forward_backward")
     timed(trainer, "mismatch", "mismatch")
     import consumers.trainer.state as trainer_module
@@ -188,6 +226,12 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
             written.append(sum(sz for p, sz in after.items() if before.get(p) != sz))
     finally:
         kind.save = save
+    from policy.hf import served_dtype
+
+    dtype = served_dtype("cpu") if not torch.cuda.is_available() else torch.bfloat16
+    gemm = gemm_gflops(dtype, (trainer.model.config.hidden_size, 2048))
+    floor_s = flops[0] / (max(gemm.values()) * 1e9) if flops else None
+    passes = sorted(timings["forward_backward"][1:] or timings["forward_backward"])
     return {
         "shape": shape_name, "seq_len": shape["prompt"] + shape["completion"], "records": shape["records"],
         "tokens_per_step": shape["records"] * (shape["prompt"] + shape["completion"]),
@@ -197,6 +241,10 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
         "weights_grads_adam_mb": round(state_mb), "peak_over_state": round(peaks.peak / state_mb, 2),
         "bytes_written_per_revision_mb": [round(b / 2**20) for b in written],
         "threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."), "gemm_gflops": gemm,
+        "step_tflop": round(flops[0] / 1e12, 3) if flops else None,
+        "floor_s": round(floor_s, 2) if floor_s else None,
+        "over_floor": round(passes[len(passes) // 2] / floor_s, 2) if floor_s and passes else None,
     }
 
 
