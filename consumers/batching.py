@@ -15,7 +15,8 @@
   the revision the batch will be trained from: the target plus the batches ``ahead`` of the trainer), it is not
   emitted, partial or full; a batch takes the oldest records first, so those groups'
   records go into the last batch within their bound; and a partial batch is not flushed while any admitted group
-  is still coming (``coming``): slow generation fills its batch;
+  is still coming (``coming``): slow generation fills its batch. A partial batch that empties the buffer with
+  nothing coming used up every admission (``Batcher.rebase``: the service says so on the ledger);
 * a record of another family is refused on arrival (``CrossFamilyMixError``); an empty batch is never
   emitted (counted as ``empty_batch``). Batches are built by ``schemas.batch.assemble_batch``.
 """
@@ -81,6 +82,8 @@ class Batcher(Generic[T]):
     emitted_records: int = 0
     emitted_batches: int = 0  # since ``base`` (state): with the trainer's revisions, the batches ahead of it
     base: tuple[int, int] | None = None  # (revision, dropped batches) when counting began (state; a derived run: its fork)
+    rebase: int | None = None  # set by a poll whose partial batch emptied the buffer, nothing coming: the next
+    # batch's revision (``schemas.admission.AdmissionRebase``)
 
     def add(self, record: TrainingRecord, now: float, tag: T = None) -> Refusal[T] | None:
         item = Item(record, now, tag)
@@ -146,6 +149,7 @@ class Batcher(Generic[T]):
         ``flush`` waits for neither."""
         refusals: list[Refusal[T]] = []
         keep: list[Item[T]] = []
+        self.rebase = None
         for it in self.items:
             lag = staleness(it.record, target, self.policy.history) if target is not None else None
             if lag is not None and lag > self.policy.max_off_policy_steps:
@@ -173,6 +177,7 @@ class Batcher(Generic[T]):
         eligible = sorted((it for it in self.items if staleness(it.record, target, self.policy.history) >= 0),
                           key=lambda it: it.record.policy.revision)  # the oldest first: the nearest their bound
         batches: list[tuple[TrainerBatch, list[Item[T]]]] = []
+        partial = False
         while eligible and len(batches) < room:
             if not flush and owes(target.revision + ahead + len(batches)):
                 break  # a group this batch must take is still coming
@@ -181,7 +186,7 @@ class Batcher(Generic[T]):
                 due = flush or (not coming and now - max(it.arrived for it in eligible) >= self.policy.flush_after_s)
                 if not due:
                     break
-                n = len(eligible)
+                n, partial = len(eligible), not flush
             chosen, eligible = eligible[:n], eligible[n:]
             batches.append((self._assemble([it.record for it in chosen], target), chosen))
         if batches:
@@ -191,6 +196,8 @@ class Batcher(Generic[T]):
             if self.base is None and self.policy.history is None:
                 self.base = (target.revision, dropped)
             self.emitted_batches += len(batches)
+            if partial and not self.items and self.policy.history is None:
+                self.rebase = target.revision + self.ahead(target, dropped)
         elif flush and not self.items:
             self.refused["empty_batch"] += 1
         return batches, refusals

@@ -21,10 +21,11 @@ SERVICES: dict[str, Service] = {s.name: s for s in (
             wiring="consumers.tasks.credit:wiring", options=("credit", "alpha", "group_timeout_s"),
             runs_algorithm=True),
     Service("batcher", "TrainingRecords -> lineage-stamped TrainerBatches with an off-policy bound",
-            inputs=(topics.TRAINING_RECORDS,), outputs=(topics.TRAINER_BATCHES, topics.DEAD_LETTERS),
+            inputs=(topics.TRAINING_RECORDS,), outputs=(topics.TRAINER_BATCHES, topics.ADMISSIONS, topics.DEAD_LETTERS),
             wiring="consumers.tasks.batcher:wiring",
             side_inputs=(topics.POLICY_REVISIONS, topics.ADMISSIONS, topics.DEAD_LETTERS),  # the last: DroppedBatches
-            options=("family", "max_off_policy_steps", "batch_records", "batch_tokens", "flush_after_s")),
+            options=("family", "max_off_policy_steps", "batch_records", "batch_tokens", "flush_after_s",
+                     "group_timeout_s")),
     Service("trainer", "reference trainer: TrainerBatches -> a step of the plan's objective -> PolicyRevision",
             inputs=(topics.TRAINER_BATCHES,), outputs=(topics.POLICY_REVISIONS, topics.DEAD_LETTERS),
             wiring="consumers.trainer.task:wiring", side_inputs=(topics.POLICY_REVISIONS,),

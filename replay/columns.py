@@ -317,5 +317,5 @@ BUILDERS = {
     "rollout_referenced": reference_scores,
     "training_record": training_records, "trainer_batch": trainer_batches, "dead_letter": dead_letters,
     "admission_claim": admissions, "admission_done": admissions, "admission_renew": admissions,
-    "admission_release": admissions, "admission_refund": admissions,
+    "admission_release": admissions, "admission_refund": admissions, "admission_rebase": admissions,
 }

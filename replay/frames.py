@@ -194,7 +194,7 @@ def derive(model: type[BaseModel]) -> _Derived:
 # Event types whose replay columns are built from their fields alone. Training records and trainer batches
 # are not among them: their columns include record digests, which schemas.digests computes from the model.
 FAST_TYPES = ("policy_revision", "step", "rollout", "rollout_scored", "admission_claim", "admission_done",
-              "admission_renew", "admission_release", "admission_refund")
+              "admission_renew", "admission_release", "admission_refund", "admission_rebase")
 
 
 def _decoders() -> dict[str, tuple[int, _Derived, msgspec.json.Decoder]]:

@@ -174,9 +174,10 @@ ADMISSIONS = _table("admissions", [
     pa.field("event_type", STR), pa.field("claim_id", STR), pa.field("arena_id", STR), pa.field("family", STR),
     pa.field("group_id", STR), pa.field("rollouts", I32), pa.field("seen_revision", I64),
     pa.field("batch_size", I32), pa.field("max_off_policy_steps", I32), pa.field("lease_s", F64),
-    pa.field("reason", STR), column("slots", I32, "NULL"),
+    pa.field("reason", STR), column("slots", I32, "NULL"), column("revision", I64, "NULL"),
+    column("claims", I32, "NULL"),
 ], "the arenas' admissions ledger in log order (schemas.admission): claims, done groups, renewed leases, released "
-   "claims, and groups an admission gate refunded (by group_id)")
+   "claims, groups an admission gate refunded (by group_id), and the batcher's rebases (revision, claims)")
 
 REPLAY_ERRORS = _table("replay_errors", [
     pa.field("key", pa.binary()), pa.field("value", pa.binary()), pa.field("headers", STR), pa.field("error", STR),
@@ -192,6 +193,7 @@ TABLE_FOR_EVENT = {
     "rollout_referenced": "reference_scores", "training_record": "training_records", "trainer_batch": "trainer_batches", "dead_letter": "dead_letters",
     "admission_claim": "admissions", "admission_done": "admissions", "admission_renew": "admissions",
     "admission_release": "admissions", "admission_refund": "admissions",
+    "admission_rebase": "admissions",
 }
 
 _DUCK_TYPES = {

@@ -14,6 +14,11 @@ Events (one partition, so one total order every reader folds the same way):
 * ``AdmissionRefund``: the credit service's admission gate kept the finished group out of training (prime-rl's
   ``advantage_range``): the group's claim gives its capacity back, so another group fills its slots, as prime-rl
   samples again to fill the batch. Named by group, as credit knows it; a group no claim names is ignored.
+* ``AdmissionRebase``: the batcher flushed a partial batch with no admitted group still coming: every claim it had
+  folded (the family's first ``claims``) is used up, whatever it yielded, and the next claim's slots start the batch
+  trained from ``revision``. Without it, slots that yielded no trained record (a rollout past its deadline, a reward
+  that raised, a record refused as stale) still counted as batches to come: the arenas stopped admitting one
+  revision or more short of the run's last, and the run ended there (the chaos run: 4 of 5).
 
 ``AdmissionBook`` is the fold: pure, deterministic from the records and their log timestamps, so every arena
 computes the same grants. Per family, with ``A`` the slots of the granted, not released claims before it
@@ -21,7 +26,8 @@ in log order and ``R0`` the ``seen_revision`` of the family's first claim, a cla
 
     A + slots  <=  (seen_revision - R0 + max_off_policy_steps + 1) * batch_size
 
-i.e. its last record lands in a batch at most ``max_off_policy_steps`` revisions ahead of the revision its
+(after a rebase, ``R0`` is its ``revision`` and ``A`` counts only the claims after its ``claims``), i.e. its
+last record lands in a batch at most ``max_off_policy_steps`` revisions ahead of the revision its
 claimer had seen (the slots numbered ``[kB, (k+1)B)`` fill the batch that trains revision ``R0 + k``).
 ``seen_revision`` never exceeds the trainer's revision, so the bound holds whoever appends. A denied claim
 costs nothing. A release by anyone but the claimer counts only when its timestamp is at least ``lease_s``
@@ -106,7 +112,19 @@ class AdmissionRefund(Event):
     reason: str
 
 
-ADMISSION_EVENTS = (AdmissionClaim, AdmissionDone, AdmissionRenew, AdmissionRelease, AdmissionRefund)
+class AdmissionRebase(Event):
+    """The batches emitted so far used up every claim the batcher had folded (a partial batch went out with no
+    admitted group still coming): the slot count starts again after them."""
+
+    EVENT_TYPE: ClassVar[str] = "admission_rebase"
+
+    family: str = Field(min_length=1)
+    revision: int = Field(ge=0, description="the revision the next batch is trained from")
+    claims: int = Field(ge=0, description="the family's claims in log order, granted or not, that are used up")
+    reason: str
+
+
+ADMISSION_EVENTS = (AdmissionClaim, AdmissionDone, AdmissionRenew, AdmissionRelease, AdmissionRefund, AdmissionRebase)
 
 
 @dataclass
@@ -114,6 +132,7 @@ class ClaimState:
     claim: AdmissionClaim
     lease_from: float  # the claim record's log timestamp (seconds), moved on by each renewal
     granted: bool
+    seq: int = 0  # the claim's place among its family's claims (``AdmissionRebase.claims`` counts them)
     done: bool = False
     done_at: float | None = None  # the Done record's log timestamp
     released: str | None = None  # the reason, once released
@@ -132,6 +151,8 @@ class _Family:
     base_revision: int
     admitted: int = 0  # slots of granted, not released claims
     counted_as_rollouts: int = 0  # ...of which claims without ``slots`` (one a rollout, the yield not yet known)
+    claims: int = 0  # claims folded, granted or not
+    used_up: int = 0  # the first this many claims no longer count (the last ``AdmissionRebase``)
 
 
 @dataclass
@@ -154,7 +175,8 @@ class AdmissionBook:
             if granted:
                 fam.admitted += event.weight
                 fam.counted_as_rollouts += event.rollouts if event.slots is None else 0
-            self.claims[event.claim_id] = ClaimState(event, at, granted)
+            self.claims[event.claim_id] = ClaimState(event, at, granted, seq=fam.claims)
+            fam.claims += 1
             if granted:
                 self.by_group[event.group_id] = event.claim_id
                 self.unsettled[event.claim_id] = self.claims[event.claim_id]
@@ -163,6 +185,9 @@ class AdmissionBook:
             state = self.claims.get(self.by_group.get(event.group_id, ""))
             if state is not None and state.granted and state.released is None:  # done or not: the group is over
                 self._give_back(state, f"refunded: {event.reason}")
+            return
+        if isinstance(event, AdmissionRebase):
+            self._rebase(event)
             return
         state = self.claims.get(getattr(event, "claim_id", ""))
         if state is None or not state.open:
@@ -179,8 +204,26 @@ class AdmissionBook:
         state.released = reason
         self.unsettled.pop(state.claim.claim_id, None)
         fam = self.families[state.claim.family]
-        fam.admitted -= state.claim.weight
-        fam.counted_as_rollouts -= state.claim.rollouts if state.claim.slots is None else 0
+        if state.seq >= fam.used_up:  # a used-up claim's slots left the count at the rebase
+            fam.admitted -= state.claim.weight
+            fam.counted_as_rollouts -= state.claim.rollouts if state.claim.slots is None else 0
+
+    def _rebase(self, event: AdmissionRebase) -> None:
+        """Count again from ``event.revision`` with the claims after the used-up ones (a repeated or older rebase
+        changes nothing)."""
+        fam = self.families.get(event.family)
+        if fam is None or event.claims < fam.used_up or event.revision < fam.base_revision:
+            return
+        fam.base_revision, fam.used_up = event.revision, event.claims
+        live = [s.claim for s in self.claims.values() if s.claim.family == event.family and s.seq >= fam.used_up
+                and s.granted and s.released is None]
+        fam.admitted = sum(c.weight for c in live)
+        fam.counted_as_rollouts = sum(c.rollouts for c in live if c.slots is None)
+
+    def claims_folded(self, family: str) -> int:
+        """The family's claims folded so far, granted or not (what an ``AdmissionRebase`` made now uses up)."""
+        fam = self.families.get(family)
+        return fam.claims if fam else 0
 
     def grantable(self, family: str, slots: int, seen_revision: int, batch_size: int, bound: int) -> bool:
         """Whether a claim of ``slots`` appended now would be granted."""

@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from schemas import codec
-from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRefund, AdmissionRelease, AdmissionRenew
+from schemas.admission import (AdmissionClaim, AdmissionDone, AdmissionRebase, AdmissionRefund, AdmissionRelease,
+                              AdmissionRenew)
 from schemas.envelope import Event
 from schemas.errors import EventDecodeError
 from schemas.events import DeadLetter, Rollout, RolloutReferenced, RolloutScored, Step, TrainerBatch, TrainingRecord
@@ -43,6 +44,8 @@ def key_for(event: Event) -> bytes:
             key = event.claim_id
         case AdmissionRefund():
             key = event.group_id
+        case AdmissionRebase():
+            key = event.family
         case _:
             raise TypeError(f"no partitioning key defined for {type(event).__name__}")
     return key.encode()

@@ -88,8 +88,8 @@ TRAINER_BATCHES = Topic("trainer-batches", 1, _BIG, event=TrainerBatch,
                             "128 records of 1,024 completion tokens are 1.4 MB, over the broker's 1 MiB default")
 DEAD_LETTERS = Topic("dead-letters", 3, doc="records a stage could not process", event=DeadLetter)
 ADMISSIONS = Topic("admissions", 1, {"message.timestamp.type": "LogAppendTime"},
-                   doc="the arenas' admissions ledger (schemas.admission: the arenas' claims, and credit's refunds of "
-                       "gated groups); 1 partition: one order every arena folds alike; broker timestamps time the "
+                   doc="the arenas' admissions ledger (schemas.admission: the arenas' claims, credit's refunds of "
+                       "gated groups, the batcher's rebases); 1 partition: one order every arena folds alike; broker timestamps time the "
                        "leases")
 
 ARENA_READS = (ADMISSIONS, POLICY_REVISIONS)

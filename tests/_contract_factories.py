@@ -75,7 +75,8 @@ FIXTURE_LOGPROBS = np.array([-0.5, -0.0, np.nan, -np.inf, -1e-30, -12.25], dtype
 def fixture_events() -> dict[str, "Event"]:
     """One event of each type with fixed ids, timestamps and contents: the frames were written
     once by ``tests/fixtures/events/make_fixtures.py`` and must keep decoding to these values."""
-    from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRefund, AdmissionRelease, AdmissionRenew
+    from schemas.admission import (AdmissionClaim, AdmissionDone, AdmissionRebase, AdmissionRefund, AdmissionRelease,
+                                   AdmissionRenew)
     from schemas.batch import assemble_batch
     from schemas.events import DeadLetter, RolloutReferenced, RolloutScored, StepReference, StepTokens
     from schemas.objectives import Reference
@@ -107,10 +108,14 @@ def fixture_events() -> dict[str, "Event"]:
     release = AdmissionRelease(event_id="ev-release-1", **common, reason="lease of 600s expired (arena arena-0)")
     refund = AdmissionRefund(event_id="ev-refund-1", run_id="run-1", producer="credit", created_at=T0,
                              group_id="group-1", reason="gate 'zero_advantage': all 4 advantages within [0, 0]")
+    rebase = AdmissionRebase(event_id="ev-rebase-1", run_id="run-1", producer="batcher-0", created_at=T0, family=FAMILY,
+                             revision=5, claims=7, reason="batch b-1 went out with 3 records, no admitted group still "
+                             "coming")
     referenced = RolloutReferenced(
         event_id="ev-referenced-1", run_id="run-1", producer="reference-0", created_at=T0, causation_id="ev-scored-1",
         scored=scored, root_group_id="group-1",
         reference=Reference(model="teacher", base_url="http://teacher:8001/v1", revision="/models/teacher"),
         steps=[StepReference(step_id="step-1", ref_logprobs=lps[::-1].copy())])
-    events = [revision(3), s, rollout(), scored, referenced, rec, batch, dead, claim, done, renew, release, refund]
+    events = [revision(3), s, rollout(), scored, referenced, rec, batch, dead, claim, done, renew, release, refund,
+              rebase]
     return {e.EVENT_TYPE: e for e in events}

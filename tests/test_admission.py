@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from producers.arena.pacer import AdmissionPacer
-from schemas.admission import (AdmissionBook, AdmissionClaim, AdmissionDone, AdmissionRefund, AdmissionRelease,
-                              AdmissionRenew)
+from schemas.admission import (AdmissionBook, AdmissionClaim, AdmissionDone, AdmissionRebase, AdmissionRefund,
+                              AdmissionRelease, AdmissionRenew)
 from streams.admissions import MemoryLedger
 
 B, BOUND, LEASE = 4, 1, 10.0
@@ -98,6 +98,30 @@ def test_a_gated_group_gives_its_slots_back_once_and_an_unclaimed_group_is_ignor
     assert not fold(*full, (3, refund("c2"))).held("c2")  # still running (no Done): refunded all the same
     # slots claimed at one a rollout come back the same way
     assert fold((0, claim("c1", slots=6)), (1, refund("c1"))).admitted("f", 2.0) == 0
+
+
+def test_a_rebase_uses_up_the_claims_it_counted_and_slots_are_counted_again_from_its_revision():
+    """The batcher flushed a partial batch with nothing coming: the four claims it had folded (16 slots, counted as
+    batches up to r4) reached r3 only. After the rebase the book counts from r3 with the claims after those four: the
+    arena sees that r4 needs another batch. A used-up claim given back later, a repeated rebase or an older one
+    change nothing; a claim folded before the rebase but after the batcher's count still counts."""
+    def rebase(revision: int, claims: int) -> AdmissionRebase:
+        return AdmissionRebase(run_id="r", producer="batcher", family="f", revision=revision, claims=claims,
+                               reason="test")
+
+    claims = [(0, claim("c1")), (1, claim("c2")), (2, claim("c3", seen=1)), (3, claim("c4", seen=2))]
+    book = fold(*claims)
+    assert book.admitted("f") == 16 and book.base_revision("f", 0) + book.admitted("f") // B == 4
+    book.apply(claim("c5", seen=2), 4)  # in the log before the rebase, not yet folded by the batcher
+    book.apply(rebase(3, 4), 5)
+    assert book.base_revision("f", 0) == 3 and book.admitted("f") == 4 and book.claims_folded("f") == 5
+    book.apply(release("c2", "a"), 6)  # used up: its slots already left the count
+    book.apply(rebase(3, 4), 7)
+    book.apply(rebase(2, 3), 8)
+    assert (book.base_revision("f", 0), book.admitted("f")) == (3, 4)
+    book.apply(release("c5", "a"), 9)
+    assert book.admitted("f") == 0 and book.grantable("f", 8, 2, B, BOUND) and not book.grantable("f", 4, 1, B, BOUND)
+    assert fold(*claims, (4, rebase(3, 4))).admitted("g") == 0  # other families untouched
 
 
 def test_a_group_of_several_records_a_rollout_takes_its_slots():

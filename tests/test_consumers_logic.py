@@ -405,6 +405,43 @@ async def test_the_batcher_task_owes_a_place_to_a_running_group_and_none_to_one_
     assert [{r.group_id for r in o.event.records} for o in outs] == [{"g-1"}]  # the oldest first; g-0 owed nothing
 
 
+async def test_a_partial_batch_that_uses_up_every_admission_says_so_on_the_ledger():
+    """Two groups of four, one rollout of the second failed: once nothing is coming, the three records left go out
+    as a partial batch with an ``AdmissionRebase`` in the same outputs (the revision the next batch is trained from,
+    the claims used up). Folded, the arenas' book counts from there, so the run's last revision gets its batch.
+    Before, those slots still counted as a batch to come: the chaos run stopped at r4 of 5."""
+    import time
+    from types import SimpleNamespace
+
+    from consumers.settings import ServiceSettings
+    from consumers.tasks.batcher import BatcherTask
+    from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRebase
+    from streams.admissions import MemoryLedger
+
+    ledger = MemoryLedger()
+    cfg = ServiceSettings(family=testing.FAMILY, batch_records=4, flush_after_s=30, max_off_policy_steps=1)
+    task = BatcherTask(0, cfg, SimpleNamespace(latest={testing.FAMILY: testing.revision(1)}, check=lambda: None),
+                       SimpleNamespace(count=0, check=lambda: None), ledger=ledger)
+    for g in ("g-0", "g-1"):
+        await ledger.append(AdmissionClaim(run_id="run", producer="a", claim_id=g, arena_id="a", family=testing.FAMILY,
+                                           group_id=g, rollouts=4, seen_revision=0, batch_size=4,
+                                           max_off_policy_steps=1, lease_s=60))
+        await ledger.append(AdmissionDone(run_id="run", producer="a", claim_id=g, arena_id="a"))
+    for i in range(7):  # g-0 whole, g-1 without ro-7
+        task._add(SimpleNamespace(offset=i), testing.training_record(i, revision_=1))
+    outs = task.tick(time.monotonic())
+    assert [len(o.event.records) for o in outs] == [4]  # the whole batch; no rebase: records still wait
+    assert task.tick(time.monotonic()) == []  # the partial one waits for flush_after_s
+    outs = task.tick(time.monotonic() + 31)
+    assert [type(o.event).__name__ for o in outs] == ["TrainerBatch", "AdmissionRebase"]
+    assert len(outs[0].event.records) == 3 and outs[1].topic == topics.ADMISSIONS.name
+    rebase = outs[1].event
+    assert (rebase.revision, rebase.claims, rebase.family) == (3, 2, testing.FAMILY)  # batches from r1 and r2
+    await ledger.append(rebase)
+    assert ledger.book.admitted(testing.FAMILY) == 0 and ledger.book.base_revision(testing.FAMILY, 0) == 3
+    assert isinstance(rebase, AdmissionRebase)
+
+
 def test_batcher_token_budget():
     b = Batcher(BatchPolicy(family="tiny", batch_records=None, batch_tokens=20, flush_after_s=100))
     for i in range(5):

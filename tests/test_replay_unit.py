@@ -544,8 +544,8 @@ def test_an_older_database_gets_the_new_columns_with_their_defaults(run, tmp_pat
 
 def test_the_admissions_ledger_is_replayed_in_log_order(run):
     """An arena's claims (with the batch slots a claim of several records a rollout takes), done groups, releases
-    and credit's refunds of gated groups (the admissions topic) land in one table."""
-    from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRefund, AdmissionRelease
+    credit's refunds of gated groups and the batcher's rebases (the admissions topic) land in one table."""
+    from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRebase, AdmissionRefund, AdmissionRelease
 
     def claim(i: int, slots: int | None = None) -> AdmissionClaim:
         return AdmissionClaim(run_id=run.run_id, producer="arena-a", claim_id=f"c{i}", arena_id="a", family="toy",
@@ -557,13 +557,18 @@ def test_the_admissions_ledger_is_replayed_in_log_order(run):
               ("admissions", AdmissionRelease(run_id=run.run_id, producer="arena-b", claim_id="c1", arena_id="b",
                                               reason="lease of 600s expired")),
               ("admissions", AdmissionRefund(run_id=run.run_id, producer="credit", group_id="g0",
-                                             reason="gate 'zero_advantage'"))]
+                                             reason="gate 'zero_advantage'")),
+              ("admissions", AdmissionRebase(run_id=run.run_id, producer="batcher", family="toy", revision=3,
+                                             claims=2, reason="partial"))]
     con = load(flat(run) + ledger)
     rows = con.execute("SELECT event_type, claim_id, arena_id, group_id, rollouts, slots, reason FROM admissions "
                        "ORDER BY _offset").fetchall()
+    assert con.execute("SELECT family, revision, claims FROM admissions WHERE event_type = 'admission_rebase'"
+                       ).fetchall() == [("toy", 3, 2)]
     assert rows == [("admission_claim", "c0", "a", "g0", 4, None, None),
                     ("admission_claim", "c1", "a", "g1", 4, 8, None),
                     ("admission_done", "c0", "a", None, None, None, None),
                     ("admission_release", "c1", "b", None, None, None, "lease of 600s expired"),
-                    ("admission_refund", None, None, "g0", None, None, "gate 'zero_advantage'")]
+                    ("admission_refund", None, None, "g0", None, None, "gate 'zero_advantage'"),
+                    ("admission_rebase", None, None, None, None, None, "partial")]
     assert audit(con).ok

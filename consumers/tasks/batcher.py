@@ -7,7 +7,10 @@ batch for every admitted group (``AdmissionBook.coming``), less those whose reco
 A group strategy (grpo) credits a group in one transaction, so its first record means the whole group came; a
 per-rollout one (per_step, reinforce_baseline, ema_per_member) emits each rollout as it is scored, so a group has
 come once records of all its claim's rollouts have (a rollout that yields none, a failed one, keeps its group owed
-until the ledger settles the claim: done ``flush_after_s`` ago).
+until the ledger settles the claim: done ``flush_after_s`` ago, or for a group strategy ``group_timeout_s`` more,
+the time credit holds a group one of whose rollouts the verifier dead-lettered). A partial batch that leaves nothing buffered, with
+nothing coming, goes out with an ``AdmissionRebase`` in the same transaction: the arenas count batch slots again
+from its revision.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from consumers.batching import BatchPolicy, Batcher
 from consumers.credit import STRATEGIES
 from consumers.service import TaskDefaults, TaskFactory, dead_letter, decode
 from consumers.settings import ServiceSettings
+from schemas.admission import AdmissionRebase
 from schemas.errors import EventDecodeError
 from schemas.events import TrainingRecord
 from streams import topics
@@ -44,6 +48,10 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records and the
         # group -> (when its first record came, the rollouts whose records came), while the ledger may still owe it
         self.arrived: dict[str, tuple[float, set[str]]] = {}
         self.whole_groups = STRATEGIES[cfg.credit].buffers  # a group's records come together
+        # how long after its Done a group whose records have not come may still come: credit holds an incomplete
+        # group for group_timeout_s, then credits what came. A shorter grace flushed the batch and rebased without
+        # it, and its records came after: trained a batch late, or never at the run's end
+        self.grace_s = cfg.flush_after_s + (cfg.group_timeout_s if self.whole_groups else 0.0)
         self.batcher: Batcher[Any] = Batcher(BatchPolicy(
             family=cfg.family, max_off_policy_steps=cfg.max_off_policy_steps,
             batch_records=None if cfg.batch_tokens else cfg.batch_records, batch_tokens=cfg.batch_tokens,
@@ -60,11 +68,11 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records and the
     def _ledger_view(self) -> tuple[Callable[[int], int], int]:
         """(owes, coming) for ``Batcher.poll``: admitted groups whose records have not come, that a batch trained
         from a given revision must take, and of any batch. A group stays in ``arrived`` until the ledger can no
-        longer count it (given back, or done ``flush_after_s`` ago), or, no claim naming it, for
+        longer count it (given back, or done ``grace_s`` ago), or, no claim naming it, for
         ``UNCLAIMED_KEEP_S`` (the ledger is folded a moment behind the log)."""
         if self.ledger is None:
             return (lambda revision: 0), 0
-        book, now, grace = self.ledger.book, self.ledger.now(), self.batcher.policy.flush_after_s
+        book, now, grace = self.ledger.book, self.ledger.now(), self.grace_s
         coming = book.coming(self.family, now, grace)  # (which settles what can no longer come)
         come = set()
         for g, (first, rollouts) in list(self.arrived.items()):
@@ -105,6 +113,13 @@ class BatcherTask(TaskDefaults):  # no state beyond the buffered records and the
                                               owes=owes, coming=coming)
         outs = [Out(topics.TRAINER_BATCHES.name, b) for b, _ in batches]
         outs += [dead_letter(r.item.tag, NAME, r.error_type, r.reason, r.item.record.run_id) for r in refusals]
+        if self.batcher.rebase is not None and self.ledger is not None:
+            last = batches[-1][0]
+            outs.append(Out(topics.ADMISSIONS.name, AdmissionRebase(
+                run_id=last.run_id, producer=self.batcher.producer, family=self.family, revision=self.batcher.rebase,
+                claims=self.ledger.book.claims_folded(self.family),
+                reason=f"batch {last.batch_id} went out with {len(last.records)} records, no admitted group still "
+                       f"coming")))
         return outs
 
     def buffered(self) -> dict[str, list[int]]:

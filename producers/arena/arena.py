@@ -481,14 +481,17 @@ class Arena(ArenaEvaluation):
         """Once the admitted slots fill the batches up to the run's last revision: whether slots come back before
         it is current (``stop``) and are needed again: a group the credit service's admission gate kept out of
         training gives its slots back (``AdmissionRefund``; prime-rl samples again to fill the batch), as does an
-        abandoned claim. False once ``stop`` is set, or after ``idle_s`` with neither a new revision nor a slot
-        given back."""
-        book, family = self.pacer.book, self.pacer.family
-        last, seen = time.monotonic(), (self.current_policy.revision, book.admitted(family))
+        abandoned claim, and the batcher's rebase after a partial batch (``AdmissionRebase``: slots that yielded
+        no trained record). False once ``stop`` is set, or after ``idle_s`` with neither a new revision nor a
+        slot given back."""
+        def final() -> int:
+            return self.pacer.final_revision(max(1.0, self.stats.records_per_rollout or 1.0))
+
+        last, seen = time.monotonic(), (self.current_policy.revision, final())
         while not stop.is_set() and self._fatal is None:
             await until_first(stop.wait(), self.pacer.ledger.wait(self.pacer.POLL_S))
             await self.pacer.ledger.sync()
-            now = (self.current_policy.revision, book.admitted(family))
+            now = (self.current_policy.revision, final())
             if now[1] < seen[1] and await self._more_needed(until_revision, stop):
                 return True
             if now != seen:
