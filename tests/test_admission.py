@@ -112,7 +112,7 @@ def test_a_rebase_uses_up_the_claims_it_counted_and_slots_are_counted_again_from
     claims = [(0, claim("c1")), (1, claim("c2")), (2, claim("c3", seen=1)), (3, claim("c4", seen=2))]
     book = fold(*claims)
     assert book.admitted("f") == 16 and book.base_revision("f", 0) + book.admitted("f") // B == 4
-    book.apply(claim("c5", seen=2), 4)  # in the log before the rebase, not yet folded by the batcher
+    book.apply(claim("c5", seen=3), 4)  # in the log before the rebase, not yet folded by the batcher
     book.apply(rebase(3, 4), 5)
     assert book.base_revision("f", 0) == 3 and book.admitted("f") == 4 and book.claims_folded("f") == 5
     book.apply(release("c2", "a"), 6)  # used up: its slots already left the count
@@ -120,7 +120,7 @@ def test_a_rebase_uses_up_the_claims_it_counted_and_slots_are_counted_again_from
     book.apply(rebase(2, 3), 8)
     assert (book.base_revision("f", 0), book.admitted("f")) == (3, 4)
     book.apply(release("c5", "a"), 9)
-    assert book.admitted("f") == 0 and book.grantable("f", 8, 2, B, BOUND) and not book.grantable("f", 4, 1, B, BOUND)
+    assert book.admitted("f") == 0 and book.grantable("f", 8, 3, B, BOUND) and not book.grantable("f", 8, 2, B, BOUND)
     assert fold(*claims, (4, rebase(3, 4))).admitted("g") == 0  # other families untouched
 
 

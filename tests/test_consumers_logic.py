@@ -417,6 +417,7 @@ async def test_a_partial_batch_that_uses_up_every_admission_says_so_on_the_ledge
     from consumers.tasks.batcher import BatcherTask
     from schemas.admission import AdmissionClaim, AdmissionDone, AdmissionRebase
     from streams.admissions import MemoryLedger
+    from streams import topics
 
     ledger = MemoryLedger()
     cfg = ServiceSettings(family=testing.FAMILY, batch_records=4, flush_after_s=30, max_off_policy_steps=1)
