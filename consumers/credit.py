@@ -9,6 +9,8 @@ before the service starts: the service only asks ``CreditAssigner.buffers``, nev
 Only trainable steps (``RolloutScored.trainable_steps``) produce records: a fixed opponent or the judge
 never does. A ref_kl source's scores (prime-rl's opd) come with their reference's logprobs (``RolloutReferenced``,
 ``CreditAssigner.add_referenced``): no strategy credits them. ``record_id`` derives from (rollout_id, step_id), so a retry cannot double a record.
+prime-rl's echo (``echo_roles`` among the strategy's params) adds to each record of a later turn the prompt tokens the
+environment wrote since the member's previous call, trained with cross-entropy at their role's weight (``echo_spans``).
 
 Admission gates (prime-rl's ``advantage_range``, ``schemas.plan.AdmissionGate``) look at a credited group's
 records: a group a gate rejects yields none, and is listed in ``CreditAssigner.withheld`` so the service gives its
@@ -23,7 +25,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
-from schemas.events import RolloutReferenced, RolloutScored, TrainingRecord
+from schemas.events import CeSpan, RolloutReferenced, RolloutScored, StepTokens, TrainingRecord
 from schemas.plan import REF_KL, AdmissionGate
 
 
@@ -42,10 +44,37 @@ def record_id(rollout_id: str, step_id: str, derived_run: str | None = None) -> 
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
+def echo_spans(steps: Sequence[StepTokens], roles: Mapping[str, float]) -> dict[str, list[CeSpan]]:
+    """prime-rl's echo: in each step's prompt, the tokens the environment added since the same member's previous
+    call (its feedback, a tool's output: ``StepTokens.observation_roles``), weighted by their role's alpha; a first
+    call's prompt is not. They are the prompt's tokens after what it shares with the previous call's prompt and
+    completion, as the chat template renders them (role tags included: prime-rl's fallback for a renderer without
+    per-token content). Left out: a turn of roles with different weights (one span cannot hold them: the message
+    boundaries in tokens are not known here), a role not in ``roles``, and a prompt that does not extend the
+    previous call's prompt (a template that re-renders the history)."""
+    out: dict[str, list[CeSpan]] = {}
+    last: dict[str, StepTokens] = {}
+    for st in steps:
+        prev, last[st.member_id] = last.get(st.member_id), st
+        weights = {float(roles.get(r, 0.0)) for r in st.observation_roles or ()}
+        if prev is None or len(weights) != 1 or 0.0 in weights:
+            continue
+        before = np.concatenate([prev.prompt_token_ids, prev.completion_token_ids])
+        prompt = np.asarray(st.prompt_token_ids)
+        n = min(len(before), len(prompt))
+        differ = np.flatnonzero(before[:n] != prompt[:n])
+        shared = int(differ[0]) if len(differ) else n
+        if shared >= len(prev.prompt_token_ids) and shared < len(prompt):
+            out[st.step_id] = [CeSpan(start=max(shared, 1), end=len(prompt), weight=weights.pop())]
+    return out
+
+
 def records_for(scored: RolloutScored, advantages: Mapping[str, float], credit: str, *, producer: str,
-                causation_id: str | None = None, ref_logprobs: Mapping[str, np.ndarray] | None = None
-                ) -> list[TrainingRecord]:
-    """``ref_logprobs``: each step's reference logprobs (a ref_kl source's), carried onto its record."""
+                causation_id: str | None = None, ref_logprobs: Mapping[str, np.ndarray] | None = None,
+                echo_roles: Mapping[str, float] | None = None) -> list[TrainingRecord]:
+    """``ref_logprobs``: each step's reference logprobs (a ref_kl source's), carried onto its record.
+    ``echo_roles``: prime-rl's echo, each record's environment tokens trained with cross-entropy (``echo_spans``)."""
+    spans = echo_spans(scored.trainable_steps, echo_roles) if echo_roles else {}
     out = []
     for st in scored.trainable_steps:
         n = len(st.completion_token_ids)
@@ -60,7 +89,7 @@ def records_for(scored: RolloutScored, advantages: Mapping[str, float], credit: 
             completion_logprobs=st.completion_logprobs, loss_mask=np.ones(n, dtype=np.uint8),
             reward=float(scored.rewards.get(st.member_id, 0.0)),
             advantage=float(advantages.get(st.member_id, 0.0)), credit=credit, source=scored.source,
-            ref_logprobs=None if ref_logprobs is None else ref_logprobs[st.step_id]))
+            ref_logprobs=None if ref_logprobs is None else ref_logprobs[st.step_id], ce_spans=spans.get(st.step_id)))
     return out
 
 
@@ -319,7 +348,8 @@ class CreditAssigner:
 
     def _credit(self, rollouts: list[RolloutScored], credit: str) -> list[TrainingRecord]:
         adv = self.strategy.advantages(rollouts)
-        records = [r for s in rollouts for r in records_for(s, adv[s.rollout_id], credit, producer=self.producer)]
+        records = [r for s in rollouts for r in records_for(s, adv[s.rollout_id], credit, producer=self.producer,
+                                                           echo_roles=self.params.get("echo_roles"))]
         why = gate_rejects([r.advantage for r in records], self.gates) if self.gates else None
         if why is None and not records and _whole_group_failed(rollouts, self.buffers):
             why = f"every rollout of the group failed ({len(rollouts)} of {rollouts[0].group_size}): nothing to train"

@@ -458,9 +458,7 @@ async def score(rollout: Rollout, steps: Sequence[Step], *, judge: Judge | None 
 
 def trainable_steps(steps: Sequence[Step]) -> list[StepTokens]:
     """Tokens of the trainable steps only: a fixed opponent's or the judge's never become training data."""
-    return [StepTokens(step_id=s.step_id, member_id=s.member_id, policy=s.policy, prompt_token_ids=s.prompt_token_ids,
-                       completion_token_ids=s.completion_token_ids, completion_logprobs=s.completion_logprobs)
-            for s in sorted(steps, key=lambda s: s.index) if s.trainable and s.policy is not None]
+    return [StepTokens.of(s) for s in sorted(steps, key=lambda s: s.index) if s.trainable and s.policy is not None]
 
 
 def to_scored(rollout: Rollout, steps: Sequence[Step], verdict: Verdict, *, producer: str,

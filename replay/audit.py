@@ -53,7 +53,7 @@ from replay.tables import open_read_only
 from schemas.batch import why_stale
 from schemas.digests import batch_digest, lineage_digest, record_digest
 from schemas.envelope import SourceEvent
-from schemas.events import TrainingRecord
+from schemas.events import CeSpan, TrainingRecord
 from schemas.history import HistoryRule
 from schemas.policy import PolicyRef
 
@@ -142,7 +142,7 @@ def _lists(col: pa.ChunkedArray | pa.Array) -> Iterator[np.ndarray]:
 _RECORD_COLS = ("record_id, run_id, schema_version, rollout_id, step_ids, member_id, group_id, environment, "
                 "policy_family, policy_revision, policy_checkpoint_digest, prompt_token_ids, completion_token_ids, "
                 "completion_logprobs, loss_mask, reward, advantage, credit, record_digest, _partition, _offset, "
-                "source_run_id, source_topic, source_partition, source_offset, source_digest, ref_logprobs")
+                "source_run_id, source_topic, source_partition, source_offset, source_digest, ref_logprobs, ce_spans")
 
 
 def replayed_records(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[TrainingRecord, str, int, int]]:
@@ -168,7 +168,9 @@ def replayed_records(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[TrainingR
                 source=SourceEvent.model_construct(
                     run_id=py["source_run_id"][i], topic=py["source_topic"][i], partition=py["source_partition"][i],
                     offset=py["source_offset"][i], digest=py["source_digest"][i]) if py["source_run_id"][i] else None,
-                ref_logprobs=None if py["ref_logprobs"][i] is None else np.asarray(py["ref_logprobs"][i], "<f4"))
+                ref_logprobs=None if py["ref_logprobs"][i] is None else np.asarray(py["ref_logprobs"][i], "<f4"),
+                ce_spans=None if py["ce_spans"][i] is None else [
+                    CeSpan.model_construct(start=a, end=b, weight=w) for a, b, w in json.loads(py["ce_spans"][i])])
             yield rec, py["record_digest"][i], py["_partition"][i], py["_offset"][i]
 
 

@@ -210,6 +210,9 @@ def training_records(events: Sequence[Any], metas: Sequence[Meta]) -> dict[str, 
         **_source([e.source for e in events]),
         "ref_logprobs": pa.array([None if e.ref_logprobs is None else e.ref_logprobs.tolist() for e in events],
                                  type=pa.list_(pa.float32())),
+        "ce_spans": [None if not e.ce_spans else json.dumps([[s.start, s.end, s.weight] for s in e.ce_spans])
+                     for e in events],
+        "n_ce_tokens": pa.array([sum(s.end - s.start for s in e.ce_spans or ()) for e in events], type=T.I32),
     } | _kafka(metas)
     return {"training_records": _table(T.TRAINING_RECORDS, cols)}
 

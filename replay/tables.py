@@ -134,9 +134,11 @@ TRAINING_RECORDS = _table("training_records", [
     pa.field("n_completion_tokens", I32), pa.field("n_trained_tokens", I32),
     pa.field("reward", F64), pa.field("advantage", F64), pa.field("credit", STR),
     pa.field("record_digest", STR), *source_fields(), column("ref_logprobs", pa.list_(pa.float32()), "NULL"),
+    column("ce_spans", STR, "NULL"), column("n_ce_tokens", I32, "0"),
 ], "TrainingRecord events; record_digest is schemas.digests.record_digest of the event as read; a derived "
    "run's name the source run's Rollout their tokens come from (source_*); an opd source's carry the reference's "
-   "logprob of each completion token (ref_logprobs, credit 'ref_kl')")
+   "logprob of each completion token (ref_logprobs, credit 'ref_kl'); an echo run's, the prompt tokens trained "
+   "with cross-entropy (ce_spans: JSON [[start, end, weight], ...] over prompt_token_ids; n_ce_tokens)")
 
 TRAINER_BATCHES = _table("trainer_batches", [
     pa.field("batch_id", STR), pa.field("family", STR), pa.field("target_revision", I64),

@@ -353,10 +353,7 @@ def training_steps(steps: list[Step], status: str, dropped: Mapping[str, str] | 
     trainable, with a revision, of a rollout that did not fail), less every step of a dropped trace."""
     if status == "failed":
         return []
-    return [StepTokens(step_id=s.step_id, member_id=s.member_id, policy=s.policy,
-                       prompt_token_ids=s.prompt_token_ids, completion_token_ids=s.completion_token_ids,
-                       completion_logprobs=s.completion_logprobs)
-            for s in sorted(steps, key=lambda s: s.index)
+    return [StepTokens.of(s) for s in sorted(steps, key=lambda s: s.index)
             if s.trainable and s.policy is not None and s.member_id not in (dropped or {})]
 
 

@@ -123,6 +123,26 @@ class StepTokens(Record):
     prompt_token_ids: TokenIds
     completion_token_ids: TokenIds
     completion_logprobs: Logprobs
+    observation_roles: list[str] | None = Field(default=None, description="the roles of the prompt's messages after "
+                                                "its last assistant message: the environment's turn since the member "
+                                                "last spoke (prime-rl's echo trains on it); None on a first call")
+
+    @classmethod
+    def of(cls, step: Step) -> StepTokens:
+        last = max((i for i, m in enumerate(step.prompt) if m.role == "assistant"), default=None)
+        roles = [m.role for m in step.prompt[last + 1:]] if last is not None else []
+        return cls(step_id=step.step_id, member_id=step.member_id, policy=step.policy,
+                   prompt_token_ids=step.prompt_token_ids, completion_token_ids=step.completion_token_ids,
+                   completion_logprobs=step.completion_logprobs, observation_roles=roles or None)
+
+
+class CeSpan(Record):
+    """Prompt tokens ``[start, end)`` trained with cross-entropy at ``weight``, outside the loss mask (prime-rl's
+    echo: the environment's tokens since the member's previous call)."""
+
+    start: int = Field(ge=1, description="the first token predicted (never the prompt's first)")
+    end: int
+    weight: float = Field(gt=0)
 
 
 class RolloutScored(Event):
@@ -204,6 +224,8 @@ class TrainingRecord(Event):
     ref_logprobs: Logprobs | None = Field(default=None, description="the reference's logprob of each completion "
                                           "token (a ref_kl source's, prime-rl's opd): the record trains with ref_kl; "
                                           "None: with the plan's objective")
+    ce_spans: list[CeSpan] | None = Field(default=None, description="prompt tokens trained with cross-entropy "
+                                          "besides the completion (prime-rl's echo); None: none")
 
     @model_validator(mode="after")
     def _aligned(self) -> TrainingRecord:
@@ -216,6 +238,10 @@ class TrainingRecord(Event):
                              "same length")
         if n == 0:
             raise ValueError("a training record with no completion tokens is refused")
+        for span in self.ce_spans or ():
+            if not span.start < span.end <= len(self.prompt_token_ids):
+                raise ValueError(f"ce span [{span.start}, {span.end}) is not inside the prompt's "
+                                 f"{len(self.prompt_token_ids)} tokens")
         return self
 
 

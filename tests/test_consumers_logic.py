@@ -702,3 +702,36 @@ async def test_a_group_credited_rollout_by_rollout_is_owed_until_all_its_rollout
             task._add(SimpleNamespace(offset=i), testing.training_record(i, revision_=0))
         outs = task.tick(0.0)
         assert sorted(r.rollout_id for o in outs for r in o.event.records) == ["ro-0", "ro-1", "ro-2", "ro-3"]
+
+
+def test_echo_spans_are_the_environments_tokens_since_the_members_previous_call():
+    """prime-rl's echo, per member: a later call's prompt tokens after what it shares with the previous call's
+    prompt and completion, weighted by their role's alpha. A first call, a role not enabled, a turn of roles with
+    different weights, and a prompt that re-renders the history get none."""
+    from consumers.credit import echo_spans
+    from schemas.events import ChatMessage, Step, StepTokens
+    from schemas.policy import PolicyRef
+
+    def st(sid, member, prompt, completion, roles=None):
+        return StepTokens(step_id=sid, member_id=member, policy=PolicyRef(family="f", revision=0),
+                          prompt_token_ids=np.array(prompt, np.int32), completion_token_ids=np.array(completion, np.int32),
+                          completion_logprobs=np.zeros(len(completion), np.float32), observation_roles=roles)
+
+    steps = [st("a1", "a", [1, 2, 3], [4, 5]), st("b1", "b", [1, 2], [8]),
+             st("a2", "a", [1, 2, 3, 4, 5, 20, 21, 22], [6], ["user"]),  # feedback 20-22
+             st("b2", "b", [1, 2, 8, 30, 31], [9], ["tool", "user"]),  # mixed roles, one weight each
+             st("a3", "a", [1, 2, 3, 4, 5, 20, 21, 22, 6, 40], [7], ["tool"]),  # tool not enabled below
+             st("a4", "a", [1, 2, 99, 6, 7, 50], [8], ["user"])]  # history re-rendered
+    assert {k: [(s.start, s.end, s.weight) for s in v] for k, v in echo_spans(steps, {"user": 0.5}).items()} == {
+        "a2": [(5, 8, 0.5)]}
+    same = echo_spans(steps, {"user": 0.1, "tool": 0.1})
+    assert [(s.start, s.end) for s in same["b2"]] == [(3, 5)] and [(s.start, s.end) for s in same["a3"]] == [(9, 10)]
+    assert "b2" not in echo_spans(steps, {"user": 0.1, "tool": 0.2})  # no token boundary between the two roles
+    # the roles come from the Step's prompt: the messages after its last assistant message
+    msgs = [ChatMessage(role="system", content="s"), ChatMessage(role="user", content="q"),
+            ChatMessage(role="assistant", content="a"), ChatMessage(role="tool", content="t"),
+            ChatMessage(role="user", content="u")]
+    base = testing.step("ro", "g", 1, "a", "x", policy=PolicyRef(family="f", revision=0))
+    assert StepTokens.of(base.model_copy(update={"prompt": msgs})).observation_roles == ["tool", "user"]
+    assert StepTokens.of(base.model_copy(update={"prompt": msgs[:2]})).observation_roles is None
+    assert isinstance(base, Step)

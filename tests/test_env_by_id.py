@@ -565,3 +565,29 @@ def test_train_one_against_a_fixed_seat_on_its_own_endpoint(kafka_bootstrap, tmp
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.integration
+def test_an_echo_recipe_trains_the_users_later_turns_with_cross_entropy(kafka_bootstrap, tmp_path):
+    """prime-rl's echo on rlt-sum-chain (a scripted user over 2-3 turns, found by id), the tiny model as the policy:
+    every record of a later turn carries a ce span, exactly the prompt tokens the user's turn added after the
+    previous call's prompt and completion (here bytes: they read as the user's words); a first turn's carries
+    none; each revision's step reports ce/nll beside the grpo part."""
+    env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
+    env.pop("ROLLOUT_TOPIC_PREFIX", None)
+    s = _rl(_tiny("rlt-sum-chain", tmp_path), env, "--max-steps", "2", logs=tmp_path / "rl")
+    assert s["failed_rollouts"] == 0 and s["revisions"] == 2
+    assert all(m["ce/nll"] > 0 for m in s["trainer_metrics_by_revision"].values()), s["trainer_metrics_by_revision"]
+    report, con = _replay_and_audit(s, env, tmp_path / "run.duckdb")
+    assert report["ok"], report
+    rows = con.execute("""
+        SELECT s.step_index, r.ce_spans, r.n_ce_tokens, r.prompt_token_ids, p.prompt_token_ids, p.completion_token_ids
+        FROM training_records r JOIN steps s ON s.step_id = r.step_ids[1]
+        LEFT JOIN steps p ON p.rollout_id = s.rollout_id AND p.step_index = s.step_index - 1""").fetchall()
+    later = [r for r in rows if r[0] > 0]
+    assert later and all(r[1] is None and r[2] == 0 for r in rows if r[0] == 0)
+    for index, spans, n, prompt, prev_prompt, prev_completion in later:
+        (start, end, weight), = json.loads(spans)
+        assert (end, weight, n) == (len(prompt), 0.1, end - start)
+        assert prompt[:start] == (prev_prompt + prev_completion)[:start] and start >= len(prev_prompt)
+        assert "Now add" in bytes(t for t in prompt[start:end] if t < 256).decode(errors="replace")  # specials: roles

@@ -1,4 +1,4 @@
-"""The verifiers.v1 test env packages of tests/envs/ (rlt-tally-duel, rlt-sum-quiz, rlt-pose-solve), installed
+"""The verifiers.v1 test env packages of tests/envs/ (rlt-tally-duel, rlt-sum-quiz, rlt-pose-solve, rlt-sum-chain), installed
 into .venv by .ci/setup, found and loaded the way a recipe names them: by id, through verifiers' own loader
 (`resolve_env_config` + `load_environment`). No Kafka, no model: loading, typing and task streams only, plus
 the sum-quiz reward scored by verifiers' `Task.score` on a hand-made trace."""
@@ -23,7 +23,8 @@ from verifiers.v1.utils.loaders import (
 )
 
 ENVS_DIR = Path(__file__).resolve().parent / "envs"
-MODULES = {"rlt-tally-duel": "rlt_tally_duel", "rlt-sum-quiz": "rlt_sum_quiz", "rlt-pose-solve": "rlt_pose_solve"}
+MODULES = {"rlt-tally-duel": "rlt_tally_duel", "rlt-sum-quiz": "rlt_sum_quiz", "rlt-pose-solve": "rlt_pose_solve",
+           "rlt-sum-chain": "rlt_sum_chain"}
 SEAT = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}
 
 
@@ -62,13 +63,14 @@ def test_installed_as_a_distribution_not_from_the_checkout(env_id):
     ("rlt-sum-quiz", None, None, "SumQuizTaskset", "SumQuizTasksetConfig", ["agent"]),
     ("rlt-pose-solve", "PoseSolveEnv", "PoseSolveEnvConfig", "PoseSolveTaskset", "PoseSolveTasksetConfig",
      ["proposer", "solver"]),
+    ("rlt-sum-chain", "SumChainEnv", None, "SumChainTaskset", "SumChainConfig", ["agent"]),
 ])
 def test_id_resolves_to_the_package_classes(env_id, env_cls, config_cls, taskset_cls, taskset_config_cls, seats):
     mod = module(env_id)
     raw = {"taskset": {"id": env_id}} | {seat: SEAT for seat in seats}
     cfg, env = load(raw)
     want_env = getattr(mod, env_cls) if env_cls else vf.SingleAgentEnv
-    want_cfg = getattr(mod, config_cls) if config_cls else vf.SingleAgentEnvConfig
+    want_cfg = getattr(mod, config_cls) if config_cls else vf.SingleAgentEnvConfig  # a SingleAgentEnv's own
     assert environment_class(env_id) is want_env
     assert taskset_class(env_id) is getattr(mod, taskset_cls)
     assert type(cfg) is want_cfg
@@ -267,3 +269,17 @@ async def test_sum_quiz_reward_faults_raise_and_hang_on_their_fraction_of_calls(
     trace = quiz_trace(clean, str(clean.data.answer))
     await clean.score(trace)
     assert trace.rewards["exact_answer"].score == 1.0
+
+
+def test_sum_chain_tasks_are_seeded_turns_with_their_running_totals():
+    taskset = load({"taskset": {"id": "rlt-sum-chain", "seed": 3, "min_turns": 2, "max_turns": 3}})[1].taskset
+    tasks = list(itertools.islice(iter(taskset), 20))
+    again = list(itertools.islice(iter(load({"taskset": {"id": "rlt-sum-chain", "seed": 3}})[1].taskset), 20))
+    assert [t.data.id for t in tasks] == [f"chain-3-{i}" for i in range(20)]
+    for t in tasks:
+        d = t.data
+        assert 2 <= len(d.user_turns) == len(d.totals) <= 3 and d.prompt is None
+        start, add = map(int, re.findall(r"\d+", d.user_turns[0]))
+        adds = [int(re.findall(r"\d+", u)[0]) for u in d.user_turns[1:]]
+        assert d.totals == list(itertools.accumulate([start + add, *adds]))
+    assert [t.data.totals for t in again] == [t.data.totals for t in tasks]  # the same seed: the same stream

@@ -184,7 +184,7 @@ def test_a_mixed_batch_trains_each_row_with_its_sources_component_each_normalise
     ref_rows = torch.tensor([False, True, True])
     objective = Objective(DefaultLoss())
     scales = objective.scales(inputs.loss_mask, ref_rows)
-    assert [float(s) for s in scales] == [4.0, 7.0]
+    assert [float(s) for s in scales] == [4.0, 7.0, 0.0]  # no echo tokens: no ce component
     out = objective.component_loss(inputs, ref_rows, scales)
     r3 = P_TRAINER[3] / P_INFER[3]
     last = -(math.log(P_REF[3]) - math.log(P_TRAINER[3])) * r3 + 1e-3 * math.log(r3) ** 2
@@ -199,6 +199,32 @@ def test_a_mixed_batch_trains_each_row_with_its_sources_component_each_normalise
     # ranks sum the same vector of them
     part = objective.component_loss(_select(inputs, torch.tensor([True, False, False])), torch.tensor([False]), scales)
     assert part.metrics.keys() == out.metrics.keys() and part.metrics["ref_kl"].item() == 0.0
+
+
+def test_echo_adds_cross_entropy_on_the_environments_tokens_normalised_by_their_own_count():
+    """prime-rl's compute_loss with a ce stream: rl_loss / rl_scale + ce_loss / ce_scale, ce_loss the weighted NLL of
+    the tokens with a ce weight (outside the loss mask: echo's environment tokens), ce_scale their count over the
+    whole batch. Here token 4 (off the loss mask) of both rows at alpha 0.1, and token 3 of row 1 at 0.5."""
+    adv = [1.0, -1.0, 0.5, -0.25, 2.0]
+    inputs = _inputs(adv, rows=2)
+    ce = torch.zeros((2, 5), dtype=torch.float64)
+    ce[:, 4], ce[1, 3] = 0.1, 0.5
+    objective = Objective(DefaultLoss())
+    no_ref = torch.zeros(2, dtype=torch.bool)
+    scales = objective.scales(inputs.loss_mask, no_ref, ce)
+    assert [float(s) for s in scales] == [8.0, 0.0, 3.0]
+    out = objective.component_loss(inputs, no_ref, scales, ce)
+    nll = 2 * 0.1 * -math.log(P_TRAINER[4]) + 0.5 * -math.log(P_TRAINER[3])
+    want = 2 * _by_hand(adv, [False, False, True, True]) / 8 + nll / 3
+    assert out.loss.item() == pytest.approx(want, rel=1e-12)
+    assert out.metrics["ce/nll"].item() == pytest.approx(
+        (2 * -math.log(P_TRAINER[4]) - math.log(P_TRAINER[3])) / 3, rel=1e-12)
+    out.loss.backward()
+    assert inputs.trainer_logprobs.grad[0, 4].item() == pytest.approx(-0.1 / 3, rel=1e-12)  # the ce token's
+    # a micro-batch without ce tokens of a batch with them still names ce's metric (0), as ref_kl's
+    part = objective.component_loss(_select(inputs, torch.tensor([True, False])), torch.tensor([False]), scales,
+                                    torch.zeros((1, 5), dtype=torch.float64))
+    assert part.metrics.keys() == out.metrics.keys() and part.metrics["ce/nll"].item() == 0.0
 
 
 PRIME_RL_CUSTOM = '''

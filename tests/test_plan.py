@@ -538,7 +538,9 @@ ALGOS = {  # prime-rl type -> what the credit service runs (None: refused, with 
     'type = "grpo"': ("grpo", {"scale_std": False}),
     'type = "rae"\ndecay = 0.8': ("ema_per_member", {"alpha": 0.8}),
     'type = "max_rl"': ("grpo", {"scale_std": False, "scale_mean": True}),
-    'type = "echo"': "cross-entropy loss on env-provided",
+    'type = "echo"': ("grpo", {"scale_std": False, "echo_roles": {"tool": 0.1}}),  # prime-rl's default: tool
+    'type = "echo"\nroles = { user = { alpha = 0.5 }, system = {} }': (  # a role set replaces the table
+        "grpo", {"scale_std": False, "echo_roles": {"system": 0.1, "user": 0.5}}),
     'type = "hierarchical_grpo"\nepisode_agents = ["solver"]': "per proposed problem",
     'type = "opd"\nteacher = { name = "t", base_url = "http://h/v1" }': ("per_step", {}),  # no source credited
     'type = "opsd"': ("per_step", {}),  # trained from the live policy's scores under the demonstration
@@ -560,6 +562,17 @@ def test_algorithm_mapping_never_falls_back_to_grpo(algo: str) -> None:
         with pytest.raises(PlanError, match="cannot run here") as info:
             credit_strategy(plan)
         assert want in str(info.value) and plan.advantage.type in str(info.value)
+
+
+@pytest.mark.parametrize("algo,why", [
+    ('roles = { tool = { alpha = 0.0 } }', "must be > 0"),
+    ('roles = { }', "at least one role"),
+    ('roles = { observer = {} }', "observer"),
+    ('filter = { import_path = "m.f" }', "verifiers v1 Trace"),
+])
+def test_an_echo_table_prime_rl_refuses_or_nothing_here_applies_is_one_clear_line(algo: str, why: str) -> None:
+    with pytest.raises(PlanError, match=why):
+        compile_plan_dict(_src(algo='[orchestrator.algo]\ntype = "echo"\n' + algo), "e.toml")
 
 
 def test_pinned_seat_is_a_fixed_target() -> None:
@@ -707,14 +720,14 @@ def test_credit_and_trainer_services_refuse_an_algorithm_they_cannot_run(tmp_pat
 
     parser = argparse.ArgumentParser()
     register_serve(parser.add_subparsers())
-    echo = tmp_path / "echo.toml"
-    echo.write_text('[model]\nname = "m"\n[orchestrator.algo]\ntype = "echo"\n[[orchestrator.train.source]]\n'
-                    'name = "s"\n[orchestrator.train.source.env.taskset]\nid = "t"\n')
+    echo = tmp_path / "hierarchical.toml"  # an algorithm nothing here runs
+    echo.write_text('[model]\nname = "m"\n[orchestrator.algo]\ntype = "hierarchical_grpo"\nepisode_agents = ["s"]\n'
+                    '[[orchestrator.train.source]]\nname = "s"\n[orchestrator.train.source.env.taskset]\nid = "t"\n')
     mixed = str(PEER_2026 / "configs_debug_algo_mixed_grpo_opd.toml")
     for service in ("credit", "trainer", "reference"):  # grpo beside opd: each runs it
         settings_from_args(parser.parse_args([service, "--plan", mixed]))
     for service in ("credit", "trainer"):
-        with pytest.raises(SystemExit, match=f"rollout serve {service}: refusing the plan: .*algorithm 'echo'"):
+        with pytest.raises(SystemExit, match=f"rollout serve {service}: refusing the plan: .*'hierarchical_grpo'"):
             settings_from_args(parser.parse_args([service, "--plan", str(echo)]))
     settings_from_args(parser.parse_args(["verifier", "--plan", str(echo)]))  # does not assign credit: unaffected
     rae = str(PEER_2026 / "configs_debug_algo_rae.toml")

@@ -228,3 +228,39 @@ def test_activation_memory_follows_the_token_budget_not_the_batch(tmp_path):
     shared, more = _activation_peaks(tmp_path / "c", 16, shared=True), _activation_peaks(tmp_path / "d", 32, shared=True)
     assert (len(shared), len(more)) == (6, 11)
     assert max(shared) == max(more) < 256 * 4096 * 4, (shared, more)
+
+
+def test_echo_spans_train_the_environments_prompt_tokens_with_cross_entropy(tmp_path):
+    """prime-rl's echo on an HF model: records whose prompt carries a ce span (the environment's tokens of a later
+    turn), their completions off the loss mask, so that cross-entropy alone trains: the span's tokens get likelier
+    step by step and the step's ce/nll falls. Rows sharing their prompt run it once unless a loss reads inside it
+    (``TrainerTensors.wanted``): the rows with a span run alone."""
+    from consumers.trainer.models import HFPolicy
+    from policy import hf
+    from schemas.events import CeSpan
+
+    fam = "org/tiny-llama"
+    ref0 = hf.save_checkpoint(_tiny_llama(vocab=64), tmp_path / "ck", fam, 0)
+    trainer = ReferenceTrainer(HFPolicy.load(ref0), fam, 0, tmp_path / "ck", lr=1e-2, kind=HFPolicy)
+    rev0 = testing.revision(0, family=fam).model_copy(update={"checkpoint": ref0})
+    span = CeSpan(start=5, end=12, weight=1.0)
+
+    def span_logprob() -> float:
+        ids = torch.arange(16).unsqueeze(0)
+        wanted = torch.zeros(1, 15, dtype=torch.bool)
+        wanted[0, span.start - 1:span.end - 1] = True
+        with torch.no_grad():
+            return float(hf.token_logprobs(trainer.model, ids, torch.ones_like(ids), wanted=wanted).sum())
+
+    before, nll = span_logprob(), []
+    for step in range(6):
+        recs = [testing.training_record(8 * step + i, family=fam, revision_=0, reward=0.5, prompt=12)
+                .model_copy(update={"ce_spans": [span] if i < 2 else None, "loss_mask": np.zeros(8, np.uint8)})
+                for i in range(4)]
+        b = batch_of(recs, rev0)
+        t = to_tensors(b)
+        assert t.ce_weights[0, 5:12].tolist() == [1.0] * 7 and t.ce_weights[2].abs().sum() == 0
+        assert bool(t.wanted[0, 4:11].all()) and not bool(t.wanted[2].any())
+        stats = trainer.step(t, b)
+        nll.append(stats["ce/nll"])
+    assert span_logprob() > before + 1.0 and nll[-1] < nll[0] - 0.1, (span_logprob() - before, nll)

@@ -100,7 +100,7 @@ class HFPolicy:
         prompt shared by several rows run once (in packed rows of at most ``max_width`` tokens)."""
         from policy.hf import token_logprobs
 
-        return token_logprobs(model, t.input_ids, t.attention_mask.long(), wanted=t.loss_mask[:, 1:] > 0,
+        return token_logprobs(model, t.input_ids, t.attention_mask.long(), wanted=t.wanted,
                               prompt_lens=t.prompt_lens, seq_lens=t.seq_lens, max_width=max_width)
 
     @staticmethod
@@ -111,7 +111,7 @@ class HFPolicy:
 
         if not shares_prompts(model):
             return padded_micro_batches(t, budget)
-        return shared_prefix.micro_batches(t.input_ids.cpu(), (t.loss_mask[:, 1:] > 0).cpu(), t.prompt_lens.cpu(),
+        return shared_prefix.micro_batches(t.input_ids.cpu(), t.wanted.cpu(), t.prompt_lens.cpu(),
                                            t.seq_lens.cpu(), budget)
 
 

@@ -234,19 +234,24 @@ class Objective:
     def loss(self, inputs: LossInputs) -> LossOutputs:
         return _finite(self._fn(inputs, self.spec), self.spec.type)
 
-    def scales(self, loss_mask: Tensor, ref_rows: Tensor) -> tuple[Tensor, Tensor]:
-        """The whole batch's denominators of its two components, as prime-rl's ``rl_scale`` and ``ref_kl_scale``:
-        this objective's ``scale`` over the rows without reference logprobs, and the loss tokens of the rows with;
-        0 for a component the batch does not have."""
+    def scales(self, loss_mask: Tensor, ref_rows: Tensor, ce_weights: Tensor | None = None
+               ) -> tuple[Tensor, Tensor, Tensor]:
+        """The whole batch's denominators of its three components, as prime-rl's ``rl_scale``, ``ref_kl_scale`` and
+        ``ce_scale``: this objective's ``scale`` over the rows without reference logprobs, the loss tokens of the
+        rows with, and the tokens with a cross-entropy weight (echo's); 0 for a component the batch does not
+        have."""
         none = torch.zeros((), device=loss_mask.device)
+        ce = none if ce_weights is None or not bool((ce_weights != 0).any()) else (ce_weights != 0).sum().float()
         return (self.scale(loss_mask[~ref_rows]) if bool((~ref_rows).any()) else none,
-                loss_mask[ref_rows].sum().float().clamp(min=1.0) if bool(ref_rows.any()) else none)
+                loss_mask[ref_rows].sum().float().clamp(min=1.0) if bool(ref_rows.any()) else none, ce)
 
-    def component_loss(self, inputs: LossInputs, ref_rows: Tensor, scales: tuple[Tensor, Tensor]) -> LossOutputs:
+    def component_loss(self, inputs: LossInputs, ref_rows: Tensor, scales: tuple[Tensor, Tensor, Tensor],
+                       ce_weights: Tensor | None = None) -> LossOutputs:
         """prime-rl's ``compute_loss``: each row trains with its own component (``ref_kl_loss`` where the record
-        carries the reference's logprobs, an opd source's; this objective elsewhere), each component's sum divided
-        by its own ``scales`` entry, so that neither dilutes the other. A component the batch has and these rows
-        lack still names its metrics (0): every micro-batch of a batch, on every rank of a group, reports the same
+        carries the reference's logprobs, an opd source's; this objective elsewhere), plus ``ce_loss`` on the tokens
+        ``ce_weights`` weighs (echo's environment tokens, outside the loss mask), each component's sum divided by
+        its own ``scales`` entry, so that none dilutes another. A component the batch has and these rows lack
+        still names its metrics (0): every micro-batch of a batch, on every rank of a group, reports the same
         ones."""
         total: Tensor | float = inputs.trainer_logprobs.sum() * 0.0  # a backward-able loss when no row trains
         metrics: dict[str, Tensor] = {}
@@ -257,6 +262,13 @@ class Objective:
                 metrics.update(out.metrics)
             elif bool(scale > 0):
                 metrics.update({k: torch.zeros_like(v) for k, v in fn(_select(inputs, rows)).metrics.items()})
+        if ce_weights is not None and bool((ce_weights != 0).any()):
+            out = _finite(ce_loss(LossInputs(inputs.trainer_logprobs, inputs.inference_logprobs, None,
+                                             inputs.advantages, ce_weights != 0, ce_weights), CeLoss()), "ce")
+            total = total + out.loss / scales[2]
+            metrics.update({f"ce/{k}": v for k, v in out.metrics.items()})
+        elif bool(scales[2] > 0):
+            metrics["ce/nll"] = inputs.trainer_logprobs.new_zeros(())
         return LossOutputs(total, metrics)
 
 

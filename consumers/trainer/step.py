@@ -62,6 +62,12 @@ def _release_freed_memory() -> None:
         pass
 
 
+def _metric_tokens(t: TrainerTensors) -> tuple[float, float]:
+    """The tokens a micro-batch's metrics are means over: the loss mask's, and cross-entropy's (echo's ``ce/``)."""
+    return (float((t.loss_mask[:, 1:] > 0).sum()),
+            0.0 if t.ce_weights is None else float((t.ce_weights[:, 1:] != 0).sum()))
+
+
 def group_refusal(lora: Any, optimizer: Any) -> str | None:
     """Why a torchrun group cannot train with these settings (None: it can); ``rollout serve trainer`` asks at its
     start, before a batch is read (refused at the first batch, a group restarts into a poison dead letter)."""
@@ -152,7 +158,7 @@ class ReferenceTrainer:
         self.refs: dict[int, CheckpointRef] = {revision: ref} if ref is not None else {}  # probed for the mismatch
         self.opt = optimizers.build(self.optimizer, self.model.named_parameters(), lr=lr, weight_decay=weight_decay)
 
-    def loss(self, t: TrainerTensors, objective: Objective, scale: tuple[torch.Tensor, torch.Tensor],
+    def loss(self, t: TrainerTensors, objective: Objective, scale: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
              before: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """The objective on these rows (ref_kl on the rows with reference logprobs), each component divided by the
         whole batch's ``scale`` of it (``Objective.scales``); its metrics and the logprobs (of token t+1 at t).
@@ -162,7 +168,7 @@ class ReferenceTrainer:
             trainer_logprobs=new_lp, inference_logprobs=t.old_logprobs[:, 1:],
             ref_logprobs=None if t.ref_logprobs is None else t.ref_logprobs[:, 1:],
             advantages=t.advantages[:, 1:], loss_mask=t.loss_mask[:, 1:] > 0, old_logprobs=before),
-            t.reference_rows, scale)
+            t.reference_rows, scale, None if t.ce_weights is None else t.ce_weights[:, 1:])
         return out.loss, out.metrics, new_lp.detach()
 
     def _recompute_layers(self, on: bool) -> None:
@@ -193,7 +199,8 @@ class ReferenceTrainer:
             planned = self.kind.micro_batches(self.model, t, self.micro_batch_tokens)
             parts, width = [rows for rows, _ in planned], max(w for _, w in planned)
         self._recompute_layers(width > self.micro_batch_tokens)
-        batch_scale = objective.scales(t.loss_mask[:, 1:] > 0, t.reference_rows)  # the whole batch's, on every rank
+        batch_scale = objective.scales(t.loss_mask[:, 1:] > 0, t.reference_rows,  # the whole batch's, on every rank
+                                       None if t.ce_weights is None else t.ce_weights[:, 1:])
         world = g.world if g else 1  # FSDP2 averages the ranks' gradients; the batch's gradient is their sum
         names = ["loss"]
         totals = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -212,15 +219,15 @@ class ReferenceTrainer:
                 totals = torch.cat([totals, totals.new_zeros(1)])
             if rows:
                 new_lp[rows, :width] = lp
-                tokens = float((part.loss_mask[:, 1:] > 0).sum())
-                totals += torch.tensor([float(loss.detach())] + [float(metrics[n]) * tokens if n in metrics else 0.0
-                                                                 for n in names[1:]], dtype=torch.float64,
-                                       device=self.device)
+                tokens = _metric_tokens(part)
+                totals += torch.tensor([float(loss.detach())] + [float(metrics[n]) * tokens[n.startswith("ce/")]
+                                                                 if n in metrics else 0.0 for n in names[1:]],
+                                       dtype=torch.float64, device=self.device)
             del loss, metrics  # not trimmed here: the next micro-batch reuses these pages (``_release_freed_memory``)
         if g:
             g.all_sum(totals)
             g.all_sum(new_lp)
-        tokens = float((t.loss_mask[:, 1:] > 0).sum().clamp(min=1))
+        tokens = tuple(max(n, 1.0) for n in _metric_tokens(t))
         if self.optimizer.max_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optimizer.max_norm)
         self._wait_for_state()  # it reads what the step changes
@@ -228,7 +235,7 @@ class ReferenceTrainer:
         self.opt.zero_grad(set_to_none=True)  # the gradients' memory is free for the mismatch probe and the write
         _release_freed_memory()
         values = totals.tolist()
-        return {"loss": values[0], **{n: v / tokens for n, v in zip(names[1:], values[1:])}}, new_lp
+        return {"loss": values[0], **{n: v / tokens[n.startswith("ce/")] for n, v in zip(names[1:], values[1:])}}, new_lp
 
     def step(self, t: TrainerTensors, batch: TrainerBatch) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -2,7 +2,8 @@
 
 ``to_tensors(batch, packed=False)``: row i is ``prompt + completion``; ``old_logprobs[i, t]`` is the behaviour
 policy's log p(input_ids[i, t] | prefix) and ``loss_mask[i, t]`` is 1 exactly on the completion tokens the record
-trains on; ``advantages[i, t]`` is the record's advantage broadcast over its tokens. ``packed=True`` concatenates
+trains on; ``advantages[i, t]`` is the record's advantage broadcast over its tokens; ``ce_weights[i, t]`` the
+cross-entropy weight of a prompt token (prime-rl's echo: ``TrainingRecord.ce_spans``), None where no record has one. ``packed=True`` concatenates
 the rows into one [1, sum(T)] sequence with ``cu_seqlens`` (for varlen kernels) instead of padding.
 """
 
@@ -29,6 +30,7 @@ class TrainerTensors:
     cu_seqlens: torch.Tensor | None = None  # [B + 1] int32 when packed
     ref_logprobs: torch.Tensor | None = None  # [B, T] float: the reference's logprobs, 0 off them; None: no row has
     ref_rows: torch.Tensor | None = None  # [B] bool: the rows that carry them, trained with ref_kl (prime-rl's opd)
+    ce_weights: torch.Tensor | None = None  # [B, T] float: prompt tokens trained with cross-entropy; None: no row has
 
     @property
     def num_tokens(self) -> int:
@@ -37,7 +39,13 @@ class TrainerTensors:
     def to(self, device: torch.device) -> TrainerTensors:
         return TrainerTensors(*(None if v is None else v.to(device) for v in (
             self.input_ids, self.attention_mask, self.loss_mask, self.advantages, self.old_logprobs,
-            self.prompt_lens, self.seq_lens, self.cu_seqlens, self.ref_logprobs, self.ref_rows)))
+            self.prompt_lens, self.seq_lens, self.cu_seqlens, self.ref_logprobs, self.ref_rows, self.ce_weights)))
+
+    @property
+    def wanted(self) -> torch.Tensor:
+        """[B, T-1]: the positions whose next token's logprob a loss reads (the loss mask's, and cross-entropy's)."""
+        wanted = self.loss_mask[:, 1:] > 0
+        return wanted if self.ce_weights is None else wanted | (self.ce_weights[:, 1:] > 0)
 
     @property
     def reference_rows(self) -> torch.Tensor:
@@ -57,22 +65,27 @@ def to_tensors(batch: TrainerBatch, *, pad_id: int = 0, packed: bool = False) ->
         adv = np.where(mask > 0, np.float32(r.advantage), np.float32(0.0)).astype(np.float32)
         ref = np.concatenate([np.zeros(len(p), np.float32), np.asarray(
             r.ref_logprobs if r.ref_logprobs is not None else np.zeros(len(c)), np.float32)])
-        rows.append((ids, lp, mask, adv, len(p), ref))
+        ce = np.zeros(len(ids), np.float32)
+        for span in r.ce_spans or ():
+            ce[span.start:span.end] = span.weight
+        rows.append((ids, lp, mask, adv, len(p), ref, ce))
     lens = [len(x[0]) for x in rows]
     has_ref = torch.tensor([r.ref_logprobs is not None for r in batch.records])
     refs = bool(has_ref.any())
+    ces = any(r.ce_spans for r in batch.records)
     if packed:
         cat = lambda k, dt: torch.from_numpy(np.concatenate([x[k] for x in rows]).astype(dt)).unsqueeze(0)  # noqa: E731
         cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
         ids = cat(0, np.int64)
         return TrainerTensors(ids, torch.ones_like(ids, dtype=torch.bool), cat(2, np.float32), cat(3, np.float32),
                               cat(1, np.float32), torch.tensor([x[4] for x in rows]), torch.tensor(lens), cu,
-                              cat(5, np.float32) if refs else None, has_ref if refs else None)
+                              cat(5, np.float32) if refs else None, has_ref if refs else None,
+                              cat(6, np.float32) if ces else None)
     B, T = len(rows), max(lens)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     att = torch.zeros((B, T), dtype=torch.bool)
-    lm, adv, olp, ref = (torch.zeros((B, T), dtype=torch.float32) for _ in range(4))
-    for i, (x, lp, m, a, _, rf) in enumerate(rows):
+    lm, adv, olp, ref, cew = (torch.zeros((B, T), dtype=torch.float32) for _ in range(5))
+    for i, (x, lp, m, a, _, rf, ce) in enumerate(rows):
         n = len(x)
         ids[i, :n] = torch.from_numpy(x)
         att[i, :n] = True
@@ -80,8 +93,9 @@ def to_tensors(batch: TrainerBatch, *, pad_id: int = 0, packed: bool = False) ->
         adv[i, :n] = torch.from_numpy(a)
         olp[i, :n] = torch.from_numpy(lp)
         ref[i, :n] = torch.from_numpy(rf)
+        cew[i, :n] = torch.from_numpy(ce)
     return TrainerTensors(ids, att, lm, adv, olp, torch.tensor([x[4] for x in rows]), torch.tensor(lens), None,
-                          ref if refs else None, has_ref if refs else None)
+                          ref if refs else None, has_ref if refs else None, cew if ces else None)
 
 
 TrainStep = Callable[[TrainerTensors, TrainerBatch], dict[str, float]]
@@ -101,4 +115,5 @@ def take_rows(t: TrainerTensors, rows: slice | torch.Tensor) -> TrainerTensors:
     return TrainerTensors(t.input_ids[rows, :width], t.attention_mask[rows, :width], t.loss_mask[rows, :width],
                           t.advantages[rows, :width], t.old_logprobs[rows, :width], t.prompt_lens[rows],
                           t.seq_lens[rows], None, None if t.ref_logprobs is None else t.ref_logprobs[rows, :width],
-                          None if t.ref_rows is None else t.ref_rows[rows])
+                          None if t.ref_rows is None else t.ref_rows[rows],
+                          None if t.ce_weights is None else t.ce_weights[rows, :width])

@@ -25,9 +25,11 @@ ALGORITHMS: dict[str, frozenset[str]] = {
     "sft": frozenset(),
 }
 
+ECHO_ROLES = ("system", "user", "assistant", "tool")
+ECHO_ALPHA = 0.1
+"""prime-rl's ``EchoRoleConfig.alpha`` default; its ``EchoRolesConfig`` default enables ``tool`` alone."""
+
 UNRUNNABLE = {
-    "echo": "GRPO plus a cross-entropy loss on env-provided (tool/user) tokens; training records here carry only "
-            "the policy's completion tokens, never the environment's",
     "hierarchical_grpo": "baselines per proposed problem (solvers) and per source task (proposers); no credit "
                          "strategy here groups that way",
     "sft": "samples its training rollouts from a frozen model (sampling.source); the arena trains only on the "
@@ -75,13 +77,18 @@ class AlgorithmSection(RecipeReader):
             raise self.fail(join_path(path, "teacher"), "opd needs a teacher = { name = ..., base_url = ... }")
         if kind == "hierarchical_grpo":
             self.string_list(params.get("episode_agents"), join_path(path, "episode_agents"))
-        if kind == "grpo":
+        if kind in ("grpo", "echo"):
             shaping = self._length_penalty(params.get("length_penalty"), join_path(path, "length_penalty"))
+            echo = self._echo_roles(params, path) if kind == "echo" else {}
             return AdvantageSpec(type=kind, params=params, origin=path, credit="grpo",
-                                 credit_params={"scale_std": False, **shaping},
-                                 note="prime-rl grpo, A = r - group mean: our grpo with scale_std = false"
+                                 credit_params={"scale_std": False, **shaping,
+                                                **({"echo_roles": echo} if echo else {})},
+                                 note=f"prime-rl {kind}, A = r - group mean: our grpo with scale_std = false"
                                       + (", rewards shaped by prime-rl's linear length penalty first" if shaping
-                                         else ""))
+                                         else "")
+                                      + ("; plus cross-entropy on the environment's tokens of later turns ("
+                                         + ", ".join(f"{r} alpha {a:g}" for r, a in echo.items())
+                                         + "), each normalized by its own token count" if echo else ""))
         if kind == "max_rl":
             return AdvantageSpec(type=kind, params=params, origin=path, credit="grpo",
                                  credit_params={"scale_std": False, "scale_mean": True},
@@ -112,6 +119,33 @@ class AlgorithmSection(RecipeReader):
                                       + ", and the trainer's ref_kl (prime-rl's reverse KL to it) trains the source's "
                                       "records")
         return _cannot_run(kind, params, path, UNRUNNABLE[kind])
+
+    def _echo_roles(self, params: dict[str, Any], path: str) -> dict[str, float]:
+        """echo's ``roles`` table (prime-rl's ``EchoRolesConfig``: any role set replaces the default, tool at
+        alpha 0.1) as {role: alpha}. Its ``filter`` is a function over a verifiers v1 Trace, which nothing here
+        builds: refused, not dropped."""
+        if "filter" in params:
+            raise self.fail(join_path(path, "filter"), "echo's filter is called with a verifiers v1 Trace, which "
+                            "the arena does not build: it cannot narrow the echo tokens here; remove it to train "
+                            "every token of the enabled roles")
+        table = self.table(params, "roles", path)
+        if table is None:
+            return {"tool": ECHO_ALPHA}
+        roles_path = join_path(path, "roles")
+        self.strict(table, roles_path, set(ECHO_ROLES))
+        out = {}
+        for role in ECHO_ROLES:
+            role_table = self.table(table, role, roles_path)
+            if role_table is None:
+                continue
+            self.strict(role_table, join_path(roles_path, role), {"alpha"})
+            alpha = self.number(role_table.get("alpha", ECHO_ALPHA), join_path(roles_path, f"{role}.alpha"))
+            if alpha <= 0:
+                raise self.fail(join_path(roles_path, f"{role}.alpha"), f"must be > 0, got {alpha:g}")
+            out[role] = alpha
+        if not out:
+            raise self.fail(roles_path, "echo needs at least one role enabled (system, user, assistant, or tool)")
+        return out
 
     def _demonstration(self, params: dict[str, Any], path: str) -> Demonstration:
         """opsd's ``demo_key`` and ``template`` (prime-rl's ``OPSDAlgoConfig``, its defaults for what is left out)."""
