@@ -216,7 +216,8 @@ async def run(args: argparse.Namespace, settings) -> dict:
                 ["serve", "vllm", "--port", str(port), "--max-model-len", "512", "--metrics-port", "0"]
             procs[f"server-{i}"] = Proc(f"server-{i}", server, env, logs)
         common = ["--plan", str(recipe), "--metrics-port", "0"]
-        for name, extra in (("verifier", []), ("credit", ["--group-timeout-s", "30"]), ("batcher", ["--group-timeout-s", "30"]),
+        group = ["--group-timeout-s", "30"]  # credit holds an incomplete group this long; the batcher waits for it
+        for name, extra in (("verifier", []), ("credit", group), ("batcher", group),
                             ("trainer", ["--checkpoint-dir", str(ck), "--keep-checkpoints", str(keep)])):
             procs[name] = Proc(name, ["serve", name, *common, *extra], env, logs)
         procs["arena"] = Proc("arena", [

@@ -8,9 +8,9 @@ A group strategy (grpo) credits a group in one transaction, so its first record 
 per-rollout one (per_step, reinforce_baseline, ema_per_member) emits each rollout as it is scored, so a group has
 come once records of all its claim's rollouts have (a rollout that yields none, a failed one, keeps its group owed
 until the ledger settles the claim: done ``flush_after_s`` ago, or for a group strategy ``group_timeout_s`` more,
-the time credit holds a group one of whose rollouts the verifier dead-lettered). A partial batch that leaves nothing buffered, with
-nothing coming, goes out with an ``AdmissionRebase`` in the same transaction: the arenas count batch slots again
-from its revision.
+the time credit holds a group one of whose rollouts the verifier dead-lettered). A partial batch that leaves
+nothing buffered, with nothing coming, goes out with an ``AdmissionRebase`` in the same transaction: the arenas
+count batch slots again from its revision.
 """
 
 from __future__ import annotations

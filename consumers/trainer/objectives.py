@@ -241,7 +241,7 @@ class Objective:
         rows with, and the tokens with a cross-entropy weight (echo's); 0 for a component the batch does not
         have."""
         none = torch.zeros((), device=loss_mask.device)
-        ce = none if ce_weights is None or not bool((ce_weights != 0).any()) else (ce_weights != 0).sum().float()
+        ce = none if ce_weights is None else (ce_weights != 0).sum().float()
         return (self.scale(loss_mask[~ref_rows]) if bool((~ref_rows).any()) else none,
                 loss_mask[ref_rows].sum().float().clamp(min=1.0) if bool(ref_rows.any()) else none, ce)
 

@@ -235,7 +235,8 @@ class ReferenceTrainer:
         self.opt.zero_grad(set_to_none=True)  # the gradients' memory is free for the mismatch probe and the write
         _release_freed_memory()
         values = totals.tolist()
-        return {"loss": values[0], **{n: v / tokens[n.startswith("ce/")] for n, v in zip(names[1:], values[1:])}}, new_lp
+        metrics = {n: v / tokens[n.startswith("ce/")] for n, v in zip(names[1:], values[1:])}
+        return {"loss": values[0], **metrics}, new_lp
 
     def step(self, t: TrainerTensors, batch: TrainerBatch) -> dict[str, float]:
         t0 = time.perf_counter()

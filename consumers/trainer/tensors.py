@@ -3,8 +3,9 @@
 ``to_tensors(batch, packed=False)``: row i is ``prompt + completion``; ``old_logprobs[i, t]`` is the behaviour
 policy's log p(input_ids[i, t] | prefix) and ``loss_mask[i, t]`` is 1 exactly on the completion tokens the record
 trains on; ``advantages[i, t]`` is the record's advantage broadcast over its tokens; ``ce_weights[i, t]`` the
-cross-entropy weight of a prompt token (prime-rl's echo: ``TrainingRecord.ce_spans``), None where no record has one. ``packed=True`` concatenates
-the rows into one [1, sum(T)] sequence with ``cu_seqlens`` (for varlen kernels) instead of padding.
+cross-entropy weight of a prompt token (prime-rl's echo: ``TrainingRecord.ce_spans``), None where no record has
+one. ``packed=True`` concatenates the rows into one [1, sum(T)] sequence with ``cu_seqlens`` (for varlen kernels)
+instead of padding.
 """
 
 from __future__ import annotations
