@@ -66,6 +66,12 @@ def _register_vllm(ssub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", help="HF model folder (default: the packaged model, prepared on first use)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="the tokenizer's folder, for a --model folder without one (default: a trainer checkpoint's "
+                        "family's packaged model)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the name clients ask for (default: the packaged model's family); e.g. a checkpoint's folder "
+                        "name, which carries its digest, for a teacher an opd recipe names")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV cache size on a CPU host (GiB; default: room for 64 sequences of --max-model-len "
                         "tokens, at most 2)")
@@ -91,7 +97,8 @@ def cmd_vllm(args: argparse.Namespace) -> int:
     async def main() -> int:
         try:
             model = args.model or prepare_model(log=lambda s: print(s, file=sys.stderr)).path
-            server = VllmServer(model, host=args.host, port=args.port, kv_cache_gb=args.kv_cache_gb,
+            server = VllmServer(model, host=args.host, port=args.port, served_model_name=args.served_model_name,
+                                kv_cache_gb=args.kv_cache_gb, tokenizer=args.tokenizer,
                                 max_model_len=args.max_model_len, compile=args.compile, lora_rank=args.lora_rank)
             print(f"starting vLLM on {model} (log follows)", file=sys.stderr)
             await server.start(progress=lambda line: print(line, file=sys.stderr))

