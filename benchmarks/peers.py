@@ -54,10 +54,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from producers.host import pss, tree_rss
+
 ROOT = Path(__file__).resolve().parents[1]
 TRL_VERSION = "1.16.0"
 TRL_VENV = ROOT / ".venv-peers"
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -204,41 +205,6 @@ def ensure_trl_venv(venv: Path = TRL_VENV, version: str = TRL_VERSION, log=print
 
 
 # -- measuring a side -------------------------------------------------------------------------------------------
-
-def tree_rss(root: int) -> dict[int, int]:
-    """RSS in bytes of ``root`` and each of its descendants, by pid, from /proc (one that exits meanwhile is left
-    out)."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(name))
-    out: dict[int, int] = {}
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            with open(f"/proc/{pid}/statm") as f:
-                out[pid] = int(f.read().split()[1]) * PAGE
-        except (OSError, IndexError, ValueError):
-            continue
-        todo += children.get(pid, [])
-    return out
-
-
-def pss(pid: int) -> int:
-    """Proportional set size in bytes (a page shared by k processes counts 1/k in each), from
-    /proc/PID/smaps_rollup; 0 for a process that exited meanwhile."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:")), 0)
-    except (OSError, ValueError):
-        return 0
-
 
 class TreeRss:
     """The memory of a process and all its descendants while it runs, sampled every ``every_s`` in a thread: the

@@ -7,5 +7,6 @@
 * ``producers.inference``: model servers and clients (vLLM, the local policy server, the pool, weight swaps,
   child processes). Imports neither of the others.
 
-``producers.metrics`` names the Prometheus figures of all three. Never imports ``consumers``.
+``producers.metrics`` names the Prometheus figures of all three; ``producers.host`` reads the machine's memory (the
+arena's in-flight cap, the benchmarks' peaks). Never imports ``consumers``.
 """

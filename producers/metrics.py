@@ -31,6 +31,10 @@ def arena_samples(arena: Any, emitter: Any) -> Iterator[Sample]:
     yield "rollout_arena_steps", "counter", "model calls (Steps) written", {}, s.steps
     yield "rollout_tokens", "counter", "completion tokens, by stage", {"stage": "generated"}, s.completion_tokens
     yield "rollout_arena_in_flight", "gauge", "rollouts being generated now", {}, s.in_flight
+    yield ("rollout_arena_inflight_cap", "gauge", "the cap on training episodes in flight now (sized by memory, the "
+           "engine's KV cache and throughput)", {}, s.inflight_cap or 0)
+    yield ("rollout_arena_episode_bytes", "gauge", "memory one episode in flight holds, learned (0: not yet known)", {},
+           s.episode_bytes or 0)
     yield "rollout_arena_revision", "gauge", "the learner revision the arena serves", {}, arena.current_policy.revision
     yield "rollout_arena_weight_reloads", "counter", "revisions loaded into the server", {}, len(arena.reload_s)
     yield "rollout_arena_weight_reload_seconds", "counter", "time spent loading revisions", {}, sum(arena.reload_s)

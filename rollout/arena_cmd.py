@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
@@ -43,7 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("plan", help="GenerationPlan TOML (e.g. examples/plans/arithmetic.toml)")
     p.add_argument("--groups", type=at_least(0), default=4,
                    help="groups to admit (each plan.group_size rollouts); 0 = forever")
-    p.add_argument("--concurrency", type=at_least(1), default=32, help="rollouts in flight at most")
+    p.add_argument("--concurrency", type=at_least(1), default=32,
+                   help="training episodes in flight at first and at most, for a plan without "
+                        "[orchestrator.concurrency]; either way the cap is then cut when the machine's memory, the "
+                        "engine's KV cache or its preemptions say so, and grown back while episodes finish faster")
     p.add_argument("--eval-concurrency", type=at_least(1), default=64,
                    help="--evaluate: held-out answers in flight at most, beside the training rollouts (default 64: "
                         "a held-out set of up to 64 is answered in one wave)")
@@ -203,7 +207,10 @@ async def _main(args: argparse.Namespace) -> int:
                                          admission_lease_s=args.admission_lease_s, arena_id=arena_id,
                                          producer_name=f"arena-{arena_id}", max_failed_groups=args.max_failed_groups,
                                          eval_concurrency=args.eval_concurrency,
-                                         rollout_timeout_s=args.rollout_timeout))
+                                         rollout_timeout_s=args.rollout_timeout,
+                                         cores=len(os.sched_getaffinity(0))))
+        if vllm is not None and vllm.proc is not None:  # not an episode's: left out of the episodes' memory
+            arena.server_pids.add(vllm.proc.pid)
         from producers.metrics import arena_samples, endpoint, policy_server_samples, vllm_samples
 
         metrics = endpoint("arena", args.metrics_port, ("arena", lambda: arena_samples(arena, emitter)),

@@ -70,6 +70,15 @@ def _reference(r) -> str:
     return f"the live policy {r.model} at {where} with the demonstration {r.demonstration.key!r} prepended"
 
 
+def _inflight(c) -> str:
+    if c is None:
+        return "from --concurrency, then sized by the engine's KV cache and the machine's memory"
+    start = c.initial_inflight if c.initial_inflight is not None else "the engine's KV capacity"
+    top = c.max_inflight if c.max_inflight is not None else "none"
+    return (f"starts at {start}, between {c.min_inflight} and {top}, sized by the engine's KV cache and the "
+            "machine's memory   (orchestrator.concurrency)")
+
+
 def _optimizer(o) -> str:
     clip = f"gradients clipped at norm {o.max_norm:g}" if o.max_norm is not None else "no gradient clipping"
     if o.type == "sign_sgd":
@@ -121,6 +130,7 @@ def render(plan, rollout: str | None = None, seed: int = 0, members: list[str] |
            f"  seq_len               {plan.seq_len or 'the server default'}   ({prov.get('seq_len', '?')})",
            f"  eval_interval         {plan.eval_interval}{'; skip_first_step' if plan.eval_skip_first_step else ''}"
            f"   ({prov.get('eval_interval', '?')})",
+           f"  in flight             {_inflight(plan.concurrency)}",
            f"  trainer               {_kv(plan.trainer) if plan.trainer else 'the reference trainer defaults'}",
            f"  optimizer             {_optimizer(plan.optimizer)}",
            f"  objective             {_objective(plan, describe)}"]

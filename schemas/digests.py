@@ -33,7 +33,7 @@ WRITE_METADATA = frozenset({"event_id", "created_at", "producer", "causation_id"
 # so an event that never had them (every one written before) keeps its digest.
 ADDED_OPTIONAL = frozenset({"served_model", "source", "history", "fork", "derivation", "plan", "objective",
                             "probe", "ref_logprobs", "train_source", "partial",
-                            "demonstration", "observation_roles", "ce_spans"})
+                            "demonstration", "observation_roles", "ce_spans", "concurrency"})
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})

@@ -228,6 +228,27 @@ class OptimizerSpec(Record):
     max_norm: float | None = Field(1.0, ge=0, description="gradient-norm clipping; None: none")
 
 
+class Concurrency(Record):
+    """prime-rl's ``[orchestrator.concurrency]``: the bounds of the episodes in flight, which the arena sizes at run
+    time from the engine's KV capacity, the machine's memory and each episode's learned cost
+    (``producers.arena.concurrency``). ``min_inflight == max_inflight`` fixes the number."""
+
+    initial_inflight: int | None = Field(None, ge=1, description="where the cap starts; None: derived at run time "
+                                                                 "from the engine's KV capacity")
+    min_inflight: int = Field(1, ge=1)
+    max_inflight: int | None = Field(1024, ge=1, description="None: no ceiling but the machine's")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Concurrency:
+        top = self.max_inflight if self.max_inflight is not None else float("inf")
+        if self.min_inflight > top:
+            raise ValueError(f"min_inflight ({self.min_inflight}) is above max_inflight ({self.max_inflight})")
+        if self.initial_inflight is not None and not self.min_inflight <= self.initial_inflight <= top:
+            raise ValueError(f"initial_inflight ({self.initial_inflight}) is outside [min_inflight, max_inflight] "
+                             f"([{self.min_inflight}, {self.max_inflight}])")
+        return self
+
+
 class GenerationPlan(Record):
     source: str = Field(description="file the plan was compiled from")
     family: str = Field(min_length=1, description="learner model family (the learner model name)")
@@ -277,6 +298,9 @@ class GenerationPlan(Record):
     refused: list[str] = Field(
         default_factory=list, description="recipe keys that change the run and that nothing here applies, each "
                                           "with why: the plan compiles (to be shown) but no run starts with it")
+    concurrency: Concurrency | None = Field(
+        default=None, description="the recipe's in-flight bounds ([orchestrator.concurrency]); None: the arena's "
+                                  "--concurrency fixes where the cap starts and its ceiling")
     advantage: AdvantageSpec = Field(default_factory=AdvantageSpec)
     ignored_sections: list[str] = Field(default_factory=list)
     ignored_keys: list[str] = Field(default_factory=list)

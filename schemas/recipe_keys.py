@@ -18,7 +18,6 @@ NEUTRAL: dict[str, str] = {
     "wandb": "metrics", "env_vars": "process environment", "output_dir": "output folder", "clean": "output folder",
     "resume": "resume from prime-rl's checkpoints", "heartbeat": "monitoring", "run": "launcher",
     "model.compile": "torch.compile",
-    "orchestrator.concurrency": "in-flight limits (the arena's --concurrency)",
     "orchestrator.renderer": "prime-rl's chat renderer (vLLM applies the model's chat template here)",
     "orchestrator.tokenizer": "the tokenizer is the served model's", "orchestrator.log": "logging",
     "orchestrator.monitors": "metrics", "orchestrator.ckpt": "checkpoint cadence", "orchestrator.resume": "resume",

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from policy.hf import cpu_bf16
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.integration
@@ -71,8 +73,11 @@ def test_demo_on_vllm_trains_serves_and_evaluates_revisions(kafka_bootstrap, vll
         m = s["trainer_metrics_by_revision"][str(r)]
         assert m["step_s"] > 0 and ("mismatch_mean" in m) == (m["mismatch_tokens"] > 0)
     measured = [m["mismatch_mean"] for m in s["trainer_metrics_by_revision"].values() if "mismatch_mean" in m]
-    # 0.0 is possible: a CPU without fast bf16 kernels trains and serves in float32 with the same torch kernels
-    assert measured and all(0 <= x < 0.5 for x in measured) and max(measured) > 0, measured
+    assert measured and all(0 <= x < 0.5 for x in measured), measured
+    if not cpu_bf16():  # float32 on both sides, the served weights exactly the trained ones: float noise at most
+        assert max(measured) < 1e-4, measured
+    else:  # bf16: vLLM's kernels and torch's round differently, and the trainer measures it
+        assert max(measured) > 0, measured
     # the finished run keeps its checkpoints (derive forks from them), not its training states (no take-over comes)
     ckdir = ROOT / ".state" / "demo" / s["run"] / "checkpoints"
     assert list(ckdir.glob("*/model.safetensors")) and not list(ckdir.glob("*.train")), list(ckdir.iterdir())

@@ -18,8 +18,9 @@ ALLOWED: dict[str, set[str]] = {
     "producers.inference": {"schemas", "streams", "policy", "producers.metrics"},
     "producers.environments": {"schemas", "streams", "policy", "producers.inference"},
     "producers.arena": {"schemas", "streams", "policy", "producers.environments", "producers.inference",
-                        "producers.metrics"},
+                        "producers.metrics", "producers.host"},
     "producers.metrics": {"schemas", "streams"},
+    "producers.host": set(),  # the machine's memory, read from /proc: a leaf any producing room may read
     "producers": {"schemas", "streams", "policy"},
     "consumers": {"schemas", "streams", "policy", "consumers.trainer", "consumers.trainer.task"},
     # the trainer's room: the step, its state and its distribution know no Kafka; only its task does

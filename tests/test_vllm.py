@@ -71,6 +71,31 @@ async def test_client_token_ids_and_logprobs_line_up_with_the_text(vllm_server):
         assert ids[-1] == tok.eos_token_id
 
 
+async def test_the_in_flight_probe_reads_the_engines_kv_cache_from_vllms_metrics(vllm_server):
+    """What the arena sizes its episodes in flight by, read from a real vLLM: the KV cache's capacity in full-length
+    sequences (its blocks over the served context length), its usage while requests run, the queue and the
+    preemption counter; and the machine's memory from /proc."""
+    from producers.arena.concurrency import LoadProbe
+
+    async with httpx.AsyncClient() as http:
+        probe = LoadProbe(http, [vllm_server.base_url], set(), os.getpid())
+        idle = await probe.take(0)
+        assert idle.kv_sequences and idle.kv_sequences >= 1, idle
+        assert idle.kv_usage is not None and 0 <= idle.kv_usage <= 1 and idle.waiting is not None
+        assert idle.preemptions is not None and idle.preemptions >= 0
+        assert idle.total and 0 < idle.available <= idle.total and idle.episodes < 16 << 20
+        async with InferenceClient(vllm_server.base_url, vllm_server.served_model_name, **CPU_CLIENT_OPTIONS) as c:
+            calls = [asyncio.ensure_future(c.chat([ChatMessage(role="user", content=QUESTION)],
+                                                  sampling={"temperature": 1.0, "max_tokens": 256}, seed=i,
+                                                  extra_body={"ignore_eos": True})) for i in range(8)]
+            busy = []
+            while not all(t.done() for t in calls):
+                busy.append((await probe.take(8)).kv_usage)
+                await asyncio.sleep(0.2)
+            await asyncio.gather(*calls)
+        assert max(busy) > 0, busy  # eight sequences of a few hundred tokens hold KV blocks while they run
+
+
 class _TwoTurns(MultiTurnEpisode):
     async def env_response(self, messages, state):
         return [ChatMessage(role="user", content="Now add 1 to that. Answer with a number.")]

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -57,6 +58,7 @@ from typing import Any
 
 import httpx
 
+from producers.arena.concurrency import POLL_S, InflightCap, Limiter, LoadProbe
 from producers.arena.progress import ArenaProgress, ArenaStats
 from producers.arena.emitter import Emitter
 from producers.arena.evaluation import ArenaEvaluation
@@ -145,6 +147,11 @@ class Arena(ArenaEvaluation):
         urls = c.policy_base_url
         self.policy_base_urls = [urls] if isinstance(urls, str) else list(urls or [])
         self.concurrency = c.concurrency
+        # training episodes in flight: the plan's [orchestrator.concurrency] bounds, else --concurrency as where the
+        # cap opens and its ceiling; held to the cores until the episodes are known, where ``cores`` is given
+        self.cap = InflightCap(plan.concurrency, cores=c.cores) if getattr(plan, "concurrency", None) is not None \
+            else InflightCap.fixed_start(c.concurrency, cores=c.cores)
+        self.server_pids: set[int] = set()  # processes this arena's command started that are not episodes (vLLM)
         self.eval_concurrency = c.eval_concurrency
         self.progress = c.progress
         self.run_id = c.run_id or new_id()
@@ -369,7 +376,7 @@ class Arena(ArenaEvaluation):
         self.stats.truncated += status == "truncated"
         return GenerateResult(rollout=rollout, steps=ctx.steps, children=list(state.children))
 
-    async def _run_and_emit(self, req: EpisodeRequest, sem: asyncio.Semaphore,
+    async def _run_and_emit(self, req: EpisodeRequest, sem: asyncio.Semaphore | Limiter,
                             results: list[GenerateResult] | None, claim_id: str | None = None) -> str | None:
         """The status of the rollout on the log; None when it is not on it. A rollout of a claim another arena
         released meanwhile (this one was frozen past its lease) is not emitted: its capacity went to another
@@ -385,6 +392,8 @@ class Arena(ArenaEvaluation):
                 raise
             finally:
                 self._generating.discard(me)
+            if claim_id is not None:
+                self.cap.completed()
             if claim_id is not None and not await self.pacer.held(claim_id):
                 log.warning("rollout %s not emitted: its group's admission claim %s was released while this arena "
                             "was not renewing it (frozen or cut off for over %gs)", req.rollout_id, claim_id,
@@ -518,7 +527,10 @@ class Arena(ArenaEvaluation):
                              *([given.wait()] if given is not None else []))
                 stop.set()
             watcher = asyncio.create_task(end_at_last_revision())
-        sem = asyncio.Semaphore(self.concurrency)
+        sem = Limiter(self.cap.cap)
+        # the arena at rest read here, before its first episode can start a process
+        probe = LoadProbe(self._http, self.pool.urls, self.server_pids, os.getpid())
+        sizing = asyncio.create_task(self._size_inflight(sem, probe), name="inflight-cap")
         results: list[GenerateResult] | None = [] if collect else None
         progress = ArenaProgress(self.stats, self.pacer, lambda: self.current_policy) if self.progress else None
         if progress:
@@ -562,14 +574,30 @@ class Arena(ArenaEvaluation):
             if self._tasks:
                 await asyncio.gather(*list(self._tasks))
         finally:
-            if watcher is not None:
-                watcher.cancel()
-                await asyncio.gather(watcher, return_exceptions=True)
+            for task in (watcher, sizing):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             if progress:
                 progress.stop()
         if self._fatal is not None:
             raise self._fatal
         return (self.stats, results or []) if collect else self.stats
+
+
+    async def _size_inflight(self, limiter: Limiter, probe: LoadProbe) -> None:
+        """Every ``POLL_S``: the machine's and the engine's load read, the cap on episodes in flight moved by it."""
+        while True:
+            self.stats.inflight_cap = limiter.limit
+            await asyncio.sleep(POLL_S)
+            load = await probe.take(limiter.held)
+            before = self.cap.cap
+            limiter.set_limit(self.cap.observe(load, limiter.held))
+            self.stats.episode_bytes = round(self.cap.cost) if self.cap.cost is not None else None
+            if self.cap.cap != before:
+                log.info("episodes in flight: cap %d -> %d (%s; %d in flight, an episode ~%s MB)", before,
+                         self.cap.cap, self.cap.reason, limiter.held,
+                         f"{self.cap.cost / 2**20:.0f}" if self.cap.cost is not None else "?")
 
 
 def _jsonable(value: Any) -> Any:

@@ -17,6 +17,11 @@ class ArenaConfig:
     """The learner's server, or several (a pool: ``producers.inference.pool``), when the plan's learner names none."""
     concurrency: int = 32
     """Training rollouts in flight at most."""
+    cores: int | None = None
+    """The machine's cores, given where the arena is a process of its own (``rollout arena``): its process tree is
+    then its episodes' and servers', so a start the recipe does not set is held to a few episodes a core until the
+    episodes are known (``producers.arena.concurrency``). None: an arena inside another process (a test, a
+    benchmark), whose tree holds processes that are not its episodes': not held."""
     eval_concurrency: int = 64
     """Held-out answers in flight at most, beside ``concurrency``: the demo's 48 questions in one wave, not two (at
     32 the last evaluation took 9.5 s where 48 at once take 5 s; benchmarks/RESULTS.md)."""

@@ -23,6 +23,8 @@ class ArenaStats:
     steps: int = 0
     completion_tokens: int = 0
     in_flight: int = 0
+    inflight_cap: int | None = None  # the cap on training episodes in flight now (producers.arena.concurrency)
+    episode_bytes: int | None = None  # what one episode in flight holds, learned (its processes' and state's)
     evaluations: int = 0  # held-out rollouts (counted here, not in rollouts)
     evaluated_revisions: list[int] = field(default_factory=list)
     eval_s: float = 0.0  # wall seconds with an evaluation running (training rollouts in flight continue beside it)
@@ -60,7 +62,7 @@ class ArenaProgress:
         elapsed = max(time.monotonic() - s.started, 1e-9)
         state = "[paused: waiting for the trainer]" if pacer.paused else "running"
         return Text(f"arena {state}  groups {s.groups}  rollouts {s.rollouts} ({s.rollouts / elapsed:.1f}/s)  "
-                    f"in flight {s.in_flight}  failed {s.failed}  tokens {s.completion_tokens} "
+                    f"in flight {s.in_flight}/{s.inflight_cap or '?'}  failed {s.failed}  tokens {s.completion_tokens} "
                     f"({s.completion_tokens / elapsed:.0f}/s)  policy {self.policy()}  "
                     f"lead {pacer.lead()}/{pacer.bound}")
 

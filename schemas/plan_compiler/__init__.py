@@ -89,6 +89,7 @@ class _Compiler(ModelSection, AlgorithmSection, SourceSection, OrchestratorSecti
         max_off, max_async = self._staleness(data, orch, op, unified)
         train_one, untrained = self._multi_agent(orch, op)
         max_steps, seq_len = self._run_length(data, orch, op, unified)
+        concurrency = self._concurrency(orch, op)
         trainer, optimizer = self._trainer(data) if unified else ({}, OptimizerSpec())
         lora = self._lora(data) if unified else None
         max_tokens = self.targets[LEARNER].sampling.get("max_tokens")
@@ -102,8 +103,8 @@ class _Compiler(ModelSection, AlgorithmSection, SourceSection, OrchestratorSecti
                 eval_environments=eval_environments, eval_interval=eval_interval,
                 eval_skip_first_step=eval_skip_first_step, group_size=group_size, batch_size=batch_size,
                 token_batch_size=token_batch_size, max_off_policy_steps=max_off, max_async_level=max_async,
-                max_steps=max_steps, seq_len=seq_len, trainer=trainer, lora=lora, optimizer=optimizer,
-                objective=objective, server=server, refused=self.refused,
+                max_steps=max_steps, seq_len=seq_len, concurrency=concurrency, trainer=trainer, lora=lora,
+                optimizer=optimizer, objective=objective, server=server, refused=self.refused,
                 advantage=advantage, ignored_sections=self.ignored_sections, ignored_keys=self.ignored_keys,
                 passthrough_sampling=self.passthrough, provenance={"family": model_path, **self.provenance})
         except ValidationError as exc:

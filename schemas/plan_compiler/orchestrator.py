@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-
+from pydantic import ValidationError
 
 from schemas.plan import (DEFAULT_BATCH_SIZE, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ASYNC_LEVEL, DEFAULT_MAX_OFF_POLICY_STEPS,
-                          LEARNER, MemberRoute, Target, TrainOne)
+                          LEARNER, Concurrency, MemberRoute, Target, TrainOne)
 from schemas.plan_compiler.reader import RecipeReader, join_path, kind_of
 
 MULTI_AGENT_KEYS = frozenset({"train_one", "fixed", "drop_judge", "routes"})
@@ -21,7 +21,9 @@ ORCH_SCALARS = frozenset({"batch_size", "token_batch_size", "group_size", "rollo
 
 # Tables of the orchestrator scope the compiler reads.
 ORCH_TABLES = frozenset({"sampling", "env", "environment", "train", "eval", "algo", "advantage", "multi_agent",
-                         "client", "model"})
+                         "client", "model", "concurrency"})
+
+CONCURRENCY_KEYS = frozenset({"initial_inflight", "min_inflight", "max_inflight"})  # prime-rl's ConcurrencyConfig
 
 TOP_SCALARS_UNIFIED = frozenset({"max_off_policy_steps", "max_async_level", "max_steps", "seq_len"})
 
@@ -55,6 +57,20 @@ class OrchestratorSection(RecipeReader):
             return value
         self.provenance["group_size"] = "default"
         return DEFAULT_GROUP_SIZE
+
+    def _concurrency(self, orch: dict, op: str) -> Concurrency | None:
+        """``[orchestrator.concurrency]``: the in-flight bounds, checked as prime-rl checks them."""
+        path = join_path(op, "concurrency")
+        table = self.table(orch, "concurrency", op)
+        if table is None:
+            return None
+        self.strict(table, path, CONCURRENCY_KEYS)
+        values = {k: None if v is None and k == "max_inflight" else self.integer(v, join_path(path, k), 1)
+                  for k, v in table.items()}
+        try:
+            return Concurrency(**values)
+        except ValidationError as exc:
+            raise self.fail(path, exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")) from None
 
     def _run_length(self, data: dict, orch: dict, op: str, unified: bool) -> tuple[int | None, int | None]:
         """``max_steps`` (trained revisions; top level of an rl file or the orchestrator's) and ``seq_len``."""
