@@ -106,6 +106,37 @@ def pytest_report_header(config) -> list[str]:
     return [line]
 
 
+# The modules that run vLLM: the suite's vLLM (the ``vllm_server`` fixture) or servers of their own.
+VLLM_MODULES = frozenset({"test_demo", "test_env_by_id", "test_pool", "test_reference", "test_verifiers_v1",
+                          "test_vllm", "test_vllm_server"})
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """How the suite splits over pytest-xdist's two workers (``-n 2``, the README's command): a module's tests run
+    on one worker (its module fixtures, a three-broker cluster, start once), and every module of ``VLLM_MODULES``
+    on the same one, so the suite starts one vLLM, not one a worker, and no two model-heavy modules run at once on
+    a 2-core, 24 GB machine; the other worker takes the rest meanwhile. (A scheduler of our own: pytest-xdist's
+    ``--dist loadgroup`` renames node ids in a way pytest 9.2 no longer reads.)"""
+    from pathlib import PurePosixPath
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "vllm" if PurePosixPath(path).stem in VLLM_MODULES else path
+
+    return ByModule(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    unlisted = sorted({item.path.stem for item in items if "vllm_server" in getattr(item, "fixturenames", ())}
+                      - VLLM_MODULES)
+    if unlisted:
+        raise pytest.UsageError(f"{', '.join(unlisted)} use(s) the vllm_server fixture: add it to "
+                                "tests/conftest.py's VLLM_MODULES (the worker that runs the suite's vLLM)")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if _kafka_info:
         items = ", ".join(f"{k}={v}" for k, v in _kafka_info.items())

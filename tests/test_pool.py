@@ -223,19 +223,24 @@ async def test_two_vllm_servers_one_killed_mid_run_nothing_lost_every_step_exact
               for s in arena.pool.servers}
     print(f"\n[pool] rollouts {len(rollouts)}, steps {len(steps)}, reloads {[round(x, 2) for x in arena.reload_s]}, "
           f"served before the kill {before}, in flight at the kill {in_flight}, dead server out after "
-          f"{detect_s * 1000:.0f} ms, attempts moved {killed.errors}; spread {spread}")
-    # nothing lost: every admitted rollout is on the log, completed
-    assert stats.failed == 0 and len(rollouts) == stats.rollouts == stats.groups * 8
+          f"{detect_s * 1000:.0f} ms, attempts moved {killed.errors}, cut short by the stop {stats.cut_short}; "
+          f"spread {spread}")
+    # nothing lost: every admitted rollout is on the log, completed, but those the stop cut short past its grace (on
+    # a slow machine, a few of the 16 in flight), which are not emitted at all
+    assert stats.failed == 0 and len(rollouts) == stats.rollouts
+    assert stats.rollouts + stats.cut_short == stats.groups * 8, stats
     assert all(r.status == "completed" for r in rollouts) and len(steps) == stats.steps == len(rollouts)
     # both servers served before the kill; after it, every call went to the survivor, the dead one's included
     # (an answer already written when the kill came may still be read: at most the calls then in flight)
     assert all(n > 0 for n in before.values()) and in_flight > 0 and killed.errors > 0
     assert killed.served - before[killed.url] <= in_flight and killed.served == served_when_out and not killed.up
-    assert survivor.served + killed.served == len(steps)
+    # (an episode the stop cut short may have had its answer already)
+    assert len(steps) <= survivor.served + killed.served <= len(steps) + stats.cut_short
     # every Step is exact: its stamp is the revision its server held when it answered, on every server
     assert all(s.policy_exact for s in steps)
     assert all(s.policy.checkpoint_digest == revs[s.policy.revision].checkpoint.digest for s in steps)
-    assert Counter(s.policy.revision for s in steps) == survivor.served_by_revision + killed.served_by_revision
+    stamped, served = Counter(s.policy.revision for s in steps), survivor.served_by_revision + killed.served_by_revision
+    assert not stamped - served and sum((served - stamped).values()) <= stats.cut_short, (stamped, served)
     assert set(killed.served_by_revision) == {0, 1} and set(survivor.served_by_revision) == {0, 1, 2}
     assert len(arena.reload_s) == 3 and survivor.revision == 2 and killed.revision == 1 and held == "r2"
 

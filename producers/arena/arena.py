@@ -555,6 +555,7 @@ class Arena(ArenaEvaluation):
                 rollouts = []
                 for req in group:
                     if not await _acquired(sem, given_stop, self._grace_until):  # the grace ran out: the rest never start
+                        self.stats.cut_short += len(group) - len(rollouts)
                         break
                     rollouts.append(asyncio.create_task(self._run_and_emit(req, sem, results, claim_id)))
                 t = asyncio.create_task(self._close_claim(claim_id, rollouts, len(group)))
@@ -569,6 +570,7 @@ class Arena(ArenaEvaluation):
                     log.warning("stopping: %d episodes still running after %gs cut short (not emitted; their "
                                 "groups' claims released)", len(self._generating), STOP_GRACE_S)
                     self._cut |= self._generating
+                    self.stats.cut_short += len(self._generating)
                     for t in list(self._generating):
                         t.cancel()
             if self._tasks:

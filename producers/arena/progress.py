@@ -20,6 +20,7 @@ class ArenaStats:
     rollouts: int = 0
     failed: int = 0
     truncated: int = 0
+    cut_short: int = 0  # rollouts of admitted groups a stop left unfinished past its grace: never emitted
     steps: int = 0
     completion_tokens: int = 0
     in_flight: int = 0
