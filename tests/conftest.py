@@ -111,6 +111,7 @@ VLLM_MODULES = frozenset({"test_demo", "test_env_by_id", "test_pool", "test_refe
                           "test_vllm", "test_vllm_server"})
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where it is not installed
 def pytest_xdist_make_scheduler(config, log):
     """How the suite splits over pytest-xdist's two workers (``-n 2``, the README's command): a module's tests run
     on one worker (its module fixtures, a three-broker cluster, start once), and every module of ``VLLM_MODULES``
