@@ -58,7 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "URLs with commas, for a pool: each call goes to the server with the fewest requests "
                         "outstanding, every revision is loaded into all of them, and a server that fails is out "
                         "of the pool until it answers again and has loaded the current revision")
-    p.add_argument("--policy-port", type=int, default=8000, help="port of the server this command starts")
+    p.add_argument("--policy-port", type=int, default=8000,
+                   help="port of the server this command starts (0 for the local policy server: any free port, "
+                        "taken as it binds)")
     p.add_argument("--checkpoint", help="checkpoint for the local policy server (default: seeded init)")
     p.add_argument("--follow-revisions", action="store_true",
                    help="follow the policy-revisions topic: load each revision into the server, pace admission")

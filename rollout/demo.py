@@ -320,7 +320,7 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
             from policy.checkpoint import checkpoint_path
 
             rev0 = await computed(initial_revision, family, ckdir, seed=0, run_id=run)
-            arena_args = ["--policy", "local", "--policy-port", str(free_port()),
+            arena_args = ["--policy", "local", "--policy-port", "0",
                           "--checkpoint", str(checkpoint_path(rev0.checkpoint))]
         rc, summary = await _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress,
                                   vllm_exited=lambda: vllm is not None and vllm.stopped, server_up=serving,

@@ -28,7 +28,6 @@ from schemas.events import DeadLetter, TrainerBatch, TrainingRecord
 from schemas.plan_compiler import compile_plan
 from streams import topics
 from streams.admissions import KafkaLedger
-from streams.local_broker import free_port
 from streams.revisions import publish
 from tests.test_eos_pipeline import prefix, read_all  # noqa: F401 - fixture
 
@@ -63,7 +62,7 @@ async def _arena(plan: Path, ckpt: str, bootstrap: str, prefix: str, groups: int
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "rollout.cli", "arena", str(plan), "--groups", str(groups), "--follow-revisions",
-        "--no-progress", "--policy", "local", "--policy-port", str(free_port()), "--checkpoint", ckpt,
+        "--no-progress", "--policy", "local", "--policy-port", "0", "--checkpoint", ckpt,
         "--concurrency", "4", "--run-id", RUN, "--arena-id", name, cwd=str(ROOT), env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 

@@ -206,7 +206,7 @@ async def test_dashboard_in_chromium_follows_a_running_pipeline(kafka_settings, 
                 "the trainer's metrics endpoint did not bind (see the log for why)"
             start("dashboard", "dashboard", "--port", str(port), "--lag-every", "1")
             start("arena", "arena", str(plan_path), "--groups", "0", "--follow-revisions", "--evaluate", "--no-progress",
-                  "--concurrency", "4", "--policy-port", str(free_port()))
+                  "--concurrency", "4", "--policy-port", "0")
             prod = AIOKafkaProducer(**kw)  # one undecodable step: a dead letter to show
             await prod.start()
             await prod.send_and_wait(topics.STEPS.name, b"garbage", key=b"k")

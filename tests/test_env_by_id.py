@@ -83,7 +83,7 @@ async def test_recipe_runs_through_the_arena(kafka_settings, prefix, name, group
     assert plan.refused == [] and plan.environments[0].env_table["taskset"]["id"] == name
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
     out = await asyncio.to_thread(_cli, "arena", str(RECIPES / f"{name}.toml"), "--groups", str(groups),
-                                  "--policy", "local", "--policy-port", str(free_port()), "--no-progress",
+                                  "--policy", "local", "--policy-port", "0", "--no-progress",
                                   "--run-id", f"byid-{name}", env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     stats = json.loads(out.stdout.strip().splitlines()[-1])
@@ -204,7 +204,7 @@ async def test_older_env_form_keeps_its_harness(kafka_settings, prefix, tmp_path
     in-process), not verifiers' default harness."""
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
     out = await asyncio.to_thread(_cli, "arena", str(_recipe(tmp_path, "old", OLD_FORM)), "--groups", "1",
-                                  "--policy", "local", "--policy-port", str(free_port()), "--no-progress", env=env)
+                                  "--policy", "local", "--policy-port", "0", "--no-progress", env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     stats = json.loads(out.stdout.strip().splitlines()[-1])
     assert stats["rollouts"] == 2 and stats["failed"] == 0 and stats["steps"] == 2
@@ -229,7 +229,7 @@ async def test_bash_harness_runs_in_its_runtime(kafka_settings, prefix, tmp_path
     started = time.monotonic()
     out = await asyncio.to_thread(_cli, "arena", str(_recipe(tmp_path, runtime, quiz(harness="bash",
                                   runtime=runtime))), "--groups", "1", "--policy", "local", "--policy-port",
-                                  str(free_port()), "--no-progress", env=env)
+                                  "0", "--no-progress", env=env)
     wall = time.monotonic() - started
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     stats = json.loads(out.stdout.strip().splitlines()[-1])
@@ -278,7 +278,7 @@ async def test_raising_reward_is_dead_lettered_with_its_reason(kafka_settings, p
     path = _recipe(tmp_path, "bug", quiz(args="reward_bug = true"))
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
     out = await asyncio.to_thread(_cli, "arena", str(path), "--groups", "1", "--policy", "local", "--policy-port",
-                                  str(free_port()), "--no-progress", env=env)
+                                  "0", "--no-progress", env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["failed"] == 0  # the episode ran: nothing is lost
     kw = kafka_settings.client_kwargs()

@@ -293,7 +293,7 @@ async def test_whole_pipeline_arena_to_trainer_each_under_its_own_principal(secu
     try:
         arena = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "rollout.cli", "arena", str(tmp_path / "plan.toml"), "--groups", "8",
-            "--follow-revisions", "--no-progress", "--policy", "local", "--policy-port", str(free_port()),
+            "--follow-revisions", "--no-progress", "--policy", "local", "--policy-port", "0",
             "--checkpoint", rev0.checkpoint.uri.removeprefix("file://"), "--concurrency", "4", "--run-id", RUN,
             "--arena-id", "secured", env=_sasl_env(bootstrap, certs, "arena"), stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT)
