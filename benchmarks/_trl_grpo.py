@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import tempfile
 
+    import psutil
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     def reward(prompts, completions, answer, completion_ids=None, trainer_state=None, **kw) -> list[float]:
         """The plan's exact-answer reward; counts the completion tokens generated for training."""
         stats["train_tokens"] += sum(len(c) for c in completion_ids or [])
+        stats.setdefault("first_rollout_s", round(time.time() - psutil.Process().create_time(), 1))
         r = [exact_reward(c[-1]["content"] if isinstance(c, list) else c, ans) for c, ans in zip(completions, answer)]
         step = trainer_state.global_step if trainer_state is not None else -1
         stats["rewards"].setdefault(step, []).extend(r)
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": trainer.state.global_step // j.epochs, "loop_s": round(loop_s, 1),
         "eval_s": round(stats["eval_s"], 1), "train_completion_tokens": stats["train_tokens"],
         "all_completion_tokens": stats["train_tokens"] + stats["eval_tokens"], "step_s": stats["step_s"],
-        "script_s": round(time.perf_counter() - t_start, 1), "trl": __import__("trl").__version__,
+        "script_s": round(time.perf_counter() - t_start, 1), "first_rollout_s": stats.get("first_rollout_s"),
+        "trl": __import__("trl").__version__,
         "generation": "transformers generate",
     }
     print(json.dumps(out), flush=True)

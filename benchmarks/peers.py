@@ -311,7 +311,8 @@ def run_rollout_log(j: Job, timeout: float, log=print) -> dict:
         "steps": s["revisions"], "loop_s": s.get("arena_s"), "eval_s": arena.get("eval_s"),
         "train_completion_tokens": trained_tokens,
         "all_completion_tokens": arena.get("completion_tokens"),  # evaluation answers included
-        "step_s": s.get("step_s"), "run": s.get("run"), "failed_rollouts": s.get("failed_rollouts"), **m,
+        "step_s": s.get("step_s"), "run": s.get("run"), "failed_rollouts": s.get("failed_rollouts"),
+        "first_rollout_s": s.get("first_rollout_s"), **m,
     })
 
 
@@ -337,6 +338,8 @@ FIGURES: dict[str, tuple[str, Callable[[dict], Any]]] = {
     "wall_s": ("wall time, whole run (s)", lambda d: d["wall_s"]),
     "loop_s": ("wall time, the loop (s)", lambda d: d.get("loop_s")),
     "eval_s": ("evaluation (s)", lambda d: d.get("eval_s")),
+    "first_rollout_s": ("the first training rollout, from the command's start (s; TRL: its first reward call)",
+                        lambda d: d.get("first_rollout_s")),
     "train_s": ("the loop less evaluation (s)", lambda d: d.get("train_s")),
     "step_s_mean": ("train step, mean (s; TRL: generation + optimizer, rollout-log: optimizer)",
                     lambda d: d.get("step_s_mean")),

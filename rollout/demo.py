@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,13 +133,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def run_loop(args: argparse.Namespace, command: str) -> int:
-    """Broker up, then the loop (``_demo``); every expected failure is one line naming ``command``."""
-    from streams.config import KafkaSettings, ensure_broker
+    """The loop (``_demo``), the broker starting beside its first steps; every expected failure is one line
+    naming ``command``."""
+    from streams.config import KafkaSettings, broker_starting
 
     settings = KafkaSettings.from_env()
     where = "configured cluster" if settings.external else "local broker"
-    settings = settings.with_bootstrap(ensure_broker(settings))
-    print(f"Kafka: {where} at {settings.bootstrap}", flush=True)
+    settings, broker_up = broker_starting(settings)
+    broker_up.add_done_callback(lambda f: f.exception() or print(f"Kafka: {where} at {settings.bootstrap}",
+                                                                 flush=True))
     from policy.hf import ModelUnavailable
     from producers.inference.vllm_server import VllmStartError
     from consumers.settings import PlanRefused
@@ -146,7 +149,7 @@ def run_loop(args: argparse.Namespace, command: str) -> int:
     from schemas.plan import PlanError
 
     try:
-        return asyncio.run(_demo(settings, args))
+        return asyncio.run(_demo(settings, args, broker_up))
     except (ModelUnavailable, VllmStartError, PlanError, PlanRefused, EnvironmentUnavailable) as e:
         print(f"rollout {command}: error: {e}", file=sys.stderr)
         return 1
@@ -190,7 +193,7 @@ def context_length(plan, model_dir: Path) -> int:
 
 # -- the run ----------------------------------------------------------------------------------------------
 
-async def _demo(settings, args) -> int:
+async def _demo(settings, args, broker_up: Future) -> int:
     """A fresh run: its own topics (prefix ``demo-<run>.``) for everything this process starts."""
     from streams.settings import overridden
 
@@ -203,7 +206,7 @@ async def _demo(settings, args) -> int:
         loop.add_signal_handler(sig, lambda s=sig: caught.append(s) or main.cancel())
     try:
         with overridden(topic_prefix=prefix):
-            return await _run(settings, args, run, prefix, stopping=lambda: bool(caught))
+            return await _run(settings, args, run, prefix, broker_up, stopping=lambda: bool(caught))
     except asyncio.CancelledError:
         if not caught:
             raise
@@ -244,7 +247,9 @@ def load_plan(args):
     return plan, served
 
 
-async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) -> int:
+async def _run(settings, args, run: str, prefix: str, broker_up: Future, stopping=lambda: False) -> int:
+    """The run, its first steps (the plan, the model, vLLM's start) beside the broker's start (``broker_up``), which
+    is awaited where Kafka is first needed."""
     from consumers.trainer.step import initial_revision
     from policy.compute import computed
     from rollout.cores import BACKGROUND_NICE, choose, pin_this_process, split_cores, vllm_bind
@@ -314,7 +319,6 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
                 plan = plan.model_copy(update={"max_off_policy_steps": 0})
                 arena_args += ["--max-off-policy-steps", "0"]
                 arena_nice = BACKGROUND_NICE
-                restore_broker = _broker_steps_back(settings)
             arena_args += ["--policy", "vllm", "--policy-url", url]
         else:
             from policy.checkpoint import checkpoint_path
@@ -322,6 +326,9 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
             rev0 = await computed(initial_revision, family, ckdir, seed=0, run_id=run)
             arena_args = ["--policy", "local", "--policy-port", "0",
                           "--checkpoint", str(checkpoint_path(rev0.checkpoint))]
+        await asyncio.wrap_future(broker_up)  # the first step that needs Kafka
+        if cores == "turns":
+            restore_broker = _broker_steps_back(settings)
         rc, summary = await _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, progress,
                                   vllm_exited=lambda: vllm is not None and vllm.stopped, server_up=serving,
                                   arena_nice=arena_nice, policy_url=url if args.policy == "vllm" else None)
@@ -339,6 +346,10 @@ async def _run(settings, args, run: str, prefix: str, stopping=lambda: False) ->
     if rc == 0:
         _drop_training_states(ckdir)
     summary["seconds"] = round(time.monotonic() - t0, 1)
+    if summary.get("first_rollout_at") is not None:  # from the process's start: the broker's and imports included
+        import psutil
+
+        summary["first_rollout_s"] = round(summary["first_rollout_at"] - psutil.Process().create_time(), 1)
     summary["cores"] = cores
     print_summary(summary)
     print(json.dumps(summary))

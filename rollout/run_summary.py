@@ -42,9 +42,11 @@ async def summarize(kw, progress: Progress, arena_stats: dict) -> dict:
     letters = await read(topics.DEAD_LETTERS.name)
     r4 = lambda v: round(v, 4)  # noqa: E731
     history = [m for _, m in sorted(progress.revisions.items()) if m]  # each trained revision's step figures
+    first = min((r.created_at for r in rollouts if not r.evaluation), default=None)
     metrics = {str(k): {n: r4(x) for n, x in m.items()} for k, m in sorted(progress.revisions.items()) if m}
     return {
         "rollouts": sum(not r.evaluation for r in rollouts), "eval_rollouts": sum(r.evaluation for r in rollouts),
+        "first_rollout_at": first.timestamp() if first is not None else None,  # the first training rollout's
         "failed_rollouts": sum(r.status == "failed" for r in rollouts),
         "scored": progress.scored, "eval_scored": progress.eval_scored,
         "batches": len(batches), "records_in_batches": sum(len(b.records) for b in batches),
@@ -91,7 +93,9 @@ def print_summary(s: dict) -> None:
         steps = s["step_s"]
         print(f"trainer step: mean {sum(steps) / len(steps):.1f}s over {len(steps)} steps; weight reload into "
               f"the server: {', '.join(f'{x:.2f}' for x in s['reload_s'][:8])}{' ...' if len(s['reload_s']) > 8 else ''} s")
-    print(f"wall time {s['seconds']:.0f}s\n")
+    first = f" (the first training rollout {s['first_rollout_s']:.0f}s after the command started)" \
+        if s.get("first_rollout_s") is not None else ""
+    print(f"wall time {s['seconds']:.0f}s{first}\n")
     print("next: look at this run from the log")
     print("  .venv/bin/rollout runs                                # this run is listed first")
     print(f"  .venv/bin/rollout dashboard --prefix {s['topic_prefix']}    # its live page at http://127.0.0.1:8050")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, SecretStr, field_validator
@@ -150,3 +151,14 @@ def ensure_broker(settings: KafkaSettings | None = None) -> str:
     broker = LocalBroker.from_env(port=settings.local_port)
     broker.up()
     return broker.bootstrap
+
+
+def broker_starting(settings: KafkaSettings) -> tuple[KafkaSettings, Future[str]]:
+    """``settings`` with their bootstrap servers, known at once, and ``ensure_broker`` running on a thread: a
+    command with other slow work to start (vLLM, a model) awaits the broker only where it first talks to Kafka, so
+    a cold local broker's start (seconds of a JVM) overlaps that work instead of preceding it."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="broker-start")
+    try:
+        return settings.with_bootstrap(settings.bootstrap), pool.submit(ensure_broker, settings)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with the start

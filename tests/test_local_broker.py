@@ -124,3 +124,19 @@ def test_cluster_ids_never_look_like_options():
 
     ids = [_kafka_uuid() for _ in range(3000)]
     assert all(len(i) == 22 and not i.startswith("-") for i in ids) and len(set(ids)) == len(ids)
+
+
+def test_a_demo_whose_broker_cannot_start_stops_with_its_reason_in_one_line(tmp_path: Path, monkeypatch, capsys):
+    """The broker starts beside the demo's first steps (the plan, the model, vLLM: ``streams.config.broker_starting``);
+    its failure still ends the command with one line, once the run reaches the step that needs Kafka."""
+    monkeypatch.delenv("ROLLOUT_BOOTSTRAP_SERVERS", raising=False)
+    monkeypatch.setenv("ROLLOUT_STATE_DIR", str(tmp_path))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        monkeypatch.setenv("ROLLOUT_KAFKA_PORT", str(port))
+        assert rollout_main(["demo", "--policy", "tiny", "--no-progress", "--keep-runs", "100"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"rollout: error: port {port} is busy: something else listens on localhost:{port} " \
+                  "(stop it, or choose another port with ROLLOUT_KAFKA_PORT)", err
