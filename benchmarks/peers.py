@@ -312,7 +312,7 @@ def run_rollout_log(j: Job, timeout: float, log=print) -> dict:
         "train_completion_tokens": trained_tokens,
         "all_completion_tokens": arena.get("completion_tokens"),  # evaluation answers included
         "step_s": s.get("step_s"), "run": s.get("run"), "failed_rollouts": s.get("failed_rollouts"),
-        "first_rollout_s": s.get("first_rollout_s"), **m,
+        "first_rollout_s": s.get("first_rollout_s"), "eval_s_each": arena.get("eval_s_each"), **m,
     })
 
 

@@ -250,7 +250,6 @@ def load_plan(args):
 async def _run(settings, args, run: str, prefix: str, broker_up: Future, stopping=lambda: False) -> int:
     """The run, its first steps (the plan, the model, vLLM's start) beside the broker's start (``broker_up``), which
     is awaited where Kafka is first needed."""
-    from consumers.trainer.step import initial_revision
     from policy.compute import computed
     from rollout.cores import BACKGROUND_NICE, choose, pin_this_process, split_cores, vllm_bind
     from streams.local_broker import free_port
@@ -283,7 +282,6 @@ async def _run(settings, args, run: str, prefix: str, broker_up: Future, stoppin
             from producers.inference.vllm_server import VllmServer
 
             progress.phase = "preparing the model"
-            rev0 = await computed(initial_revision, family, ckdir, run_id=run, served=served)
             url = args.vllm_url
             if url is None:
                 port = args.vllm_port or free_port()
@@ -315,6 +313,7 @@ async def _run(settings, args, run: str, prefix: str, broker_up: Future, stoppin
                 cores = "turns"
                 print("cores: generation and training take turns: off-policy bound 0 for this run (--cores)",
                       flush=True)
+            rev0 = await computed(initial_revision, family, ckdir, run_id=run, served=served)  # beside vLLM's start
             if cores == "turns":
                 plan = plan.model_copy(update={"max_off_policy_steps": 0})
                 arena_args += ["--max-off-policy-steps", "0"]
@@ -368,6 +367,14 @@ async def _lags(kw, running: list[str]) -> dict[str, int]:
     except KafkaError as e:
         log.warning("draining: the services' lag not read (%s: %s); asked again", type(e).__name__, e)
         return {"?": 1}
+
+
+def initial_revision(*args, **kwargs):
+    """``consumers.trainer.step.initial_revision``, imported where it runs (the torch thread): torch's import (about
+    a second) then runs while vLLM starts, not before it."""
+    from consumers.trainer.step import initial_revision as revision_0
+
+    return revision_0(*args, **kwargs)
 
 
 def _broker_steps_back(settings):

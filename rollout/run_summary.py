@@ -64,7 +64,7 @@ async def summarize(kw, progress: Progress, arena_stats: dict) -> dict:
         "step_s": [round(h["step_s"], 2) for h in history if "step_s" in h],
         "reload_s": arena_stats.get("reload_s", []),
         "arena": {k: arena_stats.get(k) for k in ("rollouts", "evaluations", "failed", "completion_tokens",
-                                                  "elapsed_s", "eval_s", "evaluated_revisions", "final_revision",
+                                                  "elapsed_s", "eval_s", "eval_s_each", "evaluated_revisions", "final_revision",
                                                   "final_revision_reached")},
     }
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from producers.inference.vllm_server import KV_CACHE_MAX_BYTES, SEQUENCES, VllmServer, kv_cache_bytes
+from producers.inference.vllm_server import BLOCK_SIZE, KV_CACHE_MAX_BYTES, SEQUENCES, VllmServer, kv_cache_bytes
 
 
 @pytest.fixture
@@ -48,6 +48,13 @@ def test_the_command_reserves_the_sized_cache_or_the_one_asked_for(llama, monkey
     assert flag(VllmServer(llama, max_model_len=256, kv_cache_gb=1.5)) == int(1.5 * 1024**3)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # a user's own, which vLLM reads over the flag
     assert "VLLM_CPU_KVCACHE_SPACE" not in VllmServer(llama).environment()
+
+
+def test_kv_blocks_of_32_tokens_so_a_groups_short_prompt_is_cached_unless_the_user_says_otherwise(llama):
+    """vllm-cpu's 128-token blocks never cache a 45-token prompt for the other 7 of its group (``BLOCK_SIZE``)."""
+    cmd = VllmServer(llama).command()
+    assert cmd[cmd.index("--block-size") + 1] == "32" == str(BLOCK_SIZE)
+    assert VllmServer(llama, extra_args=("--block-size", "128")).command()[-2:] == ["--block-size", "128"]
 
 
 def test_the_model_runs_in_the_engine_cores_process_unless_the_user_says_otherwise(llama, monkeypatch):

@@ -29,6 +29,7 @@ class ArenaStats:
     evaluations: int = 0  # held-out rollouts (counted here, not in rollouts)
     evaluated_revisions: list[int] = field(default_factory=list)
     eval_s: float = 0.0  # wall seconds with an evaluation running (training rollouts in flight continue beside it)
+    eval_s_each: list[float] = field(default_factory=list)  # each evaluation's, in evaluated_revisions' order
     failure_reasons: Counter = field(default_factory=Counter)  # failed rollouts by reason (its first line, cut)
     failed_groups_in_a_row: int = 0  # training groups whose every rollout failed, since the last that did not
     admitted_on_log: int = 0  # admitted (top-level, training) rollouts on the log ...
