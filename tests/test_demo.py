@@ -38,6 +38,7 @@ def test_demo_closes_the_loop_and_reward_rises(kafka_bootstrap):
     assert s["records_in_batches"] + stale == rollouts and s["dead_letters"] == stale + at_trainer, reasons
     assert stale + at_trainer <= rollouts // 20, reasons
     assert s["revisions"] >= 10
+    assert 0 < s["first_rollout_s"] < s["seconds"]  # the first training rollout, from the command's start
     rewards = [s["mean_reward_by_revision"][k] for k in sorted(s["mean_reward_by_revision"], key=int)]
     # learning, not noise: the last three revisions' rollouts score clearly above revision 0's
     assert sum(rewards[-3:]) / 3 > max(2 * rewards[0], rewards[0] + 0.1), rewards
@@ -68,6 +69,10 @@ def test_demo_on_vllm_trains_serves_and_evaluates_revisions(kafka_bootstrap, vll
     evaluated = sorted(int(k) for k in s["eval_accuracy_by_revision"])
     assert evaluated == s["arena"]["evaluated_revisions"] == [0, 3, 4]
     assert len(s["reload_s"]) >= len(evaluated) and s["arena"]["eval_s"] > 0
+    each = s["arena"]["eval_s_each"]  # one a revision evaluated, adding up to the whole
+    assert len(each) == 3 and min(each) > 0 and sum(each) == pytest.approx(s["arena"]["eval_s"], abs=0.02)
+    # the first training rollout on the log, from the command's start: after the run began, before it ended
+    assert 0 < s["first_rollout_s"] < s["seconds"]
     assert set(s["eval_questions_by_revision"].values()) == {48}
     for r in range(1, s["revisions"] + 1):  # every trained revision carries the trainer-inference mismatch
         m = s["trainer_metrics_by_revision"][str(r)]
