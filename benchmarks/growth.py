@@ -158,18 +158,12 @@ def _trl(model: Any, tmp: str, bf16: bool, records: int, group: int, checkpointi
     return step
 
 
-def _hwm_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def _point(model: str, tokens: int, side: str) -> dict:
     """One point in this process (the dtype from ROLLOUT_CPU_DTYPE, set by the parent)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from benchmarks.trainer_step import hwm_mb
     from policy.hf import cpu_bf16
 
     bf16 = cpu_bf16()
@@ -180,7 +174,7 @@ def _point(model: str, tokens: int, side: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-growth-") as tmp:
         step = _ours(net, tmp) if side == "ours" else \
             _trl(net, tmp, bf16, len(prompts), group, checkpointing=side == "trl_gc")
-        load_s, loaded_mb = time.perf_counter() - t0, _hwm_mb()
+        load_s, loaded_mb = time.perf_counter() - t0, hwm_mb()
         step(prompts[:2], completions[:2], min(2, group))  # the warm-up: AdamW's moments, the kernels
         t0 = time.perf_counter()
         step(prompts, completions, group)
@@ -188,7 +182,7 @@ def _point(model: str, tokens: int, side: str) -> dict:
     n = sum(p.numel() for p in net.parameters())
     return {"model": model, "params": n, "tokens": len(prompts) * (PROMPT + COMPLETION), "records": len(prompts),
             "dtype": "bfloat16" if bf16 else "float32", "side": side, "step_s": round(step_s, 2),
-            "peak_mb": round(_hwm_mb()), "after_load_mb": round(loaded_mb), "load_s": round(load_s, 1),
+            "peak_mb": round(hwm_mb()), "after_load_mb": round(loaded_mb), "load_s": round(load_s, 1),
             "nominal_tflop": round(6 * n * tokens / 1e12, 2),
             "gflops": round(6 * n * tokens / step_s / 1e9, 1), "threads": torch.get_num_threads()}
 

@@ -56,6 +56,14 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def hwm_mb() -> float:
+    """This process's RSS high-water mark (``VmHWM``, which ``PhasePeaks`` resets), else its lifetime peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return _peak_mb()
+
+
 class PhasePeaks:
     """The process's peak RSS within each phase: the kernel's high-water mark is reset as a phase starts
     (``/proc/self/clear_refs``) and read as it ends; the overall peak is the highest of them."""
@@ -63,18 +71,11 @@ class PhasePeaks:
     def __init__(self) -> None:
         self.by_phase: dict[str, float] = defaultdict(float)
 
-    @staticmethod
-    def _hwm_mb() -> float:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-        return _peak_mb()
-
     def start(self) -> None:
         Path("/proc/self/clear_refs").write_text("5")
 
     def end(self, phase: str) -> None:
-        self.by_phase[phase] = max(self.by_phase[phase], self._hwm_mb())
+        self.by_phase[phase] = max(self.by_phase[phase], hwm_mb())
 
     @property
     def peak(self) -> float:
