@@ -36,13 +36,13 @@ async def raw_consume(settings, topic_names) -> tuple[float, int, int]:
     """Seconds, messages, bytes for one pass over the topics with a plain aiokafka consumer."""
     from aiokafka import AIOKafkaConsumer
 
-    from replay.runs import _assign, consumer_kwargs
+    from replay.runs import assign_all, consumer_kwargs
 
     t0 = time.perf_counter()
     consumer = AIOKafkaConsumer(**consumer_kwargs(settings))
     await consumer.start()
     try:
-        tps = await _assign(consumer, topic_names)
+        tps = await assign_all(consumer, topic_names)
         consumer.assign(tps)
         begin = await consumer.beginning_offsets(tps)
         end = await consumer.end_offsets(tps)

@@ -109,3 +109,21 @@ def test_the_rule_sees_a_wrong_arrow(tmp_path):
         (line, target), = _imports(p)
         dst, top = room(target), target.split(".")[0]
         assert top in FORBIDDEN_LIBS.get(room(module), ()) or not _allowed(room(module), target), (module, target)
+
+
+def test_every_name_a_benchmark_imports_from_the_project_exists():
+    """A benchmark imports the project inside its functions, so nothing else runs those imports: a name renamed in
+    its room broke one unseen (``replay.runs._assign`` became ``assign_all``; ``benchmarks replay`` failed)."""
+    import importlib
+
+    missing = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                    and node.module.split(".")[0] in PROJECT:
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    if not hasattr(module, alias.name) and \
+                            importlib.util.find_spec(f"{node.module}.{alias.name}") is None:
+                        missing.append(f"{path.name}:{node.lineno}: {node.module}.{alias.name}")
+    assert not missing, missing
