@@ -73,8 +73,9 @@ class ArenaEvaluation:
         if reqs:
             t0 = time.monotonic()
             await self.generate(reqs, self.eval_concurrency)
-            self.stats.eval_s += time.monotonic() - t0
-            self.stats.eval_s_each.append(round(time.monotonic() - t0, 2))
+            took = time.monotonic() - t0
+            self.stats.eval_s += took
+            self.stats.eval_s_each.append(round(took, 2))
             self.stats.evaluated_revisions.append(self.current_policy.revision)
         return len(reqs)
 
