@@ -1,7 +1,7 @@
 """How a trainer step's time and peak memory grow with the tokens it trains and the model's size, ours beside TRL's.
 
     python -m benchmarks growth [--models 135m,360m,1b] [--tokens 1024,2048,4096,8192,16384]
-                                [--dtypes float32,bfloat16] [--sides ours,trl] [--max-tflop 40] [--limit-gb 20]
+                                [--dtypes float32,bfloat16] [--sides ours,trl,trl_gc] [--max-tflop 40] [--limit-gb 18]
 
 Each point is one optimizer step on one batch, in a fresh process (so its peak is its own), of a random-init Llama
 of one of three shapes (``MODELS``: SmolLM2-135M's own config, SmolLM2-360M's, and Llama-3.2-1B's layers with
@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tflop", type=float, default=40.0,
                    help="skip points of more nominal TFLOP than this (6 x parameters x tokens; a 2-core CPU does "
                         "0.1-0.3 TFLOP/s)")
-    p.add_argument("--limit-gb", type=float, default=20.0, help="kill a point whose RSS passes this")
+    p.add_argument("--limit-gb", type=float, default=18.0,
+                   help="kill a point whose RSS passes this many GB (default 18: room left on a 24 GB machine)")
     p.add_argument("--timeout", type=float, default=1800.0, help="kill a point running longer (seconds)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
