@@ -8,7 +8,7 @@ start, so the revision is scored on the whole held-out set. The run's last revis
 the last batch admitted, known once ``run`` has admitted its ``num_groups``) answers all of them whatever the
 cadence. A revision with nothing due may be skipped when a newer one is already there. Evaluation Rollouts carry
 ``evaluation=True`` (scored, never trained on) and do not count for admission pacing; the seconds spent on them
-are ``ArenaStats.eval_s`` (admitted training rollouts keep running beside them).
+are ``ArenaStats.eval_s_each`` (admitted training rollouts keep running beside them).
 """
 
 from __future__ import annotations
@@ -73,9 +73,7 @@ class ArenaEvaluation:
         if reqs:
             t0 = time.monotonic()
             await self.generate(reqs, self.eval_concurrency)
-            took = time.monotonic() - t0
-            self.stats.eval_s += took
-            self.stats.eval_s_each.append(round(took, 2))
+            self.stats.eval_s_each.append(time.monotonic() - t0)
             self.stats.evaluated_revisions.append(self.current_policy.revision)
         return len(reqs)
 

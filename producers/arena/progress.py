@@ -28,13 +28,18 @@ class ArenaStats:
     episode_bytes: int | None = None  # what one episode in flight holds, learned (its processes' and state's)
     evaluations: int = 0  # held-out rollouts (counted here, not in rollouts)
     evaluated_revisions: list[int] = field(default_factory=list)
-    eval_s: float = 0.0  # wall seconds with an evaluation running (training rollouts in flight continue beside it)
-    eval_s_each: list[float] = field(default_factory=list)  # each evaluation's, in evaluated_revisions' order
+    eval_s_each: list[float] = field(default_factory=list)  # each evaluation's wall seconds (training rollouts in
+    # flight continue beside it), in evaluated_revisions' order
     failure_reasons: Counter = field(default_factory=Counter)  # failed rollouts by reason (its first line, cut)
     failed_groups_in_a_row: int = 0  # training groups whose every rollout failed, since the last that did not
     admitted_on_log: int = 0  # admitted (top-level, training) rollouts on the log ...
     records: int = 0  # ... and the training records they yield, their sub-episodes' included
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def eval_s(self) -> float:
+        """Wall seconds with an evaluation running, all evaluations together."""
+        return sum(self.eval_s_each)
 
     @property
     def records_per_rollout(self) -> float | None:
@@ -43,7 +48,8 @@ class ArenaStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "started"} | {
-            "elapsed_s": round(time.monotonic() - self.started, 3), "eval_s": round(self.eval_s, 3)}
+            "elapsed_s": round(time.monotonic() - self.started, 3), "eval_s": round(self.eval_s, 3),
+            "eval_s_each": [round(x, 2) for x in self.eval_s_each]}
 
 
 class ArenaProgress:
