@@ -8,6 +8,9 @@ The file is a ``torch.save`` of ``{"format": 1, "family", "revision", "config", 
 the digest is of the file's bytes exactly as written. Its name is ``checkpoint_filename(family, revision, digest)``:
 the family's ``schemas.policy.family_slug`` (``org/name`` -> ``org--name``), so a family named as Hugging Face
 names models is one file in ``directory``, never a sub-folder; the family inside the file is the family itself.
+
+torch is imported only where a file is written or read: naming and hashing one (a vLLM arena's swap, the packaged
+model's lookup before vLLM is spawned) need none, and its import is about a second on 2 cores.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-import torch
-
-from policy.model import ModelConfig, PolicyModel
 from schemas.errors import ContractError
 from schemas.policy import CheckpointRef, family_slug
+
+if TYPE_CHECKING:
+    from policy.model import PolicyModel
 
 FORMAT = 1
 
@@ -142,6 +146,8 @@ def _full(folder: Path, e: Exception) -> bool:
 def save_checkpoint(model: PolicyModel, directory: str | os.PathLike, family: str, revision: int) -> CheckpointRef:
     """Write atomically (temp file + rename to its content-addressed name) and return the reference with the
     file's SHA-256."""
+    import torch
+
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f"{checkpoint_stem(family, revision)}.tmp{os.getpid()}"
@@ -165,6 +171,10 @@ def checkpoint_path(ref_or_path: CheckpointRef | str | os.PathLike) -> Path:
 
 def load_checkpoint_info(ref_or_path: CheckpointRef | str | os.PathLike) -> tuple[PolicyModel, dict]:
     """(model, {"family", "revision", "digest"}); verifies the digest when given a CheckpointRef."""
+    import torch
+
+    from policy.model import ModelConfig, PolicyModel
+
     path = checkpoint_path(ref_or_path)
     digest = file_sha256(path)
     if isinstance(ref_or_path, CheckpointRef) and digest != ref_or_path.digest:

@@ -40,6 +40,16 @@ def without_superseded(revs: list[PolicyRevision], skippable: Callable[[PolicyRe
     return [r for r in revs if r.revision >= newest[r.family] or not skippable(r)]
 
 
+async def _hand(revs: list[PolicyRevision], on_revision: Callable[[PolicyRevision], Any],
+                skippable: Callable[[PolicyRevision], bool] | None) -> None:
+    """``revs`` to ``on_revision`` in order (awaited when it is a coroutine function), the superseded ones
+    ``skippable`` lets go left out."""
+    for rev in without_superseded(revs, skippable) if skippable is not None else revs:
+        res = on_revision(rev)
+        if asyncio.iscoroutine(res):
+            await res
+
+
 class RevisionFollower:
     """The revisions on the topic (default: the policy-revisions topic), of ``family`` only when given; or, with
     ``event``, the events of that type on ``topic`` (``DroppedBatches``: the dead letters)."""
@@ -111,13 +121,13 @@ class RevisionFollower:
         it has no use for (no evaluation due), whose checkpoints a trainer keeping only its newest may have
         pruned already."""
         while True:
-            revs = (await self.poll())[0]
-            if skippable is not None:
-                revs = without_superseded(revs, skippable)
-            for rev in revs:
-                res = on_revision(rev)
-                if asyncio.iscoroutine(res):
-                    await res
+            await _hand((await self.poll())[0], on_revision, skippable)
+
+    async def catch_up(self, on_revision: Callable[[PolicyRevision], Any], *,
+                       skippable: Callable[[PolicyRevision], bool] | None = None) -> None:
+        """``follow``'s calls for the revisions on the topic now, made before this returns; ``follow`` then goes on
+        after them. An arena starts on the newest revision (loaded, evaluated when due) before it admits any."""
+        await _hand([rev for _, rev in await self.read_to_end()], on_revision, skippable)
 
     async def scan(self, revision: int | None = None, *, idle_polls: int = 2) -> PolicyRevision | None:
         """Read to the end of the topic as it is now: the newest revision, or the given ``revision`` number

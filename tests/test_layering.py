@@ -127,3 +127,17 @@ def test_every_name_a_benchmark_imports_from_the_project_exists():
                             importlib.util.find_spec(f"{node.module}.{alias.name}") is None:
                         missing.append(f"{path.name}:{node.lineno}: {node.module}.{alias.name}")
     assert not missing, missing
+
+
+def test_a_runs_first_steps_and_a_vllm_arenas_swaps_import_no_torch():
+    """Finding the packaged model (before vLLM is spawned) and naming and hashing a checkpoint (a vLLM arena's swap)
+    need no torch: its import (about a second on 2 cores) sat twice on the path to a run's first rollout."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from policy.hf import FAMILY; from policy.served import served_model; "
+            "from policy.checkpoint import checkpoint_path, file_sha256; import producers.inference.weights, "
+            "producers.arena.arena, rollout.arena_cmd; file_sha256(checkpoint_path(served_model(FAMILY).checkpoint())); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr

@@ -197,6 +197,55 @@ async def test_backpressure_pauses_until_the_trainer_publishes(kafka_settings, p
             assert step_of[r.step_ids[0]].policy.checkpoint_digest == (ref1 if r.policy.revision == 1 else ref2).digest
 
 
+async def test_an_arena_evaluates_a_revision_before_it_generates_the_revisions_batch(kafka_settings, pipeline_topics,
+                                                                                       make_topic, tmp_path):
+    """With an off-policy bound of 0 the batch a revision generates waits for its evaluation (the seconds of each
+    are their own), and an arena starts on the revision already on the log: loaded and evaluated in ``start``,
+    before anything is admitted."""
+    kw = kafka_settings.client_kwargs()
+    revisions = await make_topic(1, "revisions")
+    async with PolicyServer(PolicyModel.from_seed(0)) as server:
+        plan = _plan("arithmetic", server.base_url, group_size=2, batch_size=4, max_off_policy_steps=0,
+                     eval_interval=1)
+        train = plan.environments[0].model_copy(update={"args": {"num_examples": 20, "eval_examples": 3}})
+        plan = plan.model_copy(update={"environments": [train]})
+
+        async def publish(n: int) -> None:
+            ref = save_checkpoint(PolicyModel.from_seed(n), tmp_path, plan.family, n)
+            await _publish_revision(kw, revisions, PolicyRevision(
+                run_id="t", producer="trainer", family=plan.family, revision=n, checkpoint=ref,
+                parent_revision=n - 1 if n else None))
+
+        await publish(0)
+        arena = Arena(plan, emitter=_emitter(kafka_settings, pipeline_topics),
+                      revisions=RevisionFollower(kw, plan.family, topic=revisions),
+                      config=ArenaConfig(policy_base_url=server.base_url, evaluate=True))
+        events, run_rollout = [], arena.run_rollout
+
+        async def recorded(req):
+            revision = arena.current_policy.revision
+            events.append(("start", req.evaluation, revision))
+            try:
+                return await run_rollout(req)
+            finally:
+                events.append(("end", req.evaluation, revision))
+        arena.run_rollout = recorded
+        async with arena:
+            assert arena.stats.evaluated_revisions == [0] and arena.pacer.admitted == 0
+            assert [e[1] for e in events] == [True] * 6  # revision 0's 3 questions, started and answered
+            run = asyncio.create_task(arena.run(num_groups=4))
+            await _wait_for(lambda: arena.pacer.paused and arena.stats.rollouts == 4)
+            await publish(1)
+            await asyncio.wait_for(run, 30)
+    assert arena.stats.evaluated_revisions == [0, 1] and arena.stats.evaluations == 6
+    for revision in (0, 1):
+        at = [(i, kind, evaluation) for i, (kind, evaluation, r) in enumerate(events) if r == revision]
+        last_answer = max(i for i, kind, evaluation in at if evaluation and kind == "end")
+        first_training = min(i for i, kind, evaluation in at if not evaluation and kind == "start")
+        assert last_answer < first_training, events
+    await _check_log(kw, pipeline_topics, 14)
+
+
 async def test_producer_killed_mid_transaction_leaves_nothing_visible(kafka_settings, pipeline_topics):
     kw = kafka_settings.client_kwargs()
     txn_id = f"test-kill-{uuid.uuid4().hex[:8]}"

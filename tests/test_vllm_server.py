@@ -75,6 +75,17 @@ def test_the_model_runs_in_the_engine_cores_process_unless_the_user_says_otherwi
     assert server.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
+def test_an_eager_server_runs_vllms_sampler_uncompiled_unless_the_user_says_otherwise(llama, monkeypatch):
+    """--enforce-eager leaves vLLM's sampler compiling a helper on the first request that asks for logprobs (1.5 s
+    on 2 cores: ``python -m benchmarks first_request``): off for an eager server, left to vLLM when the model is
+    compiled, and a user's own setting wins."""
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    assert VllmServer(llama).environment()["TORCHDYNAMO_DISABLE"] == "1"
+    assert "TORCHDYNAMO_DISABLE" not in VllmServer(llama, compile=True).environment()
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    assert VllmServer(llama).environment()["TORCHDYNAMO_DISABLE"] == "0"
+
+
 def test_a_recipes_server_settings_become_vllms_arguments_as_prime_rl_passes_them():
     """``[inference.vllm]``: an explicit parser verbatim, with auto tool choice; "auto" (prime-rl's default) from
     the served model's name by prime-rl's table (none for SmolLM2); auto tool choice switched off when asked."""

@@ -195,7 +195,6 @@ class Arena(ArenaEvaluation):
         self._on_log = asyncio.Event()  # an admitted rollout finished (on the log or not): its records are counted
         self._stop_by: float | None = None  # loop time the stop's grace ends
         self._fatal: BaseException | None = None
-        self._revision_seen = asyncio.Event()
         self._evaluating = asyncio.Lock()  # one evaluation at a time: a revision is answered once
         self.revision_log: list[tuple[float, int]] = []
 
@@ -212,9 +211,14 @@ class Arena(ArenaEvaluation):
         await self.pacer.start()
         if self.revisions is not None:
             await self.revisions.start()
-            self._follow_task = asyncio.create_task(
-                self.revisions.follow(self._on_revision, skippable=lambda rev: not self._evaluates(rev.revision)),
-                name="revisions")
+            skippable = lambda rev: not self._evaluates(rev.revision)  # noqa: E731
+            try:  # the newest revision current, and evaluated when due, before anything is admitted
+                await self.revisions.catch_up(self._on_revision, skippable=skippable)
+            except Exception as e:  # noqa: BLE001 - what following would stop on: the run raises it
+                self._failed(e)
+                return self
+            self._follow_task = asyncio.create_task(self.revisions.follow(self._on_revision, skippable=skippable),
+                                                    name="revisions")
             self._follow_task.add_done_callback(self._follow_done)
         return self
 
@@ -255,10 +259,15 @@ class Arena(ArenaEvaluation):
         if task.cancelled():
             return
         exc = task.exception()
-        if exc is not None:  # e.g. the policy server refused a revision's checkpoint: stop, loudly
-            if self._fatal is None:
-                self._fatal = exc
-            asyncio.get_running_loop().create_task(self.pacer.abort(exc))
+        if exc is not None:
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        """The revision feed stopped on ``exc`` (e.g. the policy server refused a revision's checkpoint): admit
+        nothing more, and the run raises it."""
+        if self._fatal is None:
+            self._fatal = exc
+        asyncio.get_running_loop().create_task(self.pacer.abort(exc))
 
     def client_for(self, target: Any) -> InferenceClient:
         client = self._clients.get(target.name)
@@ -296,13 +305,11 @@ class Arena(ArenaEvaluation):
                                 "are not stamped exact", rev.family, rev.revision, figures.get("probe_dlogp", -1.0))
             self.current_policy = rev.ref()
             self.revision_log.append((time.monotonic(), rev.revision))
-            await self.pacer.on_revision(rev.revision)
-            self._revision_seen.set()
             if self.evaluate:
                 await self._evaluate_current()
-            return
+        # the pacer hears of it after its evaluation: with an off-policy bound of 0 (cores taking turns) the batch
+        # it generates waits for it, so an evaluation's seconds are its own, not shared with the batch's
         await self.pacer.on_revision(rev.revision)
-        self._revision_seen.set()
 
     # running ----------------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ start, so the revision is scored on the whole held-out set. The run's last revis
 the last batch admitted, known once ``run`` has admitted its ``num_groups``) answers all of them whatever the
 cadence. A revision with nothing due may be skipped when a newer one is already there. Evaluation Rollouts carry
 ``evaluation=True`` (scored, never trained on) and do not count for admission pacing; the seconds spent on them
-are ``ArenaStats.eval_s_each`` (admitted training rollouts keep running beside them).
+are ``ArenaStats.eval_s_each``: admitted training rollouts keep running beside them, and the pacer hears of the
+revision only once it is evaluated, so with an off-policy bound of 0 its batch is generated after, not beside.
 """
 
 from __future__ import annotations
