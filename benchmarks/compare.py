@@ -32,8 +32,12 @@ DEFAULT_KEYS = {
 
 
 def _get(d: dict, dotted: str):
+    """``a.b.0.c``: keys of nested objects, a number indexing a list (``shapes.0.over_floor``)."""
     for part in dotted.split("."):
-        d = d.get(part) if isinstance(d, dict) else None
+        if isinstance(d, list) and part.isdigit():
+            d = d[int(part)] if int(part) < len(d) else None
+        else:
+            d = d.get(part) if isinstance(d, dict) else None
     return d
 
 
