@@ -39,3 +39,23 @@ def report(run: Callable[[Any], Awaitable[dict]], args: Any) -> int:
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out))
     return 0
+
+
+def arithmetic_question(rng: Any) -> str:
+    """A question shaped like the demo's (``random.Random`` draws its operands)."""
+    return f"What is {rng.randint(1, 99)} + {rng.randint(1, 99)}? Answer with a number."
+
+
+async def demo_chat(http: Any, url: str, question: str, temperature: float) -> None:
+    """One chat request as the demo's episodes send it to vLLM (16 tokens, logprobs) to the model served as "m"."""
+    r = await http.post(url + "/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": question}], "max_tokens": 16,
+        "temperature": temperature, "logprobs": True})
+    r.raise_for_status()
+
+
+async def timed_into(out: dict, name: str, *calls: Awaitable[Any], digits: int = 2) -> None:
+    """``calls`` at once; their wall seconds appended to ``out[name]``."""
+    t0 = time.perf_counter()
+    await asyncio.gather(*calls)
+    out.setdefault(name, []).append(round(time.perf_counter() - t0, digits))

@@ -30,28 +30,21 @@ import time
 async def _requests(url: str, reps: int) -> dict:
     import httpx
 
+    from benchmarks._shared import arithmetic_question, demo_chat, timed_into
+
     rng = random.Random(0)
-
-    def question() -> str:
-        return f"What is {rng.randint(1, 99)} + {rng.randint(1, 99)}? Answer with a number."
-
     out: dict = {}
     async with httpx.AsyncClient(timeout=300) as http:
-        async def chat(q: str, temperature: float) -> None:
-            r = await http.post(url + "/chat/completions", json={
-                "model": "m", "messages": [{"role": "user", "content": q}], "max_tokens": 16,
-                "temperature": temperature, "logprobs": True})
-            r.raise_for_status()
+        def chat(q: str, temperature: float):
+            return demo_chat(http, url, q, temperature)
 
-        async def timed(name: str, *calls) -> None:
-            t0 = time.perf_counter()
-            await asyncio.gather(*calls)
-            out.setdefault(name, []).append(round(time.perf_counter() - t0, 3))
+        def timed(name: str, *calls):
+            return timed_into(out, name, *calls, digits=3)
 
         await timed("first_logprobs_s", chat("What is 2 + 2? Answer with a number.", 1.0))
         for _ in range(reps):
-            await timed("eval48_s", *(chat(question(), 0.0) for _ in range(48)))
-            groups = [question() for _ in range(4)]
+            await timed("eval48_s", *(chat(arithmetic_question(rng), 0.0) for _ in range(48)))
+            groups = [arithmetic_question(rng) for _ in range(4)]
             await timed("train32_s", *(chat(q, 1.0) for q in groups for _ in range(8)))
     out["first_logprobs_s"] = out["first_logprobs_s"][0]
     return out

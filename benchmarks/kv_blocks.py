@@ -29,34 +29,27 @@ WORDS = "the of and to in is that for it as with was on be by at this".split()
 async def _sets(url: str, reps: int) -> dict:
     import httpx
 
+    from benchmarks._shared import arithmetic_question, demo_chat, timed_into
+
     rng = random.Random(0)
-
-    def question() -> str:
-        return f"What is {rng.randint(1, 99)} + {rng.randint(1, 99)}? Answer with a number."
-
-    held_out = [question() for _ in range(48)]
+    held_out = [arithmetic_question(rng) for _ in range(48)]
     out: dict[str, list[float]] = {}
     async with httpx.AsyncClient(timeout=300) as http:
-        async def chat(q: str, temperature: float) -> None:
-            r = await http.post(url + "/chat/completions", json={
-                "model": "m", "messages": [{"role": "user", "content": q}], "max_tokens": 16,
-                "temperature": temperature, "logprobs": True})
-            r.raise_for_status()
+        def chat(q: str, temperature: float):
+            return demo_chat(http, url, q, temperature)
 
         async def complete(text: str) -> None:
             r = await http.post(url + "/completions", json={"model": "m", "prompt": text, "max_tokens": 64,
                                                             "temperature": 1.0, "ignore_eos": True})
             r.raise_for_status()
 
-        async def timed(name: str, *calls) -> None:
-            t0 = time.perf_counter()
-            await asyncio.gather(*calls)
-            out.setdefault(name, []).append(round(time.perf_counter() - t0, 2))
+        def timed(name: str, *calls):
+            return timed_into(out, name, *calls)
 
         await asyncio.gather(*(chat(q, 0.0) for q in held_out[:8]), complete("hello"))  # warm-up
         for _ in range(reps):
             await http.post(url.removesuffix("/v1") + "/reset_prefix_cache")
-            groups = [question() for _ in range(4)]
+            groups = [arithmetic_question(rng) for _ in range(4)]
             await timed("eval48", *(chat(q, 0.0) for q in held_out))
             await timed("train32", *(chat(q, 1.0) for q in groups for _ in range(8)))
             await http.post(url.removesuffix("/v1") + "/reset_prefix_cache")
