@@ -361,7 +361,7 @@ def _chunk_logprobs(head: Any, hidden: Any, tokens: Any) -> Any:
     (a gather minus a logsumexp took 3-4 passes: the demo's step 7-8% slower, benchmarks/RESULTS.md)."""
     import torch.nn.functional as F
 
-    return -F.cross_entropy(head(hidden).float(), tokens, reduction="none")
+    return -F.cross_entropy(head(hidden).float(), tokens.long(), reduction="none")
 
 
 def shares_prompts(model: Any) -> bool:

@@ -69,6 +69,19 @@ def test_shared_prompts_give_the_padded_batchs_logprobs_and_gradients(attn):
         torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_a_tokens_logprob_is_its_log_softmax_whatever_integer_type_holds_the_ids():
+    """The definition, on the whole logits (a record's token ids arrive as int32 from its arrays)."""
+    model = _llama("sdpa")
+    ids, att, loss_mask, _, _ = _batch()
+    wanted = loss_mask[:, 1:] > 0
+    with torch.no_grad():
+        logits = model(input_ids=ids[:, :-1], attention_mask=att[:, :-1]).logits.float()
+        expected = logits.log_softmax(-1).gather(2, ids[:, 1:, None])[..., 0]
+        for dtype in (torch.long, torch.int32):
+            lp = token_logprobs(model, ids.to(dtype), att, wanted=wanted, autocast=False)
+            torch.testing.assert_close(lp[wanted], expected[wanted], rtol=1e-5, atol=1e-5)
+
+
 def test_a_row_whose_loss_reaches_into_its_prompt_runs_padded():
     ids, att, loss_mask, prompt_lens, seq_lens = _batch()
     loss_mask[1, 3] = 1.0
