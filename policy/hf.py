@@ -358,7 +358,8 @@ def logprob_probe(model: Any, ref: CheckpointRef, token_ids: Any) -> LogprobProb
 
 def _chunk_logprobs(head: Any, hidden: Any, tokens: Any) -> Any:
     """Each token's logprob: cross-entropy's fused log-softmax, whose backward is one pass over the chunk's logits
-    (a gather minus a logsumexp took 3-4 passes: the demo's step 7-8% slower, benchmarks/RESULTS.md)."""
+    (a gather minus a logsumexp took 3-4: the demo's optimizer pass 1.97-2.01 s against 1.78-1.93 s,
+    benchmarks/RESULTS.md). A record's token ids are int32; cross-entropy takes int64."""
     import torch.nn.functional as F
 
     return -F.cross_entropy(head(hidden).float(), tokens.long(), reduction="none")
