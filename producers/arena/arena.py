@@ -211,14 +211,13 @@ class Arena(ArenaEvaluation):
         await self.pacer.start()
         if self.revisions is not None:
             await self.revisions.start()
-            skippable = lambda rev: not self._evaluates(rev.revision)  # noqa: E731
             try:  # the newest revision current, and evaluated when due, before anything is admitted
-                await self.revisions.catch_up(self._on_revision, skippable=skippable)
+                await self.revisions.catch_up(self._on_revision, skippable=self._skippable)
             except Exception as e:  # noqa: BLE001 - what following would stop on: the run raises it
                 self._failed(e)
                 return self
-            self._follow_task = asyncio.create_task(self.revisions.follow(self._on_revision, skippable=skippable),
-                                                    name="revisions")
+            self._follow_task = asyncio.create_task(
+                self.revisions.follow(self._on_revision, skippable=self._skippable), name="revisions")
             self._follow_task.add_done_callback(self._follow_done)
         return self
 
@@ -254,6 +253,10 @@ class Arena(ArenaEvaluation):
     def follow_error(self) -> str | None:
         """Why the arena stopped following revisions (a checkpoint the policy server refused...), if it did."""
         return f"{type(self._fatal).__name__}: {self._fatal}" if self._fatal is not None else None
+
+    def _skippable(self, rev: PolicyRevision) -> bool:
+        """A revision a newer one supersedes may be passed over when none of its evaluation is due."""
+        return not self._evaluates(rev.revision)
 
     def _follow_done(self, task: asyncio.Task) -> None:
         if task.cancelled():

@@ -294,8 +294,9 @@ class VllmServer:
         env["VLLM_SERVER_DEV_MODE"] = "1"
         if not self.compile:
             # --enforce-eager still leaves vLLM's sampler compiling a helper with inductor (the rank count of a
-            # sampled token's logprob) on the first request asking for logprobs: 1.3-1.7 s on 2 cores, on the run's
-            # critical path; eager it generates as fast (benchmarks/RESULTS.md, "the first request")
+            # sampled token's logprob) on the first request asking for logprobs: 1.82-1.85 s against 0.34-0.37 s
+            # on 2 cores, on the run's critical path; eager it generates as fast (python -m benchmarks
+            # first_request; benchmarks/RESULTS.md, "the first rollout under 20 s")
             env.setdefault("TORCHDYNAMO_DISABLE", "1")
         if self.lora_rank is not None:  # /v1/load_lora_adapter, which the arena loads each revision's adapter with
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
