@@ -124,6 +124,7 @@ def load_model(ref: CheckpointRef | str | os.PathLike, *, config_dir: str | os.P
     checkpoint: its base model (digest verified) with the adapter injected (``policy.lora.load_adapter``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     from policy.checkpoint import checkpoint_path
 
@@ -134,7 +135,10 @@ def load_model(ref: CheckpointRef | str | os.PathLike, *, config_dir: str | os.P
 
         return lora.load_adapter(load_model(lora.base_of(ref)), path.parent, state).eval()
     config = AutoConfig.from_pretrained(config_dir or path.parent)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # every weight is the checkpoint's (a missing one is refused below): a random init first cost ~1 s of CPU on 2
+    # cores for SmolLM2, beside vLLM's start (benchmarks/RESULTS.md). transformers' own from_pretrained skips it so.
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:

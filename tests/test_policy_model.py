@@ -79,3 +79,32 @@ def test_two_trainers_writing_one_revision_never_overwrite_each_other(tmp_path):
     assert file_sha256(checkpoint_path(a)) == a.digest and file_sha256(checkpoint_path(b)) == b.digest
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == sorted(
         hf.checkpoint_folder(r).name for r in (a, b))
+
+
+def test_an_hf_checkpoint_loads_as_its_tensors_and_refuses_one_missing(tmp_path):
+    """``hf.load_model`` builds the model without a random init: every weight must then be the checkpoint's (the
+    tied head the embeddings), and a checkpoint lacking one is refused rather than left uninitialised."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from policy import hf
+    from policy.checkpoint import checkpoint_path
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    ref = hf.save_checkpoint(AutoModelForCausalLM.from_config(config), tmp_path, "org/m", 1)
+    saved = load_file(checkpoint_path(ref))
+    model = hf.load_model(ref)
+    own = dict(model.named_parameters())
+    assert set(saved) == set(own) and all(torch.equal(own[k], v.float()) for k, v in saved.items())
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    ids = torch.tensor([[1, 5, 9, 3]])
+    assert torch.equal(model(ids).logits, hf.load_model(ref)(ids).logits)  # nothing of a fresh init in it
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    save_file({k: v for k, v in saved.items() if not k.endswith("layers.1.mlp.up_proj.weight")}, broken / hf.WEIGHTS)
+    config.to_json_file(broken / "config.json")
+    with pytest.raises(ValueError, match="missing.*up_proj"):
+        hf.load_model(broken / hf.WEIGHTS)
