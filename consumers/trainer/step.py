@@ -429,6 +429,14 @@ class ReferenceTrainer:
             ref = self.kind.save(self.whole, self.dir, self.family, nxt, base=self.base)
         del state
         parent, self.revision = self.revision, nxt
+        probe = None
+        if ref is not None and batch is not None and self.kind is HFPolicy:  # what a server that loaded it must
+            from policy.hf import logprob_probe  # answer (VllmWeights)
+
+            first = batch.records[0]
+            probe = logprob_probe(self.whole, ref, [*first.prompt_token_ids, *first.completion_token_ids])
+        # after the probe: the state's writer thread holds the GIL in long stretches (torch.save's records, the
+        # checkpoint planner), and a probe beside it took 1.4-3.4 s instead of 0.3 (benchmarks/RESULTS.md)
         if nxt % self.state_every == 0 and nxt != self.last_revision:
             self._save_training_state(ref)
         if ref is None:
@@ -436,12 +444,6 @@ class ReferenceTrainer:
         self.written[nxt] = self.refs[nxt] = ref
         for old in sorted(self.refs)[:-3]:  # the mismatch probes revisions within the off-policy bound
             del self.refs[old]
-        probe = None
-        if batch is not None and self.kind is HFPolicy:  # what a server that loaded it must answer (VllmWeights)
-            from policy.hf import logprob_probe
-
-            first = batch.records[0]
-            probe = logprob_probe(self.whole, ref, [*first.prompt_token_ids, *first.completion_token_ids])
         return PolicyRevision(run_id=run_id, producer=producer, family=self.family, revision=nxt, checkpoint=ref,
                               parent_revision=parent, batch_id=batch.batch_id if batch else None,
                               served_model=self.served_model,
