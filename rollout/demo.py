@@ -183,6 +183,17 @@ def _drop_training_states(ckdir: Path) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def last_revision(plan, groups: int) -> int | None:
+    """The run's last revision: the plan's ``max_steps``, else what ``groups`` fill when every rollout is one record
+    and they fill whole batches (the arena's own count, ``Pacer.final_revision``). Told to the trainer only, not
+    written into the plan on revision 0 (a run derived from it trains on): the trainer writes no training state
+    there, where the run is over and drops its states (1.3 s of both cores beside the last evaluation)."""
+    if plan.max_steps is not None or not plan.one_record_per_rollout or plan.token_batch_size:
+        return plan.max_steps
+    rollouts = groups * plan.group_size
+    return rollouts // plan.batch_size if rollouts % plan.batch_size == 0 else None
+
+
 def context_length(plan, model_dir: Path) -> int:
     """vLLM's context: the recipe's ``[inference.vllm] max_model_len``, else its ``seq_len``, else 2048; at most what
     the model was trained for."""
@@ -405,9 +416,11 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
     progress.phase = "creating topics"
     await topics.create_topics(kw)
     # the plan's settings (its algorithm refused if nothing here runs it), with the demo's own pacing
+    last = last_revision(plan, args.groups)
     cfg = service_settings.build(plan=plan, credit=True, checkpoint_dir=str(ckdir), epochs=args.epochs,
                                  group_timeout_s=60, keep_checkpoints=DEMO_KEEP_CHECKPOINTS, policy_url=policy_url,
-                                 **({"lr": args.lr} if args.lr is not None else {}))
+                                 **({"lr": args.lr} if args.lr is not None else {}),
+                                 **({"max_steps": last} if last is not None else {}))
     # the plan on revision 0, with the learning rate it trains at: what a derived run evaluates and trains by
     ran = plan.model_copy(update={"trainer": {**plan.trainer, "lr": cfg.lr}})
     await publish(kw, rev0.model_copy(update={"plan": ran.model_dump(mode="json")}))
