@@ -207,3 +207,23 @@ async def test_nothing_is_trained_past_the_runs_max_steps(tmp_path):
     assert target.revision == 2 and kinds[:2] == [["PolicyRevision"], ["PolicyRevision"]]
     assert kinds[2] == ["DeadLetter"] * 4
     assert all(o.event.error_type == "RunComplete" and "max_steps 2" in o.event.error_message for o in outs)
+
+
+def test_a_state_written_and_read_in_one_process_prints_no_warning(tmp_path):
+    """torch.distributed.checkpoint warned "torch.distributed is disabled" on every demo's stderr (its first save,
+    its first load), though one process is what is meant."""
+    import warnings
+
+    from consumers.trainer.distributed import load_sharded, local_state, save_sharded
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings(record=True) as caught:  # the process's filters, its registries cleared
+        save_sharded(local_state(model, opt), tmp_path / "state", tmp_path / "tmp", writer=True)
+        torch.nn.init.zeros_(model.weight)
+        load_sharded(model, opt, tmp_path / "state")
+    assert torch.equal(model.weight, want["weight"])
+    assert [str(w.message) for w in caught] == []

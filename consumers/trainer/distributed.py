@@ -139,6 +139,17 @@ def local_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
 
 
+def _one_process() -> bool:
+    """No process group: torch.distributed.checkpoint's ``no_dist``. Its warning then ("torch.distributed is
+    disabled", on a process's first save and first load, though one process is what is meant: a line on every demo's
+    stderr that newcomers read as a fault) is silenced, here rather than at import (pytest resets filters set
+    while it collects)."""
+    if dist.is_initialized():
+        return False
+    warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+    return True
+
+
 def save_sharded(state: dict[str, Any], path: Path, tmp: Path, *, writer: bool) -> None:
     """A model's and optimizer's ``local_state`` as a torch.distributed.checkpoint folder: each rank writes its own
     shards into ``tmp`` (collective in a group; one name for the group, the writer's process id in it, so a fenced trainer
@@ -151,7 +162,7 @@ def save_sharded(state: dict[str, Any], path: Path, tmp: Path, *, writer: bool) 
     if writer:  # before the save's first collective: no rank writes a shard into it until then
         shutil.rmtree(tmp, ignore_errors=True)
     try:
-        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        dcp.save(state, checkpoint_id=tmp, no_dist=_one_process())
         if writer:
             fsync_tree(tmp)
             shutil.rmtree(path, ignore_errors=True)
@@ -169,7 +180,7 @@ def load_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path)
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = local_state(model, opt)
-    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    dcp.load(state, checkpoint_id=path, no_dist=_one_process())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optimizer"])
 
@@ -178,8 +189,8 @@ def read_sharded(path: Path) -> dict[str, Any]:
     """A ``save_sharded`` folder read whole in one process (tools, tests): ``{"model": ..., "optimizer": ...}``."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process: what is meant here
+    _one_process()
+    with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp, "state.pt"))
         return torch.load(Path(tmp, "state.pt"), map_location="cpu", weights_only=False)
 
