@@ -435,8 +435,8 @@ class ReferenceTrainer:
 
             first = batch.records[0]
             probe = logprob_probe(self.whole, ref, [*first.prompt_token_ids, *first.completion_token_ids])
-        # after the probe: the state's writer thread holds the GIL in long stretches (torch.save's records, the
-        # checkpoint planner), and a probe beside it took 1.4-3.4 s instead of 0.3 (benchmarks/RESULTS.md)
+        # after the probe: the state's writer thread holds the GIL in long stretches (a torch.save a tensor), and a
+        # probe beside it took 2.6-3.1 s instead of 0.3 (benchmarks/RESULTS.md)
         if nxt % self.state_every == 0 and nxt != self.last_revision:
             self._save_training_state(ref)
         if ref is None:
