@@ -25,7 +25,11 @@ def topics_for(prefix: str) -> dict[str, str]:
 
 async def sources_of(consumer: Any, run_id: str, prefix: str) -> list[tuple[str, str]]:
     """(run id, topic prefix) of the run and of every run it derives from (``rollout derive``), whose events
-    its lineage walks back into: a derived run's fork revision names the source revision it started from."""
+    its lineage walks back into: a derived run's fork revision names the source revision it started from.
+
+    The fork revision is a derived run's first on its policy-revisions topic (one partition: totally ordered;
+    ``rollout derive`` publishes it before any service starts), so each run's first revision decides and the
+    topic is read no further (a replay read it to the end: 30-80 ms of a 0.7 s replay, benchmarks/RESULTS.md)."""
     from schemas import codec
     from schemas.policy import PolicyRevision
     from streams import topics
@@ -40,12 +44,14 @@ async def sources_of(consumer: Any, run_id: str, prefix: str) -> list[tuple[str,
             await consumer.seek_to_beginning(*tps)
             end = await consumer.end_offsets(tps)
             idle = 0  # a trailing transaction marker can keep the position short of the end
-            while fork is None and idle < 2 and any([await consumer.position(tp) < end[tp] for tp in tps]):
+            first = None  # this run's first revision
+            while first is None and idle < 2 and any([await consumer.position(tp) < end[tp] for tp in tps]):
                 got = await consumer.getmany(*tps, timeout_ms=500)
                 idle = 0 if got else idle + 1
-                for rec in (r for recs in got.values() for r in recs):
-                    if fork is None and dict(rec.headers).get("run_id") == run.encode():
-                        fork = codec.decode(rec.value, PolicyRevision).source
+                first = next((r for recs in got.values() for r in recs
+                              if dict(r.headers).get("run_id") == run.encode()), None)
+            if first is not None:
+                fork = codec.decode(first.value, PolicyRevision).source
         if fork is None or any(r == fork.run_id for r, _ in out):
             return out
         out.append((fork.run_id, fork.topic.removesuffix(topics.POLICY_REVISIONS.key)))
@@ -108,18 +114,14 @@ def header_value(headers: Iterable[tuple[str, bytes]], name: str) -> bytes | Non
 
 
 async def assign_all(consumer: Any, topic_names: Iterable[str]) -> list[Any]:
+    """Every partition of each of ``topic_names`` that exists, in the names' order (the consumer is not assigned)."""
     from aiokafka import TopicPartition
 
-    # consumer.topics() fetches fresh metadata but does not keep it; use the cluster it returns.
-    cluster = await consumer._client.fetch_all_metadata()
-    existing = cluster.topics()
-    tps = []
-    for name in topic_names:
-        if name not in existing:
-            continue
-        for p in sorted(cluster.partitions_for_topic(name) or ()):
-            tps.append(TopicPartition(name, p))
-    return tps
+    from streams.topics import partitions_of
+
+    topic_names = list(topic_names)
+    parts = await partitions_of(consumer._client, topic_names)
+    return [TopicPartition(name, p) for name in topic_names for p in parts.get(name, ())]
 
 
 # ---------------------------------------------------------------------------------------------- runs

@@ -72,8 +72,7 @@ class RevisionFollower:
         await self._consumer.start()
         parts = None
         for _ in range(50):
-            cluster = await self._consumer._client.fetch_all_metadata()
-            parts = cluster.partitions_for_topic(self.topic)
+            parts = (await topics.partitions_of(self._consumer._client, [self.topic])).get(self.topic)
             if parts:
                 break
             await asyncio.sleep(0.1)

@@ -199,6 +199,24 @@ async def _wait_visible(admin: Any, names: list[str], timeout_s: float) -> None:
         await asyncio.sleep(0.1)
 
 
+async def partitions_of(client: Any, names: Iterable[str]) -> dict[str, list[int]]:
+    """The partitions of each of ``names`` that exists (a missing name: no such topic, or not ready yet), from
+    ``client`` (a started aiokafka consumer's or producer's ``_client``).
+
+    One metadata request for these topics alone: aiokafka's ``fetch_all_metadata`` reads every topic of the
+    cluster (25 ms at 713 topics, each time; benchmarks/RESULTS.md), and its per-topic requests ask the broker to
+    create a missing topic where the broker allows it. Looking never creates a topic here."""
+    from aiokafka.protocol.metadata import MetadataRequest
+
+    wanted = sorted(set(names))
+    if not wanted:  # (an empty list asks for every topic)
+        return {}
+    response = await client.send(client.get_random_node(),
+                                 MetadataRequest(wanted, allow_auto_topic_creation=False))
+    # each topic: (error_code, name, [is_internal,] partitions); each partition: (error_code, partition, ...)
+    return {t[1]: sorted(p[1] for p in t[-1]) for t in response.topics if t[0] == 0 and t[1] in wanted}
+
+
 async def describe_topics(admin_kwargs: Mapping[str, Any], names: Iterable[str] | None = None) -> dict[str, dict]:
     """{name: {"partitions": n, "replication_factor": r, "configs": {...}}} for existing topics."""
     from aiokafka.admin import AIOKafkaAdminClient

@@ -172,3 +172,18 @@ def test_rollout_topics_cli(kafka_bootstrap: str, monkeypatch, capsys):
     assert rollout_main(["topics", "list"]) == 0
     listed = capsys.readouterr().out
     assert f"{prefix}trainer-batches" in listed and "missing" not in listed
+
+
+async def test_partitions_of_names_only_existing_topics_and_creates_none(kafka_settings: KafkaSettings, make_topic):
+    """One metadata request for the named topics: each existing one with its partitions, a missing one absent and
+    still missing after (the request refuses auto-creation, whatever the broker's default)."""
+    three, one = await make_topic(partitions=3), await make_topic(partitions=1)
+    missing = f"missing-{uuid.uuid4().hex[:8]}"
+    consumer = AIOKafkaConsumer(**kafka_settings.client_kwargs())
+    await consumer.start()
+    try:
+        assert await topics.partitions_of(consumer._client, [three, missing, one]) == {three: [0, 1, 2], one: [0]}
+        assert await topics.partitions_of(consumer._client, []) == {}
+        assert missing not in (await consumer._client.fetch_all_metadata()).topics()
+    finally:
+        await consumer.stop()
