@@ -4,7 +4,7 @@
 ARG BASE=rollout-log/debian-jre17:bookworm
 FROM ${BASE}
 RUN apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-      python3 python3-venv ca-certificates \
+      python3 python3-venv ca-certificates libtcmalloc-minimal4 \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH

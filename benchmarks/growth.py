@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._shared import allocator_name, on_trainers_allocator
+
 ROOT = Path(__file__).resolve().parents[1]
 # the shapes' overrides of the packaged SmolLM2-135M config (head_dim 64, tied embeddings, 49,152 tokens)
 MODELS = {
@@ -184,7 +186,8 @@ def _point(model: str, tokens: int, side: str) -> dict:
             "dtype": "bfloat16" if bf16 else "float32", "side": side, "step_s": round(step_s, 2),
             "peak_mb": round(hwm_mb()), "after_load_mb": round(loaded_mb), "load_s": round(load_s, 1),
             "nominal_tflop": round(6 * n * tokens / 1e12, 2),
-            "gflops": round(6 * n * tokens / step_s / 1e9, 1), "threads": torch.get_num_threads()}
+            "gflops": round(6 * n * tokens / step_s / 1e9, 1), "threads": torch.get_num_threads(),
+            "allocator": allocator_name()}
 
 
 def _rss_mb(pid: int) -> float:
@@ -297,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.child:
         model, tokens, side = a.child.split(",")
+        if side == "ours":  # on the allocator our trainer's process runs on; TRL's side as it ships (glibc's)
+            on_trainers_allocator()
         print(json.dumps(_point(model, int(tokens), side)), flush=True)
         return 0
     from policy.hf import cpu_bf16

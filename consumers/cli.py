@@ -113,5 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and getattr(args, "name", None) == "trainer":  # a command line whose process trains
+        from consumers.trainer import allocator
+
+        allocator.reexec()
     return args.func(args)
 

@@ -80,6 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     tools_beside_interpreter()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None and getattr(args, "trains", False):  # a command line (not a call from Python) whose process trains
+        from consumers.trainer import allocator
+
+        allocator.reexec()
     # aiokafka logs every failed connection attempt; commands report failures themselves, in one line.
     logging.basicConfig(level=os.environ.get("ROLLOUT_LOG_LEVEL", "WARNING").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

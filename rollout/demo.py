@@ -79,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "on 2 AVX2-only cores, where the trainer runs in float32)")
     add_loop_flags(p)
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_demo, trains=True)
 
 
 def add_loop_flags(p: argparse.ArgumentParser) -> None:

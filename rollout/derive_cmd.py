@@ -92,7 +92,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="do not evaluate the derived revisions (no inference server is started)")
     p.add_argument("--follow", action="store_true", help="keep running for a source run still being written")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=cmd_derive)
+    p.set_defaults(func=cmd_derive, trains=True)
 
 
 def _revision_range(text: str | None) -> tuple[int | None, int | None]:

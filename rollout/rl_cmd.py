@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vllm-url", help="use this running vLLM server (started with VLLM_SERVER_DEV_MODE=1) instead")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up on the arena after this many seconds")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
-    p.set_defaults(func=cmd_rl)
+    p.set_defaults(func=cmd_rl, trains=True)
 
 
 
