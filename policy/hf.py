@@ -275,9 +275,12 @@ def served_dtype(device_type: str) -> Any:
     return torch.bfloat16 if device_type != "cpu" or cpu_bf16() else torch.float32
 
 
-LOGIT_CHUNK = 1024
-"""Positions whose vocabulary logits exist at once in ``token_logprobs``: with a 49k vocabulary, 1024 positions are
-200 MB of float32 logits, whatever the batch's length."""
+LOGIT_CHUNK = 256
+"""Positions whose vocabulary logits exist at once in ``token_logprobs``: with a 49k vocabulary, 256 positions are
+50 MB of float32 logits (with their bf16 copy and their gradient, ~250 MB less at a time than 1,024 positions),
+whatever the batch's length. On tcmalloc (``consumers.trainer.allocator``) smaller chunks cost no page faults: the
+demo's pass as fast, its peak 150-200 MB lower; a two-seat batch (16 x 1,024 tokens) 38.2 s against 35.7 s, its
+peak 4.58 GB against 4.80 (benchmarks/RESULTS.md)."""
 
 
 def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, *, wanted: Any = None,

@@ -55,7 +55,9 @@ def _release_freed_memory() -> None:
     the next phase's peak (the mismatch probe, the checkpoint) stacks on them. Once a step, after its optimizer
     step, not after each micro-batch: the next micro-batch reuses the freed pages, and trimming them made it fault
     them in again (the demo's step 8.8 -> 8.2 s, the two-seat shape's 80.6 -> 76.0 s; peak +130 MB and +180 MB,
-    the two-seat's 2.50x its weights, gradients and AdamW; benchmarks/RESULTS.md)."""
+    the two-seat's 2.50x its weights, gradients and AdamW; benchmarks/RESULTS.md). Under tcmalloc
+    (``consumers.trainer.allocator``) there is little here to trim: tcmalloc keeps freed pages and hands them to the
+    next phase and step, which is what it is there for (its peak was 160-190 MB above glibc's on the demo's step)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
