@@ -24,25 +24,6 @@ def kafka_for(benchmark: str) -> Any:  # -> streams.config.KafkaSettings
     return settings
 
 
-def on_trainers_allocator() -> None:
-    """This process started again on the allocator the trainer's process runs on (``consumers.trainer.allocator``;
-    a checkout from before it: as it is). Call it first thing in a benchmark's child that trains."""
-    try:
-        from consumers.trainer import allocator
-    except ImportError:
-        return
-    allocator.reexec()
-
-
-def allocator_name() -> str:
-    """The malloc this process runs on: "tcmalloc" or "glibc"."""
-    try:
-        from consumers.trainer.allocator import in_use
-    except ImportError:  # a checkout from before it: glibc's
-        return "glibc"
-    return "tcmalloc" if in_use() else "glibc"
-
-
 def cpu_s(pid: int) -> float:
     """CPU seconds (user + system) process ``pid`` has used so far, from /proc."""
     with open(f"/proc/{pid}/stat") as f:

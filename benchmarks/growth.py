@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._shared import allocator_name, on_trainers_allocator
+from consumers.trainer import allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 # the shapes' overrides of the packaged SmolLM2-135M config (head_dim 64, tied embeddings, 49,152 tokens)
@@ -187,7 +187,7 @@ def _point(model: str, tokens: int, side: str) -> dict:
             "peak_mb": round(hwm_mb()), "after_load_mb": round(loaded_mb), "load_s": round(load_s, 1),
             "nominal_tflop": round(6 * n * tokens / 1e12, 2),
             "gflops": round(6 * n * tokens / step_s / 1e9, 1), "threads": torch.get_num_threads(),
-            "allocator": allocator_name()}
+            "allocator": allocator.name()}
 
 
 def _rss_mb(pid: int) -> float:
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         model, tokens, side = a.child.split(",")
         if side == "ours":  # on the allocator our trainer's process runs on; TRL's side as it ships (glibc's)
-            on_trainers_allocator()
+            allocator.reexec()
         print(json.dumps(_point(model, int(tokens), side)), flush=True)
         return 0
     from policy.hf import cpu_bf16

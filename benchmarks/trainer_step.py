@@ -43,7 +43,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks._shared import allocator_name, on_trainers_allocator
+from consumers.trainer import allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
@@ -248,7 +248,7 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
         "step_tflop": round(flops[0] / 1e12, 3) if flops else None,
         "floor_s": round(floor_s, 2) if floor_s else None,
         "over_floor": round(passes[len(passes) // 2] / floor_s, 2) if floor_s and passes else None,
-        "allocator": allocator_name(),
+        "allocator": allocator.name(),
     }
 
 
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        on_trainers_allocator()  # (ROLLOUT_ALLOCATOR=system: glibc's)
+        allocator.reexec()  # on the allocator the trainer's process runs on (ROLLOUT_ALLOCATOR=system: glibc's)
         print(json.dumps(_one(a.child, a.steps, a.seq_len, Path(a.out), a.state_every, a.lora)), flush=True)
         return 0
     if a.state_every is None:

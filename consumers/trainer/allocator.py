@@ -45,6 +45,11 @@ def in_use() -> bool:
         return False
 
 
+def name() -> str:
+    """The malloc this process runs on, as the benchmarks report it: "tcmalloc" or "glibc"."""
+    return "tcmalloc" if in_use() else "glibc"
+
+
 def reexec() -> None:
     """Start this command again with tcmalloc preloaded, unless it already runs on it, ``ROLLOUT_ALLOCATOR=system``
     says not to, or the library is missing. Call it before the command does anything: it does not return when it
