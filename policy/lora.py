@@ -170,26 +170,35 @@ def load_adapter(model: Any, folder: Any, tensors: dict[str, Any]) -> Any:
     return model
 
 
-def load_served(model: Any, served: dict[str, Any]) -> None:
-    """Make ``model`` serve exactly ``served``, a checkpoint's tensors: an adapter alone (``model_names``) goes into
-    the adapters; merged weights (a take-over whose re-training did not reproduce them bit for bit) become the base
-    weights, and the adapters start again from zero."""
+def served_tensors(model: Any, served: dict[str, Any]) -> dict[str, Any]:
+    """What ``model`` holds to serve exactly ``served``, a checkpoint's tensors, by the model's state names: an
+    adapter alone (``model_names``) in the adapters; merged weights in the base layers, with the adapters' B at
+    zero (so they add nothing)."""
     import torch
 
-    layers = dict(_layers(model))
+    state = model.state_dict()
+    if any("lora_" in k for k in served):
+        missing = [k for k in served if k not in state]
+        if missing:
+            raise ValueError(f"the adapter does not fit the model: {missing[:5]}")
+        return dict(served)
+    layers = dict(_layers(model)) if has_adapters(model) else {}
+    held = {f"{name}.lora_B.{ADAPTER}.weight": torch.zeros_like(layer.lora_B[ADAPTER].weight)
+            for name, layer in layers.items()}
+    for key, value in served.items():
+        owner = key.rsplit(".", 1)[0]
+        target = key.replace(owner, f"{owner}.base_layer", 1) if owner in layers else key
+        if target in state:
+            held[target] = value
+    return held
+
+
+def load_served(model: Any, served: dict[str, Any]) -> None:
+    """Make ``model`` serve exactly ``served`` (``served_tensors``): a take-over whose re-training did not reproduce
+    the served weights bit for bit takes them (merged ones: the adapters start again from zero)."""
+    import torch
+
     with torch.no_grad():
         state = model.state_dict()
-        if any("lora_" in k for k in served):
-            missing = [k for k in served if k not in state]
-            if missing:
-                raise ValueError(f"the adapter does not fit the model: {missing[:5]}")
-            for key, value in served.items():
-                state[key].copy_(value.to(state[key].dtype))
-            return
-        for name, layer in layers.items():
-            layer.lora_B[ADAPTER].weight.zero_()
-        for key, value in served.items():
-            owner = key.rsplit(".", 1)[0]
-            target = key.replace(owner, f"{owner}.base_layer", 1) if owner in layers else key
-            if target in state:
-                state[target].copy_(value.to(state[target].dtype))
+        for key, value in served_tensors(model, served).items():
+            state[key].copy_(value.to(state[key].dtype))

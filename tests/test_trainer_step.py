@@ -123,6 +123,35 @@ def test_mismatch_is_measured_under_the_revision_that_generated_each_token(tmp_p
     assert tr.mismatch(to_tensors(b), b, torch.zeros(4, 5)) == {"mismatch_tokens": 0.0}  # too old: not measured
 
 
+def test_the_probe_runs_an_earlier_revision_in_the_trainers_own_model_and_puts_its_weights_back(tmp_path):
+    """An HF model with a tied head: r0's rows, the trainer at r1, are probed under r0's file (the figure equals
+    r0's model loaded on its own) in the trained model itself, and every weight, the tied head's too, is the
+    trainer's own again after, the same tensors, so the next step trains from r1 and its optimizer still holds them."""
+    from consumers.trainer.models import HFPolicy
+    from policy import hf
+
+    fam = "org/tiny-llama"
+    ref0 = hf.save_checkpoint(_tiny_llama(vocab=64), tmp_path, fam, 0)
+    trainer = ReferenceTrainer(HFPolicy.load(ref0), fam, 0, tmp_path, lr=5e-2, kind=HFPolicy, ref=ref0)
+    recs = [testing.training_record(i, family=fam, revision_=0, reward=float(i % 2)) for i in range(4)]
+    b = batch_of(recs, testing.revision(0, family=fam).model_copy(update={"checkpoint": ref0}))
+    trainer.step(to_tensors(b), b)
+    trainer.publish(run_id="run", batch=b)  # at r1
+    model = trainer.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    own = {n: (p, p.data, p.detach().clone()) for n, p in model.named_parameters()}
+    t = to_tensors(b)
+    figures = trainer.mismatch(t, b, torch.zeros_like(t.old_logprobs[:, 1:]))
+    with torch.no_grad():
+        r0 = (HFPolicy.logprobs(HFPolicy.load(ref0), t) - t.old_logprobs[:, 1:])[t.loss_mask[:, 1:] > 0].abs()
+        r1 = (HFPolicy.logprobs(model, t) - t.old_logprobs[:, 1:])[t.loss_mask[:, 1:] > 0].abs()
+    assert figures["mismatch_mean"] == pytest.approx(float(r0.mean()), abs=1e-6)
+    assert abs(float(r1.mean()) - float(r0.mean())) > 1e-4  # r1's weights would have given another figure
+    for n, p in model.named_parameters():
+        assert p is own[n][0] and p.data.data_ptr() == own[n][1].data_ptr() and torch.equal(p, own[n][2]), n
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.training is False
+
+
 # -- bounded memory: logprobs at the trained positions, micro-batches by a token budget ---------------------------
 def _tiny_llama(vocab: int = 512):
     from transformers import AutoModelForCausalLM, LlamaConfig

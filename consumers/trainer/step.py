@@ -24,7 +24,9 @@ import ctypes
 import logging
 import shutil
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,8 @@ from consumers.trainer.state import (LEGACY_TRAINING_STATE_SUFFIX, STATE_WRITER,
                                      revision_files, state_write_path)
 from consumers.trainer.tensors import TrainerTensors, take_rows
 from policy import optimizers
-from policy.lora import adapter_state, base_of, has_adapters, inject, load_served, merged_model, served_state
+from policy.lora import (adapter_state, base_of, has_adapters, inject, load_served, merged_model, served_state,
+                         served_tensors)
 from schemas.events import TrainerBatch
 from schemas.objectives import DefaultLoss
 from schemas.plan import OptimizerSpec
@@ -62,6 +65,33 @@ def _release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+@contextmanager
+def _holding(model: Any, tensors: dict[str, torch.Tensor]) -> Iterator[Any]:
+    """``model`` in eval mode holding ``tensors`` (by state name; cast to each parameter's dtype, so no copy where it
+    is already that) in place of its own for the block, its own put back after. The mismatch probe runs an earlier
+    revision this way instead of on a deep copy loaded with it: that copy was the model's size again on the step's
+    peak and, with the load, 0.3 s of a 5.5 s demo step on a 2-core AVX2 machine (benchmarks/RESULTS.md)."""
+    held = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by identity: a tied weight is swapped once, for all
+    training = model.training
+    try:
+        with torch.no_grad():
+            for name, value in tensors.items():
+                if name not in held:
+                    continue
+                p = held[name]
+                if tuple(value.shape) != tuple(p.shape):
+                    raise ValueError(f"{name}: the checkpoint's {tuple(value.shape)} does not fit the model's "
+                                     f"{tuple(p.shape)}")
+                own.setdefault(id(p), (p, p.data))
+                p.data = value.to(device=p.device, dtype=p.dtype)
+        yield model.eval()
+    finally:
+        for p, data in own.values():
+            p.data = data
+        model.train(training)
 
 
 def _metric_tokens(t: TrainerTensors) -> tuple[float, float]:
@@ -387,28 +417,24 @@ class ReferenceTrainer:
         if bool((rev == self.revision).any()):
             rows = rev == self.revision
             diffs.append((new_lp[rows] - t.old_logprobs[rows, 1:])[tokens[rows]])
-        budget, probe = self.mismatch_rows, None
+        budget = self.mismatch_rows
         for r in sorted(set(rev.tolist()) - {self.revision}, reverse=True):  # the newest first
             if budget <= 0 or r not in self.refs:
                 continue
             try:
-                weights = self.kind.weights(self.refs[r])
+                weights = self.kind.weights(self.refs[r], verify=self.written.get(r) != self.refs[r])
             except FileNotFoundError:
                 continue
             rows = (rev == r).nonzero().flatten()[:budget]
             budget -= len(rows)
-            probe = probe or copy.deepcopy(self.whole)
-            if self.lora is not None:  # the adapter or merged weights into the layers that serve them
-                load_served(probe, weights)
-            else:
-                probe.load_state_dict(weights, strict=False)
             per_pass = max(1, self.micro_batch_tokens // t.input_ids.shape[1])  # the training pass's token budget
-            for chunk in rows.split(per_pass):
-                with torch.no_grad():
-                    part = take_rows(t, chunk)
-                    lp = self.kind.logprobs(probe.eval(), part, self.micro_batch_tokens)
-                diffs.append((lp - part.old_logprobs[:, 1:])[part.loss_mask[:, 1:] > 0])
-        del probe  # not kept between steps: it would sit on the next backward pass's peak
+            with _holding(self.whole, served_tensors(self.whole, weights)) as probe:
+                for chunk in rows.split(per_pass):
+                    with torch.no_grad():
+                        part = take_rows(t, chunk)
+                        lp = self.kind.logprobs(probe, part, self.micro_batch_tokens)
+                    diffs.append((lp - part.old_logprobs[:, 1:])[part.loss_mask[:, 1:] > 0])
+            del weights
         _release_freed_memory()
         d = torch.cat(diffs) if diffs else torch.zeros(0)
         if not d.numel():
