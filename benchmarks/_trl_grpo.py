@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         "script_s": round(time.perf_counter() - t_start, 1), "first_rollout_s": stats.get("first_rollout_s"),
         "trl": __import__("trl").__version__,
         "generation": "transformers generate",
+        "allocator": "tcmalloc" if "libtcmalloc" in Path("/proc/self/maps").read_text() else "glibc",
     }
     print(json.dumps(out), flush=True)
     return 0

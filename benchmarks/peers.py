@@ -22,7 +22,9 @@ about a quarter of TRL's loop on a 2-core CPU (114 s of 459 s): a side by side n
   environment ``.venv-peers/`` made here on first use (``ensure_trl_venv``: a ``.pth`` file reuses this
   project's torch and transformers; pip installs only trl and what it adds); ``benchmarks/_trl_grpo.py`` runs
   there and answers the held-out set through transformers' ``generate`` (under bf16 autocast where the CPU has
-  native bf16, as the demo's vLLM then serves bf16; float32 on both sides elsewhere).
+  native bf16, as the demo's vLLM then serves bf16; float32 on both sides elsewhere). It runs on glibc's malloc,
+  as it ships; ``--trl-allocator tcmalloc`` preloads tcmalloc, which our trainer's process runs on
+  (``consumers.trainer.allocator``), so the trainers compare like for like (TRL's figures say which: ``allocator``).
 
 Figures for each side and run: eval accuracy at each evaluated step; wall time (whole subprocess, and its loop);
 evaluation time (TRL: its ``generate`` calls; rollout-log: the arena's ``eval_s``, while training rollouts in
@@ -316,11 +318,25 @@ def run_rollout_log(j: Job, timeout: float, log=print) -> dict:
     })
 
 
-def run_trl(j: Job, timeout: float, log=print) -> dict:
+def trl_environment(allocator: str = "glibc") -> dict[str, str]:
+    """TRL's process environment, offline. ``allocator``: "glibc" (TRL as it ships) or "tcmalloc", preloaded as our
+    trainer's process runs on it (``consumers.trainer.allocator``), to compare the two trainers like for like."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if allocator == "tcmalloc":
+        from consumers.trainer import allocator as malloc
+
+        if malloc.library() is None:
+            raise SystemExit("peers: --trl-allocator tcmalloc, but no tcmalloc library here (bash .ci/setup "
+                             "installs Debian's libtcmalloc-minimal4)")
+        env["LD_PRELOAD"] = " ".join(filter(None, [malloc.library(), env.get("LD_PRELOAD")]))
+    return env
+
+
+def run_trl(j: Job, timeout: float, log=print, allocator: str = "glibc") -> dict:
     py = ensure_trl_venv(log=log)
     cmd = [str(py), str(ROOT / "benchmarks" / "_trl_grpo.py"), "--job", json.dumps(asdict(j))]
-    log("peers: .venv-peers/bin/python benchmarks/_trl_grpo.py --job ...")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = trl_environment(allocator)
+    log(f"peers: .venv-peers/bin/python benchmarks/_trl_grpo.py --job ... (on {allocator}'s malloc)")
     m = measure(cmd, timeout, env, "TRL")
     s = m.pop("json")
     s["eval_accuracy"] = {int(k): v for k, v in s["eval_accuracy"].items()}
@@ -431,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
                         "rollout-log's arena draws its questions with seed 0, but vLLM on a CPU samples unseeded "
                         "(rollout arena --help, --gpu-vllm), so its runs differ")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds each side may take (default 3600)")
+    p.add_argument("--trl-allocator", choices=["glibc", "tcmalloc"], default="glibc",
+                   help="the malloc TRL runs on: glibc (default: TRL as it ships) or tcmalloc, which rollout-log's "
+                        "trainer runs on (consumers/trainer/allocator.py), to compare the trainers like for like")
     args = p.parse_args(argv)
     from policy.hf import cpu_kind
 
@@ -448,7 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(args.runs):
         for side in sides if k % 2 == 0 else sides[::-1]:
             # TRL is seeded: each run its own seed (--seed, --seed + 1, ...), so its spread is over seeds
-            runs[side].append(SIDES[side](replace(j, seed=j.seed + k) if side == "trl" else j, args.timeout))
+            if side == "trl":
+                runs[side].append(SIDES[side](replace(j, seed=j.seed + k), args.timeout,
+                                              allocator=args.trl_allocator))
+            else:
+                runs[side].append(SIDES[side](j, args.timeout))
             (keep / f"{side}.json").write_text(json.dumps(runs[side]))
     ours, trl = summarize(j, runs["rollout-log"]), summarize(j, runs["trl"])
     print(table(j, ours, trl), flush=True)

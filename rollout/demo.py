@@ -11,7 +11,7 @@ part of the run and still draws a curve; ``--eval-interval``) and the last answe
 last batch's reward and the eval accuracy; the summary gives eval accuracy and training reward by revision,
 the trainer-inference logprob mismatch, step and reload times, and what to run next.
 
-    rollout demo                      # vLLM + SmolLM2-135M-Instruct, ~5 minutes on 2 cores
+    rollout demo                      # vLLM + SmolLM2-135M-Instruct, 2.5-8 minutes on 2 cores
     rollout demo --policy tiny        # the byte-level GRU and its local server: the fast loop (~1 minute)
 """
 
@@ -75,8 +75,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vllm-url", help="use this running vLLM server (http://host:port/v1, started with "
                                       "VLLM_SERVER_DEV_MODE=1 on the packaged model) instead of starting one")
     p.add_argument("--timeout", type=float, default=3600.0,
-                   help="give up on the arena after this many seconds (default 3600: the default run took 22 min "
-                        "on 2 AVX2-only cores, where the trainer runs in float32)")
+                   help="give up on the arena after this many seconds (default 3600: the default run took 8 min on "
+                        "2 AVX2-only cores, where the trainer and vLLM run in float32, 2026-12-07)")
     add_loop_flags(p)
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     p.set_defaults(func=cmd_demo, trains=True)

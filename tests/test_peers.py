@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 import sys
 
 import pytest
@@ -128,11 +129,12 @@ def test_runs_alternate_which_side_goes_first_and_the_json_line_holds_every_run(
 
     import benchmarks.peers as peers
 
-    order = []
+    order, allocators = [], []
 
     def side(name: str, wall: float):
-        def run(j: Job, timeout: float) -> dict:
+        def run(j: Job, timeout: float, **kw) -> dict:
             order.append(name)
+            allocators.append(kw.get("allocator"))
             return _run({k: 0.5 for k in j.eval_steps}, wall + len(order))
         return run
 
@@ -140,9 +142,30 @@ def test_runs_alternate_which_side_goes_first_and_the_json_line_holds_every_run(
     monkeypatch.setattr(peers, "SIDES", {"trl": side("trl", 100.0), "rollout-log": side("rollout-log", 50.0)})
     assert peers.main(["--quick", "--runs", "3"]) == 0
     assert order == ["trl", "rollout-log", "rollout-log", "trl", "trl", "rollout-log"]
+    # TRL on glibc's malloc as it ships unless --trl-allocator says otherwise; rollout-log's side takes no choice
+    assert allocators == ["glibc", None, None, "glibc", "glibc", None]
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["runs"] == 3 and out["job"]["eval_steps"] == [0, 2]
     assert [r["wall_s"] for r in out["rollout_log"]] == [52.0, 53.0, 56.0]
     assert out["summary"]["rollout_log"]["wall_s"] == {"min": 52.0, "median": 53.0, "max": 56.0}
     assert out["verdict"]["wall_met"] is True
     assert len(json.loads((tmp_path / ".state" / "peers" / "trl.json").read_text())) == 3
+    order.clear(), allocators.clear()
+    assert peers.main(["--quick", "--only", "trl", "--trl-allocator", "tcmalloc"]) == 0
+    assert allocators == ["tcmalloc"]
+
+
+def test_trl_runs_on_glibcs_malloc_unless_asked_to_run_on_tcmalloc_as_our_trainer_does():
+    """``--trl-allocator tcmalloc``: a process started with TRL's environment has tcmalloc mapped in; by default not."""
+    from benchmarks.peers import trl_environment
+
+    def mapped(env: dict) -> bool:
+        probe = "print('libtcmalloc' in open('/proc/self/maps').read())"
+        return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip() == "True"
+
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "environ", env)
+        assert not mapped(trl_environment("glibc"))
+        assert mapped(trl_environment("tcmalloc")) and trl_environment("tcmalloc")["HF_HUB_OFFLINE"] == "1"
