@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from benchmarks.peers import Job, exact_reward, grpo_config_kwargs, task
+    from consumers.trainer import allocator
     from policy.hf import prepare_model
 
     j = Job(**json.loads(a.job))
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "script_s": round(time.perf_counter() - t_start, 1), "first_rollout_s": stats.get("first_rollout_s"),
         "trl": __import__("trl").__version__,
         "generation": "transformers generate",
-        "allocator": "tcmalloc" if "libtcmalloc" in Path("/proc/self/maps").read_text() else "glibc",
+        "allocator": allocator.name(),
     }
     print(json.dumps(out), flush=True)
     return 0

@@ -325,10 +325,11 @@ def trl_environment(allocator: str = "glibc") -> dict[str, str]:
     if allocator == "tcmalloc":
         from consumers.trainer import allocator as malloc
 
-        if malloc.library() is None:
+        preloaded = malloc.preload(env.get("LD_PRELOAD"))
+        if preloaded is None:
             raise SystemExit("peers: --trl-allocator tcmalloc, but no tcmalloc library here (bash .ci/setup "
                              "installs Debian's libtcmalloc-minimal4)")
-        env["LD_PRELOAD"] = " ".join(filter(None, [malloc.library(), env.get("LD_PRELOAD")]))
+        env["LD_PRELOAD"] = preloaded
     return env
 
 
@@ -467,11 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(args.runs):
         for side in sides if k % 2 == 0 else sides[::-1]:
             # TRL is seeded: each run its own seed (--seed, --seed + 1, ...), so its spread is over seeds
-            if side == "trl":
-                runs[side].append(SIDES[side](replace(j, seed=j.seed + k), args.timeout,
-                                              allocator=args.trl_allocator))
-            else:
-                runs[side].append(SIDES[side](j, args.timeout))
+            trl = side == "trl"
+            runs[side].append(SIDES[side](replace(j, seed=j.seed + k) if trl else j, args.timeout,
+                                          **({"allocator": args.trl_allocator} if trl else {})))
             (keep / f"{side}.json").write_text(json.dumps(runs[side]))
     ours, trl = summarize(j, runs["rollout-log"]), summarize(j, runs["trl"])
     print(table(j, ours, trl), flush=True)

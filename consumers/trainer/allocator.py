@@ -50,6 +50,15 @@ def name() -> str:
     return "tcmalloc" if in_use() else "glibc"
 
 
+def preload(current: str | None) -> str | None:
+    """``LD_PRELOAD`` with tcmalloc put first, before ``current`` (a user's own preloads), or None without the
+    library."""
+    lib = library()
+    if lib is None:
+        return None
+    return f"{lib}:{current}" if current else lib
+
+
 def reexec() -> None:
     """Start this command again with tcmalloc preloaded, unless it already runs on it, ``ROLLOUT_ALLOCATOR=system``
     says not to, or the library is missing. Call it before the command does anything: it does not return when it
@@ -63,12 +72,12 @@ def reexec() -> None:
         return
     if os.environ.get(ENV, "tcmalloc").strip().lower() == "system" or in_use():
         return
-    lib = library()
-    if lib is None:
-        return
     before = os.environ.get("LD_PRELOAD", "")
+    preloaded = preload(before)
+    if preloaded is None:
+        return
     os.environ[_BEFORE] = before
-    os.environ["LD_PRELOAD"] = f"{lib}:{before}" if before else lib
+    os.environ["LD_PRELOAD"] = preloaded
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, sys.orig_argv)
