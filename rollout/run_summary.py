@@ -48,6 +48,8 @@ async def summarize(kw, progress: Progress, arena_stats: dict) -> dict:
         "rollouts": sum(not r.evaluation for r in rollouts), "eval_rollouts": sum(r.evaluation for r in rollouts),
         "first_rollout_at": first.timestamp() if first is not None else None,  # the first training rollout's
         "failed_rollouts": sum(r.status == "failed" for r in rollouts),
+        "failure_reasons": dict(Counter(r.failure_reason.splitlines()[0][:300] if r.failure_reason else "?"
+                                        for r in rollouts if r.status == "failed").most_common(5)),
         "scored": progress.scored, "eval_scored": progress.eval_scored,
         "batches": len(batches), "records_in_batches": sum(len(b.records) for b in batches),
         "revisions": max(progress.revisions, default=0),
@@ -71,7 +73,7 @@ async def summarize(kw, progress: Progress, arena_stats: dict) -> dict:
 
 def print_summary(s: dict) -> None:
     print(f"\nrun {s['run']} ({s['policy']}): rollouts {s['rollouts']} (+{s['eval_rollouts']} evaluation, "
-          f"{s['failed_rollouts']} failed), batches {s['batches']} ({s['records_in_batches']} records), "
+          f"{s['failed_rollouts']} failed{': ' + '; '.join(s['failure_reasons']) if s['failure_reasons'] else ''}), batches {s['batches']} ({s['records_in_batches']} records), "
           f"revisions published {s['revisions']}, dead letters {s['dead_letters']} {s['dead_letter_reasons'] or ''}")
     if s.get("served_model"):
         print(f"model: {s['served_model']}: these results are that model's, not {s['family']}'s")

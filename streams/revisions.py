@@ -78,7 +78,7 @@ class RevisionFollower:
             await asyncio.sleep(0.1)
         if not parts:
             await self.stop()
-            raise RuntimeError(f"topic {self.topic!r} does not exist")
+            raise topics.TopicMissing(f"topic {self.topic!r} does not exist")
         tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
         self._consumer.assign(tps)
         await self._consumer.seek_to_beginning(*tps)

@@ -30,6 +30,10 @@ TOPIC_ALREADY_EXISTS = 36  # Kafka protocol error codes
 TOPIC_AUTHORIZATION_FAILED = 29
 
 
+class TopicMissing(RuntimeError):
+    """A topic a reader needs is not on the cluster (not created yet, or another prefix's)."""
+
+
 def topic_prefix() -> str:
     return settings.topic_prefix()
 

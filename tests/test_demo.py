@@ -56,7 +56,8 @@ def test_demo_on_vllm_trains_serves_and_evaluates_revisions(kafka_bootstrap, vll
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     print(out.stdout[-3000:])
     s = json.loads(out.stdout.strip().splitlines()[-1])
-    assert s["policy"] == "vllm" and s["rollouts"] == s["scored"] == groups * 8 and s["failed_rollouts"] == 0
+    assert s["policy"] == "vllm" and s["rollouts"] == s["scored"] == groups * 8
+    assert s["failed_rollouts"] == 0, s["failure_reasons"]
     stale = sum(n for k, n in s["dead_letter_reasons"].items() if k.endswith(": StaleRecordError"))
     assert s["records_in_batches"] + stale == groups * 8 and s["dead_letters"] == stale
     # one batch, one optimizer step of the plan's batch_size (32), one revision; paced, nothing went stale

@@ -413,7 +413,7 @@ def test_a_lora_recipe_trains_its_adapter_on_vllm_and_leaves_the_base(kafka_boot
         assert old in text
         text = text.replace(old, new)
     s = _rl(_recipe(tmp_path, "lora", text), env, "--max-steps", "2", logs=tmp_path / "rl")
-    assert s["revisions"] == 2 and s["failed_rollouts"] == 0
+    assert s["revisions"] == 2 and s["failed_rollouts"] == 0, s["failure_reasons"]
     assert s["dead_letters"] == s["dead_letter_reasons"].get("trainer: RunComplete", 0)
     assert [int(k) for k in s["eval_accuracy_by_revision"]] == [0, 2]  # the recipe's interval 8, and the last
     _, con = _replay_and_audit(s, env, tmp_path / "run.duckdb")
@@ -506,7 +506,7 @@ def test_multi_agent_whole_loop(kafka_bootstrap, tmp_path, recipe, members, cred
     env.pop("ROLLOUT_TOPIC_PREFIX", None)
     s = _rl(_tiny(recipe, tmp_path), env, "--max-steps", "2", logs=tmp_path / "rl")
     assert s["arena"]["final_revision_reached"] is True
-    assert s["failed_rollouts"] == 0 and s["revisions"] == 2 and s["batches"] >= 2  # max_steps: exactly 2
+    assert s["failed_rollouts"] == 0 and s["revisions"] == 2 and s["batches"] >= 2, s  # max_steps: exactly 2
     # the arena counts the records its rollouts yield (both seats' turns, the solvers'): it stops admitting once
     # they fill the 2 batches, so at most one batch's worth is generated past the run's end (refused by the
     # trainer); counted at one record a rollout, the duel generated 16 rollouts, 32 records, 16 refused
@@ -554,7 +554,7 @@ def test_train_one_against_a_fixed_seat_on_its_own_endpoint(kafka_bootstrap, tmp
         s = _rl(path, env, "--max-steps", "2", logs=tmp_path / "rl")
         # the recipe has no eval source: the arena waits for the last revision, not for an evaluation of it
         assert s["arena"]["final_revision_reached"] is True
-        assert s["failed_rollouts"] == 0 and s["revisions"] >= 2
+        assert s["failed_rollouts"] == 0 and s["revisions"] >= 2, s
         report, con = _replay_and_audit(s, env, tmp_path / "run.duckdb")
         steps = dict(con.execute("SELECT member_id, bool_or(trainable) FROM steps GROUP BY 1").fetchall())
         assert steps == {"player0": True, "player1": False}
@@ -576,7 +576,7 @@ def test_an_echo_recipe_trains_the_users_later_turns_with_cross_entropy(kafka_bo
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
     env.pop("ROLLOUT_TOPIC_PREFIX", None)
     s = _rl(_tiny("rlt-sum-chain", tmp_path), env, "--max-steps", "2", logs=tmp_path / "rl")
-    assert s["failed_rollouts"] == 0 and s["revisions"] == 2
+    assert s["failed_rollouts"] == 0 and s["revisions"] == 2, s
     assert all(m["ce/nll"] > 0 for m in s["trainer_metrics_by_revision"].values()), s["trainer_metrics_by_revision"]
     report, con = _replay_and_audit(s, env, tmp_path / "run.duckdb")
     assert report["ok"], report

@@ -536,6 +536,7 @@ def test_the_trainer_runs_under_torchrun_as_written(kafka_bootstrap, tmp_path, m
     from streams.config import KafkaSettings
     from streams.local_broker import free_port
     from streams.revisions import latest_revision
+    from streams.topics import TopicMissing
 
     files = load()
     plan = tmp_path / "plan.toml"
@@ -567,7 +568,13 @@ def test_the_trainer_runs_under_torchrun_as_written(kafka_bootstrap, tmp_path, m
         return int(children[0]) if children else None
 
     try:
-        revision = wait_for("revision 0", lambda: asyncio.run(latest_revision(kw, family)))
+        def revision_0():  # None until the trainer has created its topics (seconds after torchrun starts it)
+            try:
+                return asyncio.run(latest_revision(kw, family))
+            except TopicMissing:
+                return None
+
+        revision = wait_for("revision 0", revision_0)
         assert revision.revision == 0 and revision.family == family
         wait_for("started trainer", lambda: log.read_text().count("service started") == 1)
         os.kill(wait_for("rank", worker), signal.SIGKILL)

@@ -194,21 +194,28 @@ async def test_two_vllm_servers_one_killed_mid_run_nothing_lost_every_step_exact
                   config=ArenaConfig(concurrency=16, client_options=CPU_CLIENT_OPTIONS))
     survivor, killed = arena.pool.servers
     stop = asyncio.Event()
+
+    def servers() -> str:  # the waits are generous: two vLLMs share 2 cores with the other worker's tests
+        return str({s.url: (s.served, dict(s.served_by_revision), s.outstanding, s.up) for s in arena.pool.servers})
+
     try:
         async with arena:
-            await _wait_for(lambda: arena.current_policy.checkpoint_digest == revs[0].checkpoint.digest, 60)
+            await _wait_for(lambda: arena.current_policy.checkpoint_digest == revs[0].checkpoint.digest, 180,
+                            "revision 0 on both servers", servers)
             assert survivor.revision == killed.revision == 0  # both loaded
             run = asyncio.create_task(arena.run(stop=stop))
-            await _wait_for(lambda: survivor.served >= 4 and killed.served >= 4, 120)
+            await _wait_for(lambda: survivor.served >= 4 and killed.served >= 4, 300, "4 answers from each", servers)
             await _publish_revision(kw, revisions, revs[1])  # swapped into both while calls are in flight
-            await _wait_for(lambda: killed.served_by_revision[1] >= 4 and killed.outstanding > 0, 120)
+            await _wait_for(lambda: killed.served_by_revision[1] >= 4 and killed.outstanding > 0, 300,
+                            "4 answers at r1 from the server to kill, with calls in flight", servers)
             os.killpg(second.proc.pid, signal.SIGKILL)
             killed_at, before = time.monotonic(), {s.url: s.served for s in arena.pool.servers}
             in_flight = killed.outstanding
-            await _wait_for(lambda: not killed.up, 30)
+            await _wait_for(lambda: not killed.up, 30, "the killed server out of the pool", servers)
             detect_s, served_when_out = time.monotonic() - killed_at, killed.served
             await _publish_revision(kw, revisions, revs[2])  # the swap goes on with the survivor alone
-            await _wait_for(lambda: survivor.served_by_revision[2] >= 16, 120)
+            await _wait_for(lambda: survivor.served_by_revision[2] >= 16, 300, "16 answers at r2 from the survivor",
+                            servers)
             stop.set()
             stats = await asyncio.wait_for(run, 120)
         async with httpx.AsyncClient() as http:  # what vLLM itself says it holds; then the shared server's own again

@@ -148,11 +148,12 @@ async def _publish_revision(kw, topic, rev: PolicyRevision) -> None:
         await producer.stop()
 
 
-async def _wait_for(pred, timeout_s=20.0):
+async def _wait_for(pred, timeout_s=20.0, what: str = "condition", state=lambda: ""):
+    """Poll ``pred`` until true; past ``timeout_s`` fail naming ``what`` and ``state()`` (what was there)."""
     deadline = time.monotonic() + timeout_s
     while not pred():
         if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
+            raise AssertionError(f"{what} not reached in {timeout_s:.0f} s {state()}".rstrip())
         await asyncio.sleep(0.05)
 
 

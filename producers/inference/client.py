@@ -110,6 +110,13 @@ def _token_id(entry: dict[str, Any]) -> int | None:
     return None
 
 
+REQUEST_TIMEOUT_S = 1200.0
+"""How long a request may wait for its answer when the plan's client sets no ``timeout``: prime-rl's client default
+(its recipes that set one set 3600). A server answers a request only after those queued ahead of it: on a 2-core CPU
+a LoRA run's 48 held-out questions took 24 s alone and past 60 s beside another test's load, so a 60 s default
+failed 46 of them there, each retry queued again at the back. A dead server still fails at once (its connection
+is refused or reset); connecting is bounded by 10 s."""
+
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "stop",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "n"}
 TOOL_KEYS = {"tool_choice", "parallel_tool_calls"}
@@ -118,7 +125,7 @@ TOOL_KEYS = {"tool_choice", "parallel_tool_calls"}
 
 class InferenceClient:
     def __init__(self, base_urls: Sequence[str] | str | InferencePool, model: str, *, api_key: str | None = None,
-                 timeout_s: float = 60.0, max_attempts: int = 5, backoff_s: float = 0.25, max_backoff_s: float = 8.0,
+                 timeout_s: float = REQUEST_TIMEOUT_S, max_attempts: int = 5, backoff_s: float = 0.25, max_backoff_s: float = 8.0,
                  http: httpx.AsyncClient | None = None, max_connections: int = 256, seeded: bool = True) -> None:
         """``base_urls``: one URL, several, or a pool shared with others (the arena's learner pool, whose servers
         its weight swaps load)."""
