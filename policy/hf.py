@@ -253,9 +253,18 @@ def cpu_kind() -> str:
     import platform
 
     name = platform.processor() or platform.machine()
-    try:
-        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
+    try:  # the first processor's name, and its family and model (a VM's name can be as bare as "AMD EPYC")
+        info: dict[str, str] = {}
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not key.strip():
+                    break
+                info.setdefault(key.strip(), value.strip())
+        name = info.get("model name", name)
+        if "cpu family" in info:
+            name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
+    except OSError:
         pass
     flags = cpu_flags() or frozenset()
     unit = "AVX-512" if "avx512f" in flags else "AVX2 only" if "avx2" in flags else "no AVX2"

@@ -139,6 +139,10 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    from policy.hf import cpu_kind
+
+    terminalreporter.write_sep("-", "cpu")  # the suite's times depend on it: the kind is named with them
+    terminalreporter.write_line(cpu_kind())
     if _kafka_info:
         items = ", ".join(f"{k}={v}" for k, v in _kafka_info.items())
         terminalreporter.write_sep("-", "kafka broker used")
