@@ -72,8 +72,9 @@ async def summarize(kw, progress: Progress, arena_stats: dict) -> dict:
 
 
 def print_summary(s: dict) -> None:
+    why = ": " + "; ".join(f"{reason} (x{n})" for reason, n in s["failure_reasons"].items()) if s["failure_reasons"] else ""
     print(f"\nrun {s['run']} ({s['policy']}): rollouts {s['rollouts']} (+{s['eval_rollouts']} evaluation, "
-          f"{s['failed_rollouts']} failed{': ' + '; '.join(s['failure_reasons']) if s['failure_reasons'] else ''}), batches {s['batches']} ({s['records_in_batches']} records), "
+          f"{s['failed_rollouts']} failed{why}), batches {s['batches']} ({s['records_in_batches']} records), "
           f"revisions published {s['revisions']}, dead letters {s['dead_letters']} {s['dead_letter_reasons'] or ''}")
     if s.get("served_model"):
         print(f"model: {s['served_model']}: these results are that model's, not {s['family']}'s")

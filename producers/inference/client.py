@@ -125,7 +125,8 @@ TOOL_KEYS = {"tool_choice", "parallel_tool_calls"}
 
 class InferenceClient:
     def __init__(self, base_urls: Sequence[str] | str | InferencePool, model: str, *, api_key: str | None = None,
-                 timeout_s: float = REQUEST_TIMEOUT_S, max_attempts: int = 5, backoff_s: float = 0.25, max_backoff_s: float = 8.0,
+                 timeout_s: float = REQUEST_TIMEOUT_S, max_attempts: int = 5, backoff_s: float = 0.25,
+                 max_backoff_s: float = 8.0,
                  http: httpx.AsyncClient | None = None, max_connections: int = 256, seeded: bool = True) -> None:
         """``base_urls``: one URL, several, or a pool shared with others (the arena's learner pool, whose servers
         its weight swaps load)."""
