@@ -234,17 +234,26 @@ def cpu_bf16() -> bool:
     return bool(flags & NATIVE_BF16_FLAGS) if flags is not None else True
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
-    """The first processor's feature flags (x86 ``flags``, Arm ``Features``); None where the file is not there."""
+def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str] | None:
+    """The first processor's fields in ``/proc/cpuinfo`` (``model name``, ``cpu family``, x86 ``flags``, Arm
+    ``Features``, ...); None where the file is not there."""
+    info: dict[str, str] = {}
     try:
         with open(cpuinfo) as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return frozenset(value.split())
+                if not key.strip():  # the blank line after the first processor
+                    break
+                info.setdefault(key.strip(), value.strip())
     except OSError:
         return None
-    return frozenset()
+    return info
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The first processor's feature flags (x86 ``flags``, Arm ``Features``); None where the file is not there."""
+    info = cpu_info(cpuinfo)
+    return None if info is None else frozenset((info.get("flags") or info.get("Features") or "").split())
 
 
 def cpu_kind() -> str:
@@ -252,20 +261,10 @@ def cpu_kind() -> str:
     whether it has native bf16 (so what the demo computes in)."""
     import platform
 
-    name = platform.processor() or platform.machine()
-    try:  # the first processor's name, and its family and model (a VM's name can be as bare as "AMD EPYC")
-        info: dict[str, str] = {}
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if not key.strip():
-                    break
-                info.setdefault(key.strip(), value.strip())
-        name = info.get("model name", name)
-        if "cpu family" in info:
-            name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
-    except OSError:
-        pass
+    info = cpu_info() or {}
+    name = info.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in info:  # a VM's name can be as bare as "AMD EPYC"
+        name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
     flags = cpu_flags() or frozenset()
     unit = "AVX-512" if "avx512f" in flags else "AVX2 only" if "avx2" in flags else "no AVX2"
     native = bool(flags & NATIVE_BF16_FLAGS)

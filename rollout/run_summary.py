@@ -48,8 +48,7 @@ async def summarize(kw, progress: Progress, arena_stats: dict) -> dict:
         "rollouts": sum(not r.evaluation for r in rollouts), "eval_rollouts": sum(r.evaluation for r in rollouts),
         "first_rollout_at": first.timestamp() if first is not None else None,  # the first training rollout's
         "failed_rollouts": sum(r.status == "failed" for r in rollouts),
-        "failure_reasons": dict(Counter(r.failure_reason.splitlines()[0][:300] if r.failure_reason else "?"
-                                        for r in rollouts if r.status == "failed").most_common(5)),
+        "failure_reasons": dict(Counter(arena_stats.get("failure_reasons") or {}).most_common(5)),  # the arena's count
         "scored": progress.scored, "eval_scored": progress.eval_scored,
         "batches": len(batches), "records_in_batches": sum(len(b.records) for b in batches),
         "revisions": max(progress.revisions, default=0),
