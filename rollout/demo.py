@@ -430,10 +430,12 @@ async def _loop(settings, args, plan, run, prefix, kw, rev0, ckdir, arena_args, 
         tail = asyncio.create_task(follow_log(kw, progress, stop_tail))
         env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": settings.bootstrap, "ROLLOUT_TOPIC_PREFIX": prefix}
         t0 = time.monotonic()
-        # the arena starts (imports, environments, the broker) while the server does, and waits for it to answer
+        # the arena starts (imports, environments, the broker) while the server does, and waits for it to answer;
+        # it runs in the project's folder, so the plan goes by its absolute path (a user's may be relative)
         arena = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "rollout.cli", "arena", args.plan, "--groups", str(args.groups), "--follow-revisions",
-            "--evaluate", "--await-final-revision", "900", "--no-progress", "--run-id", run, *arena_args,
+            sys.executable, "-m", "rollout.cli", "arena", os.path.abspath(args.plan), "--groups", str(args.groups),
+            "--follow-revisions", "--evaluate", "--await-final-revision", "900", "--no-progress", "--run-id", run,
+            *arena_args,
             *(["--eval-interval", str(args.eval_interval)] if args.eval_interval else []),
             *(["--await-servers", str(STARTUP_TIMEOUT_S)] if server_up is not None else []),
             *(["--until-revision", str(args.until_revision)] if getattr(args, "until_revision", None) else []),

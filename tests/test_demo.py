@@ -21,11 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.integration
 
 
-def test_demo_closes_the_loop_and_reward_rises(kafka_bootstrap):
+def test_demo_closes_the_loop_and_reward_rises(kafka_bootstrap, tmp_path):
     groups = 192
     env = {**os.environ, "ROLLOUT_BOOTSTRAP_SERVERS": kafka_bootstrap}
-    out = subprocess.run([sys.executable, "-m", "rollout.cli", "demo", "--policy", "tiny", "--groups", str(groups)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+    # run from the user's own folder, the plan named relative to it (the arena, a child in the project's folder,
+    # once could not find it there)
+    (tmp_path / "plan.toml").write_text((ROOT / "examples" / "plans" / "arithmetic.toml").read_text())
+    out = subprocess.run([sys.executable, "-m", "rollout.cli", "demo", "--policy", "tiny", "--groups", str(groups),
+                          "--plan", "plan.toml"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     print(out.stdout[-2500:])
     s = json.loads(out.stdout.strip().splitlines()[-1])
