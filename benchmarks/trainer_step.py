@@ -1,6 +1,6 @@
 """Where a trainer step goes: its phases' seconds and the trainer process's peak memory, by batch shape.
 
-    python -m benchmarks trainer_step [--quick] [--shapes demo,two-seat] [--steps 3] [--sweep 1024,2048,4096]
+    python -m benchmarks trainer_step [--quick] [--shapes demo,two-seat] [--steps N] [--sweep 1024,2048,4096]
 
 The reference trainer (``consumers.trainer``) on the packaged SmolLM2-135M-Instruct, alone in a fresh process
 per shape (so each peak is that shape's), with batches of its own making shaped like the two jobs of issue 34:
@@ -24,6 +24,10 @@ first step's ``_epoch``: every matmul and attention that ran, forward and backwa
 measured in the step's dtype (``policy.hf.served_dtype``: bf16 autocast or float32) on square matrices of the
 model's width and of 2048, in this process with the trainer's threads, and ``floor_s`` = FLOPs / the faster
 throughput; ``over_floor`` = the optimizer pass's median seconds / ``floor_s`` (1.0: at the cores' GEMM speed).
+
+``--profile``: one more optimizer pass after the timed ones, under ``torch.profiler``, its self CPU time by kind of
+op (``OP_KINDS``: matmuls, attention, dtype casts, the optimizer, the rest) and its slowest ops with their input
+shapes: where the pass goes that the GEMM floor does not explain. Not among the medians (the profiler costs time).
 
 ``python -m benchmarks compare REV trainer_step`` runs it on an older revision and this checkout in turn.
 """
@@ -52,6 +56,37 @@ SHAPES = {
     "demo": dict(records=32, prompt=40, completion=16, turns=1, current_share=0.5, group=8),
     "two-seat": dict(records=16, prompt=64, completion=960, turns=3, current_share=0.0, group=1),
 }
+# Steps a shape runs by default. The demo's optimizer pass keeps speeding up over its first few steps (Zen 4, bf16:
+# passes 2-3 at 2.2-2.6 s, passes 4-8 at 2.0-2.2 s; benchmarks/RESULTS.md) and the demo trains 24: six steps give
+# a median of the passes the demo mostly runs. A two-seat step takes 30-80 s.
+DEFAULT_STEPS = {"demo": 6, "two-seat": 3}
+# ``--profile``'s kinds of op, by the first pattern a profiler event's name contains (else "other")
+OP_KINDS = (("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention")),
+            ("matmul", ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul")),
+            ("casts", ("aten::copy_", "aten::_to_copy")),
+            ("optimizer", ("adam", "aten::_foreach")))
+
+
+def op_kind(name: str) -> str:
+    return next((kind for kind, patterns in OP_KINDS if any(p in name.lower() for p in patterns)), "other")
+
+
+def profiled(fn: Any) -> tuple[Any, dict]:
+    """``fn()`` under torch's profiler: its result, and its self CPU seconds by ``op_kind`` and its slowest ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = fn()
+    wall = time.perf_counter() - t0
+    kinds: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        kinds[op_kind(e.key)] += e.self_cpu_time_total / 1e6
+    top = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)[:12]
+    return out, {"wall_s": round(wall, 3),
+                 "self_cpu_s": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+                 "top": [{"op": e.key, "shapes": str(e.input_shapes)[:120], "calls": e.count,
+                          "self_cpu_s": round(e.self_cpu_time_total / 1e6, 3)} for e in top]}
 
 
 def _peak_mb() -> float:
@@ -136,7 +171,7 @@ def _batch(model: Any, vocab: int, shape: dict, revision: int, seed: int, family
 
 
 def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_every: int,
-         lora: int | None = None) -> dict:
+         lora: int | None = None, profile: bool = False) -> dict:
     """One shape in this process: the trainer opened at revision 1 (revision 0 is the packaged model)."""
     import torch
 
@@ -198,7 +233,16 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
         flops.append(counter.get_total_flops())
         return out
 
-    trainer._epoch = counted
+    breakdown: dict = {}
+
+    def counted_or_profiled(*a: Any, **kw: Any) -> Any:
+        if profile and len(timings["step"]) == steps:  # the extra step after the timed ones
+            out, found = profiled(lambda: counted(*a, **kw))
+            breakdown.update(found)
+            return out
+        return counted(*a, **kw)
+
+    trainer._epoch = counted_or_profiled
     timed(trainer, "_epoch", "forward_backward")
     timed(trainer, "mismatch", "mismatch")
     import consumers.trainer.state as trainer_module
@@ -213,7 +257,7 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
     timed(kind, "save", "checkpoint")
     written: list[int] = []
     try:
-        for s in range(steps):
+        for s in range(steps + profile):
             # the revision before the trainer's must exist on disk for the mismatch probe: the packaged model
             batch = _batch(trainer.model, 49152, shape, trainer.revision, seed=s, family=FAMILY)
             peaks.end("batch set-up")
@@ -234,6 +278,9 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
     dtype = served_dtype("cpu") if not torch.cuda.is_available() else torch.bfloat16
     gemm = gemm_gflops(dtype, (trainer.model.config.hidden_size, 2048))
     floor_s = flops[0] / (max(gemm.values()) * 1e9) if flops else None
+    if profile:  # the profiled step: its phases are not among the timed ones
+        for key in timings:
+            timings[key] = timings[key][:steps]
     passes = sorted(timings["forward_backward"][1:] or timings["forward_backward"])
     return {
         "shape": shape_name, "seq_len": shape["prompt"] + shape["completion"], "records": shape["records"],
@@ -249,14 +296,16 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
         "floor_s": round(floor_s, 2) if floor_s else None,
         "over_floor": round(passes[len(passes) // 2] / floor_s, 2) if floor_s and passes else None,
         "allocator": allocator.name(),
+        **({"profile": breakdown} if profile else {}),
     }
 
 
-def _child(shape: str, steps: int, seq_len: int | None, state_every: int, lora: int | None = None) -> dict:
+def _child(shape: str, steps: int, seq_len: int | None, state_every: int, lora: int | None = None,
+           profile: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         cmd = [sys.executable, "-m", "benchmarks", "trainer_step", "--child", shape, "--steps", str(steps),
                "--state-every", str(state_every), "--out", tmp] + (["--seq-len", str(seq_len)] if seq_len else []) \
-            + (["--lora", str(lora)] if lora else [])
+            + (["--lora", str(lora)] if lora else []) + (["--profile"] if profile else [])
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
         if proc.returncode:
@@ -269,20 +318,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks trainer_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one step of the demo shape, no sweep")
     p.add_argument("--shapes", default="demo,two-seat", help="comma-separated: " + ", ".join(SHAPES))
-    p.add_argument("--steps", type=int, default=3, help="trainer steps per shape (the first warms up)")
+    p.add_argument("--steps", type=int, help="trainer steps per shape, the first a warm-up (default: "
+                   + ", ".join(f"{k} {v}" for k, v in DEFAULT_STEPS.items()) + ")")
     p.add_argument("--sweep", default="1024,2048,4096",
                    help="sequence lengths for the peak-RSS sweep (two-seat shape, one step each); '' for none")
     p.add_argument("--state-every", type=int, default=None,
                    help="training state every N revisions (default: the trainer service's, consumers.settings)")
     p.add_argument("--lora", type=int, metavar="RANK", help="LoRA adapters of this rank (alpha 2 x rank, prime-rl's "
                                                             "target modules) instead of training every weight")
+    p.add_argument("--profile", action="store_true",
+                   help="one more optimizer pass under torch's profiler: its time by kind of op (matmuls, attention, "
+                        "casts, optimizer, the rest) and its slowest ops")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         allocator.reexec()  # on the allocator the trainer's process runs on (ROLLOUT_ALLOCATOR=system: glibc's)
-        print(json.dumps(_one(a.child, a.steps, a.seq_len, Path(a.out), a.state_every, a.lora)), flush=True)
+        print(json.dumps(_one(a.child, a.steps, a.seq_len, Path(a.out), a.state_every, a.lora, a.profile)), flush=True)
         return 0
     if a.state_every is None:
         try:
@@ -293,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = ["demo"] if a.quick else [s for s in a.shapes.split(",") if s]
     results = []
     for shape in shapes:
-        r = _child(shape, 1 if a.quick else a.steps, None, a.state_every, a.lora)
+        r = _child(shape, 1 if a.quick else a.steps or DEFAULT_STEPS[shape], None, a.state_every, a.lora, a.profile)
         print(json.dumps(r), file=sys.stderr, flush=True)
         results.append(r)
     sweep = []
