@@ -256,8 +256,11 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
     save = kind.save
     timed(kind, "save", "checkpoint")
     written: list[int] = []
+    timed_only: tuple[dict, dict] | None = None  # before the profiled step: each phase's timings and peaks so far
     try:
         for s in range(steps + profile):
+            if s == steps:
+                timed_only = ({k: len(v) for k, v in timings.items()}, dict(peaks.by_phase))
             # the revision before the trainer's must exist on disk for the mismatch probe: the packaged model
             batch = _batch(trainer.model, 49152, shape, trainer.revision, seed=s, family=FAMILY)
             peaks.end("batch set-up")
@@ -278,9 +281,11 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
     dtype = served_dtype("cpu") if not torch.cuda.is_available() else torch.bfloat16
     gemm = gemm_gflops(dtype, (trainer.model.config.hidden_size, 2048))
     floor_s = flops[0] / (max(gemm.values()) * 1e9) if flops else None
-    if profile:  # the profiled step: its phases are not among the timed ones
-        for key in timings:
-            timings[key] = timings[key][:steps]
+    if timed_only is not None:  # the profiled step's phases, and the profiler's memory, are not the step's
+        counts, peaks.by_phase = timed_only
+        for key in list(timings):
+            timings[key] = timings[key][:counts.get(key, 0)]
+        written = written[:steps]
     passes = sorted(timings["forward_backward"][1:] or timings["forward_backward"])
     return {
         "shape": shape_name, "seq_len": shape["prompt"] + shape["completion"], "records": shape["records"],
