@@ -233,15 +233,16 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
         flops.append(counter.get_total_flops())
         return out
 
-    breakdown: dict = {}
+    breakdown: dict = {}  # filled by the profiled pass, after the timed steps' figures are taken
 
     def counted_or_profiled(*a: Any, **kw: Any) -> Any:
-        if profile and len(timings["step"]) == steps:  # the extra step after the timed ones
+        if profiling:
             out, found = profiled(lambda: counted(*a, **kw))
             breakdown.update(found)
             return out
         return counted(*a, **kw)
 
+    profiling = False
     trainer._epoch = counted_or_profiled
     timed(trainer, "_epoch", "forward_backward")
     timed(trainer, "mismatch", "mismatch")
@@ -256,11 +257,8 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
     save = kind.save
     timed(kind, "save", "checkpoint")
     written: list[int] = []
-    timed_only: tuple[dict, dict] | None = None  # before the profiled step: each phase's timings and peaks so far
     try:
-        for s in range(steps + profile):
-            if s == steps:
-                timed_only = ({k: len(v) for k, v in timings.items()}, dict(peaks.by_phase))
+        for s in range(steps):
             # the revision before the trainer's must exist on disk for the mismatch probe: the packaged model
             batch = _batch(trainer.model, 49152, shape, trainer.revision, seed=s, family=FAMILY)
             peaks.end("batch set-up")
@@ -281,13 +279,8 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
     dtype = served_dtype("cpu") if not torch.cuda.is_available() else torch.bfloat16
     gemm = gemm_gflops(dtype, (trainer.model.config.hidden_size, 2048))
     floor_s = flops[0] / (max(gemm.values()) * 1e9) if flops else None
-    if timed_only is not None:  # the profiled step's phases, and the profiler's memory, are not the step's
-        counts, peaks.by_phase = timed_only
-        for key in list(timings):
-            timings[key] = timings[key][:counts.get(key, 0)]
-        written = written[:steps]
     passes = sorted(timings["forward_backward"][1:] or timings["forward_backward"])
-    return {
+    result = {
         "shape": shape_name, "seq_len": shape["prompt"] + shape["completion"], "records": shape["records"],
         "tokens_per_step": shape["records"] * (shape["prompt"] + shape["completion"]),
         "seconds": {k: [round(x, 2) for x in v] for k, v in timings.items()},
@@ -301,8 +294,13 @@ def _one(shape_name: str, steps: int, seq_len: int | None, out_dir: Path, state_
         "floor_s": round(floor_s, 2) if floor_s else None,
         "over_floor": round(passes[len(passes) // 2] / floor_s, 2) if floor_s and passes else None,
         "allocator": allocator.name(),
-        **({"profile": breakdown} if profile else {}),
     }
+    if profile:  # one more pass, under the profiler: not among the figures above (the profiler costs time and memory)
+        profiling = True
+        batch = _batch(trainer.model, 49152, shape, trainer.revision, seed=steps, family=FAMILY)
+        trainer.step(to_tensors(batch), batch)
+        result["profile"] = breakdown
+    return result
 
 
 def _child(shape: str, steps: int, seq_len: int | None, state_every: int, lora: int | None = None,
