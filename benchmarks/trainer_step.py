@@ -84,7 +84,7 @@ def profiled(fn: Any) -> tuple[Any, dict]:
         kinds[op_kind(e.key)] += e.self_cpu_time_total / 1e6
     top = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)[:12]
     return out, {"wall_s": round(wall, 3),
-                 "self_cpu_s": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+                 "self_cpu_s": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
                  "top": [{"op": e.key, "shapes": str(e.input_shapes)[:120], "calls": e.count,
                           "self_cpu_s": round(e.self_cpu_time_total / 1e6, 3)} for e in top]}
 

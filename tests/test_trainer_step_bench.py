@@ -20,15 +20,16 @@ def test_a_profiled_pass_puts_its_matmuls_attention_and_casts_where_they_belong(
     import torch.nn.functional as F
 
     torch.manual_seed(0)
-    w = torch.randn(256, 256, requires_grad=True)
-    x = torch.randn(4, 64, 256)
+    # large enough that each kind takes milliseconds (the breakdown is rounded to 0.1 ms)
+    w = torch.randn(512, 512, requires_grad=True)
+    x = torch.randn(8, 256, 512)
 
     def step() -> float:
-        h = (x @ w).view(4, 64, 4, 64).transpose(1, 2)
+        h = (x @ w).view(8, 256, 8, 64).transpose(1, 2)
         o = F.scaled_dot_product_attention(h, h, h, is_causal=True)
         loss = o.to(torch.float64).sum()
         loss.backward()
-        return float(loss)
+        return float(loss.detach())
 
     out, found = trainer_step.profiled(step)
     assert isinstance(out, float) and w.grad is not None
